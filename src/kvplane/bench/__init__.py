@@ -1,0 +1,1 @@
+"""Benchmark cores used by ``kvplane bench`` and the scripts in benchmarks/."""

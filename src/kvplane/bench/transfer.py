@@ -1,0 +1,137 @@
+"""``kvplane bench transfer``: kvplane tcp/shm vs real Mooncake vs the machine's limits, in one run.
+
+Every side runs the same loop (``te_worker``) in two processes. Real Mooncake is measured when
+an interpreter with ``mooncake`` is found (``--mooncake-python`` or /tmp/mc-venv/bin/python).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvplane.bench import limits
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_worker.py")
+DEFAULT_MC_PYTHON = "/tmp/mc-venv/bin/python"
+
+
+@dataclass
+class Options:
+    """What to measure."""
+
+    sizes: list[int] = field(default_factory=lambda: [4096, 65536, 1 << 20, 16 << 20, 64 << 20])
+    batches: list[int] = field(default_factory=lambda: [1, 32])
+    ops: list[str] = field(default_factory=lambda: ["write", "read"])
+    buf_mb: int = 512
+    duration: float = 1.0
+    mooncake_python: str | None = None
+    impls: list[str] = field(default_factory=lambda: ["limits", "kvplane-tcp", "kvplane-shm", "mooncake-tcp"])
+
+
+def find_mooncake_python(hint: str | None) -> str | None:
+    """An interpreter that can import mooncake.engine, or None."""
+    for cand in (hint, os.environ.get("KVPLANE_MOONCAKE_PYTHON"), DEFAULT_MC_PYTHON):
+        if cand and (shutil.which(cand) or os.path.exists(cand)):
+            rc = subprocess.run([cand, "-c", "import mooncake.engine"], capture_output=True,
+                                timeout=60).returncode
+            if rc == 0:
+                return cand
+    return None
+
+
+def _worker(python: str, impl: str, protocol: str, label: str, opt: Options,
+            managed: bool = False, timeout: float = 1200) -> list[dict]:
+    cmd = [python, WORKER, "--impl", impl, "--protocol", protocol, "--label", label,
+           "--sizes", ",".join(map(str, opt.sizes)), "--batches", ",".join(map(str, opt.batches)),
+           "--ops", ",".join(opt.ops), "--buf-mb", str(opt.buf_mb), "--duration", str(opt.duration)]
+    if managed:
+        cmd.append("--managed")
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not rows or not rows[-1].get("verified"):
+        raise RuntimeError(f"{label} worker failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
+    return rows[:-1]
+
+
+def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Measure every side; returns one row per (impl, op, size, batch)."""
+    rows: list[dict] = []
+    if "limits" in opt.impls:
+        for size in opt.sizes:
+            progress(f"limits {size}")
+            buf = max(size, min(opt.buf_mb << 20, 256 << 20))
+            rows.append(dict(impl="memcpy", op="copy", size=size, batch=1,
+                             **limits.memcpy(size, buf, opt.duration)))
+            rows.append(dict(impl="raw-socket", op="stream", size=size, batch=1,
+                             **limits.raw_stream(size, opt.duration)))
+    if "kvplane-tcp" in opt.impls:
+        progress("kvplane tcp")
+        rows += _worker(sys.executable, "kvplane", "tcp", "kvplane-tcp", opt)
+    if "kvplane-shm" in opt.impls:
+        progress("kvplane shm")
+        rows += _worker(sys.executable, "kvplane", "auto", "kvplane-shm", opt, managed=True)
+    if "mooncake-tcp" in opt.impls:
+        mc = find_mooncake_python(opt.mooncake_python)
+        if mc is None:
+            progress("mooncake not installed: skipped (see shared/peers/mooncake)")
+        else:
+            progress("mooncake tcp")
+            rows += _worker(mc, "mooncake", "tcp", "mooncake-tcp", opt)
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per (op, size, batch): kvplane tcp vs raw socket and vs Mooncake; shm vs memcpy."""
+    idx = {(r["impl"], r["op"], r["size"], r["batch"]): r for r in rows}
+    lim = {(r["impl"], r["size"]): r for r in rows if r["impl"] in ("memcpy", "raw-socket")}
+    out = []
+    for r in rows:
+        if r["impl"] != "kvplane-tcp":
+            continue
+        key = (r["op"], r["size"], r["batch"])
+        mc = idx.get(("mooncake-tcp", *key))
+        shm = idx.get(("kvplane-shm", *key))
+        raw = lim.get(("raw-socket", r["size"]))
+        cpy = lim.get(("memcpy", r["size"]))
+        out.append(dict(
+            op=r["op"], size=r["size"], batch=r["batch"],
+            tcp_gb_s=r["gb_s"], tcp_ops_s=r["ops_s"],
+            tcp_vs_raw=r["gb_s"] / raw["gb_s"] if raw else None,
+            tcp_vs_mooncake=r["gb_s"] / mc["gb_s"] if mc else None,
+            mooncake_gb_s=mc["gb_s"] if mc else None,
+            shm_gb_s=shm["gb_s"] if shm else None,
+            shm_vs_memcpy=shm["gb_s"] / cpy["gb_s"] if shm and cpy else None,
+        ))
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """GB/s vs block size, one line per (impl, op, batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        name = f"{r['impl']} {r['op']}" + (f" x{r['batch']}" if r["batch"] > 1 else "")
+        series.setdefault(name, []).append((r["size"], r["gb_s"]))
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size (bytes)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("kvplane transfer engine vs Mooncake vs machine limits")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

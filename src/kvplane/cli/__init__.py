@@ -1,0 +1,1 @@
+"""The ``kvplane`` command line: one thin module per subcommand group, no business logic."""

@@ -1,0 +1,59 @@
+"""``kvplane`` entry point: builds the typer app from the subcommand modules and configures logging.
+
+Each module in ``COMMAND_MODULES`` exposes ``register(app: typer.Typer) -> None``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from kvplane.common import envs, log
+
+COMMAND_MODULES = [
+    "kvplane.cli.metadata",
+    "kvplane.cli.serve",
+    "kvplane.cli.bench",
+]
+
+app = typer.Typer(
+    name="kvplane",
+    help=(
+        "kvplane: the KVCache-centric data plane for LLM inference.\n\n"
+        "Start with `kvplane serve` (metadata server + a DRAM segment on 127.0.0.1), then point "
+        "clients at it. Every service binds 127.0.0.1 unless --host says otherwise, and accepts a "
+        "shared token through --token or KVPLANE_TOKEN. Each command's --help explains it."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(
+    log_level: str = typer.Option(None, help="Log level (default: KVPLANE_LOG_LEVEL or INFO)."),
+    log_json: bool = typer.Option(None, "--log-json/--no-log-json",
+                                  help="One JSON object per log line (default: KVPLANE_LOG_JSON)."),
+) -> None:
+    log.setup(log_level or envs.get("KVPLANE_LOG_LEVEL"),
+              envs.get("KVPLANE_LOG_JSON") if log_json is None else log_json)
+
+
+def build() -> typer.Typer:
+    """Register every subcommand module on the app (idempotent)."""
+    if not getattr(app, "_kvplane_built", False):
+        for name in COMMAND_MODULES:
+            importlib.import_module(name).register(app)
+        app._kvplane_built = True  # type: ignore[attr-defined]
+    return app
+
+
+def main() -> None:
+    """Console-script entry point."""
+    build()()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The single table of every KVPLANE_* environment variable: name, parser, default, doc.
+
+Read values through :func:`get`; nothing else in kvplane reads ``os.environ`` for config.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvplane.common.errors import InvalidArgument
+
+
+def parse_bool(value: str) -> bool:
+    """The one boolean parser: 1/true/yes/on and 0/false/no/off (case-insensitive)."""
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise InvalidArgument(f"not a boolean: {value!r}")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its parser, default and one-line doc."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _size(v: str) -> int:
+    from kvplane.common.config import parse_size
+
+    return parse_size(v)
+
+
+TABLE: dict[str, EnvVar] = {
+    e.name: e
+    for e in (
+        EnvVar("KVPLANE_TOKEN", str, "", "shared token every kvplane service and client must present"),
+        EnvVar("KVPLANE_LOG_LEVEL", str, "INFO", "log level of the kvplane loggers"),
+        EnvVar("KVPLANE_LOG_JSON", parse_bool, False, "emit logs as one JSON object per line"),
+        EnvVar("KVPLANE_TRANSFER_TIMEOUT", float, 30.0, "default transfer timeout in seconds (Mooncake MC_TRANSFER_TIMEOUT)"),
+        EnvVar("KVPLANE_TCP_STREAMS", int, 2, "TCP connections a large batch is striped over, per peer"),
+        EnvVar("KVPLANE_SLICE_SIZE", _size, 4 << 20, "largest slice one TCP frame carries"),
+        EnvVar("KVPLANE_MAX_FRAME", _size, 256 << 20, "largest payload a TCP listener accepts in one frame"),
+        EnvVar("KVPLANE_FILE_ROOT", str, "", "directory that file-backed segments must live under"),
+        EnvVar("KVPLANE_MAX_CONNECTIONS", int, 512, "most inbound data connections one engine serves"),
+        EnvVar("KVPLANE_PG_HEARTBEAT_INTERVAL", float, 0.1, "seconds between collectives heartbeats"),
+        EnvVar("KVPLANE_PG_HEARTBEAT_TIMEOUT", float, 1.0, "silence (s) after which a collectives peer counts as failed"),
+        EnvVar("KVPLANE_PG_MAX_MESSAGE", _size, 1 << 30, "largest collectives frame payload accepted from a peer"),
+    )
+}
+
+
+def get(name: str) -> Any:
+    """The parsed value of ``name`` from the environment, or its default.
+
+    Raises:
+        KeyError: for a name not in the table (a typo must fail loudly).
+        InvalidArgument: when the value does not parse.
+    """
+    var = TABLE[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except (ValueError, InvalidArgument) as exc:
+        raise InvalidArgument(f"{name}={raw!r}: {exc}") from exc

@@ -1,0 +1,55 @@
+"""Prometheus metrics shared by every kvplane service, plus helpers to serve them.
+
+Metrics are module-level on the default registry so that one process exposes everything it
+runs at one ``/metrics`` endpoint. Services with an HTTP app mount :func:`asgi_app`; others can
+call :func:`serve` for a standalone endpoint.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    make_asgi_app,
+    start_http_server,
+)
+
+__all__ = [
+    "CONTENT_TYPE_LATEST", "Counter", "Gauge", "Histogram", "asgi_app", "render", "serve",
+    "TRANSFER_BYTES", "TRANSFER_REQUESTS", "TRANSFER_RETRIES", "SERVER_FRAMES",
+    "SERVER_REJECTED", "SERVER_CONNECTIONS", "METADATA_OPS",
+]
+
+TRANSFER_BYTES = Counter(
+    "kvplane_transfer_bytes_total", "Bytes moved by the initiator", ["op", "transport"]
+)
+TRANSFER_REQUESTS = Counter(
+    "kvplane_transfer_requests_total", "Transfer requests finished", ["op", "status"]
+)
+TRANSFER_RETRIES = Counter(
+    "kvplane_transfer_retries_total", "Slices retried on a fresh connection", ["transport"]
+)
+SERVER_FRAMES = Counter("kvplane_transfer_server_frames_total", "Frames served", ["op"])
+SERVER_REJECTED = Counter(
+    "kvplane_transfer_server_rejected_total", "Connections closed for bad input", ["reason"]
+)
+SERVER_CONNECTIONS = Gauge("kvplane_transfer_server_connections", "Open inbound data connections")
+METADATA_OPS = Counter("kvplane_metadata_ops_total", "Metadata backend operations", ["backend", "op"])
+
+
+def render() -> tuple[bytes, str]:
+    """The current exposition text and its content type."""
+    return generate_latest(), CONTENT_TYPE_LATEST
+
+
+def asgi_app():  # type: ignore[no-untyped-def]
+    """An ASGI app serving /metrics, to mount inside a FastAPI service."""
+    return make_asgi_app()
+
+
+def serve(port: int, host: str = "127.0.0.1") -> None:
+    """Serve /metrics on its own port in a daemon thread."""
+    start_http_server(port, addr=host)

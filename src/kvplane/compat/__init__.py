@@ -1,0 +1,1 @@
+"""Drop-in facades with other projects' Python interfaces (``kvplane.compat.mooncake``)."""

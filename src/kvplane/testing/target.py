@@ -1,0 +1,65 @@
+"""A transfer-engine target process for tests and benchmarks.
+
+Registers a buffer filled with ``i % 251`` (so reads can be verified), prints one JSON line
+with everything a peer needs, then serves until stdin closes (the parent died or let go).
+
+    python -m kvplane.testing.target --buf-mb 16 [--managed] [--metadata URL] [--name N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from kvplane.transfer import EngineConfig, TransferEngine
+
+
+def pattern(n: int, offset: int = 0) -> np.ndarray:
+    """The bytes a target holds at [offset, offset+n)."""
+    return ((np.arange(offset, offset + n, dtype=np.int64)) % 251).astype(np.uint8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--buf-mb", type=int, default=16)
+    ap.add_argument("--managed", action="store_true")
+    ap.add_argument("--metadata", default="P2PHANDSHAKE")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--protocol", default="auto")
+    ap.add_argument("--token", default="")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--file-root", default="")
+    ap.add_argument("--file", default="", help="also register a file region NAME:SIZE")
+    a = ap.parse_args(argv)
+    cfg = EngineConfig.from_env(metadata=a.metadata, name=a.name, protocol=a.protocol,
+                                token=a.token, port=a.port, file_root=a.file_root,
+                                republish_interval=0.2)
+    te = TransferEngine(cfg)
+    n = a.buf_mb << 20
+    if a.managed:
+        buf = te.allocate_managed_buffer(n)
+        arr = buf.array
+    else:
+        arr = np.empty(n, np.uint8)
+        te.register_memory(arr)
+    arr[:] = pattern(n)
+    info = {"segment": te.name, "port": te.port, "addr": int(arr.ctypes.data), "size": n}
+    if a.file:
+        fname, fsize = a.file.split(":")
+        region = te.register_file(fname, int(fsize))
+        info["file_addr"] = region.addr
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:  # commands: "sum OFFSET N" prints a checksum of our own memory
+        parts = line.split()
+        if parts and parts[0] == "sum":
+            off, cnt = int(parts[1]), int(parts[2])
+            print(json.dumps({"sum": int(arr[off:off + cnt].sum(dtype=np.uint64))}), flush=True)
+    te.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""EngineConfig: every knob of a TransferEngine, one frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvplane.common import envs
+from kvplane.common.errors import InvalidArgument
+
+PROTOCOLS = ("auto", "tcp", "shm", "file")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Transfer engine configuration.
+
+    Attributes:
+        host: address the data listener binds and advertises (127.0.0.1 unless told otherwise).
+        port: data/handshake port; 0 picks a free one.
+        name: segment name; default ``host:port`` (Mooncake's P2PHANDSHAKE naming).
+        metadata: ``P2PHANDSHAKE``, ``memory://NAME``, ``http://h:p/metadata``, ``etcd://h:p``
+            or ``redis://h:p``.
+        protocol: default transport: ``auto`` (shm/file on the same host, else tcp) or one name.
+        token: shared token peers must present (empty: none).
+        timeout: default per-transfer timeout, seconds.
+        slice_size: largest piece one TCP frame carries.
+        streams: TCP connections a large batch is striped over.
+        max_frame: largest frame the listener accepts.
+        max_connections: most inbound data connections.
+        file_root: directory file-backed segments must live in ("" disables file segments).
+        republish_interval: seconds between checks that our descriptor is still published.
+        retries: times a slice is retried on a fresh connection after its connection broke.
+        transports: transports this engine loads.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    name: str | None = None
+    metadata: str = "P2PHANDSHAKE"
+    protocol: str = "auto"
+    token: str = ""
+    timeout: float = 30.0
+    slice_size: int = 4 << 20
+    streams: int = 2
+    max_frame: int = 256 << 20
+    max_connections: int = 512
+    file_root: str = ""
+    republish_interval: float = 2.0
+    retries: int = 2
+    transports: tuple[str, ...] = field(default=("tcp", "shm", "file"))
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS and self.protocol not in self.transports:
+            raise InvalidArgument(f"protocol {self.protocol!r}: choose one of {PROTOCOLS}")
+        if self.slice_size <= 0 or self.slice_size > self.max_frame:
+            raise InvalidArgument("slice_size must be in (0, max_frame]")
+        if self.streams < 1 or self.timeout <= 0:
+            raise InvalidArgument("streams must be >= 1 and timeout > 0")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "EngineConfig":
+        """Defaults, then KVPLANE_* environment, then explicit ``overrides`` (which win)."""
+        base = cls(
+            token=envs.get("KVPLANE_TOKEN"),
+            timeout=envs.get("KVPLANE_TRANSFER_TIMEOUT"),
+            slice_size=envs.get("KVPLANE_SLICE_SIZE"),
+            streams=envs.get("KVPLANE_TCP_STREAMS"),
+            max_frame=envs.get("KVPLANE_MAX_FRAME"),
+            max_connections=envs.get("KVPLANE_MAX_CONNECTIONS"),
+            file_root=envs.get("KVPLANE_FILE_ROOT"),
+        )
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})

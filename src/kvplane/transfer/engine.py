@@ -1,0 +1,457 @@
+"""TransferEngine: registered memory, segments, batches, and transport choice.
+
+Owns the data listener (``server.DataServer``), the memory table, the loaded transports and
+the batch table. Blocking calls take ``timeout``; a dead or stalled peer becomes FAILED or
+TIMEOUT, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import itertools
+import logging
+import os
+import re
+import threading
+from typing import Any
+
+from kvplane.common import log as klog
+from kvplane.common import metrics
+from kvplane.common.config import parse_hostport
+from kvplane.common.deadline import Deadline
+from kvplane.common.errors import (
+    InvalidArgument, KVPlaneError, NotFound, Timeout, Unavailable, from_code,
+)
+from kvplane.transfer.batch import Batch, Slice, Task, cut
+from kvplane.transfer.config import EngineConfig
+from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, address_of, view_at
+from kvplane.transfer.metadata import KEY_PREFIX, MetadataBackend, open_metadata
+from kvplane.transfer.segments import (
+    OpenSegment, check_name, decode_desc, encode_desc, host_identity,
+)
+from kvplane.transfer.server import DataServer
+from kvplane.transfer.transports import TRANSPORTS, Route, Transport
+from kvplane.transfer.transports.base import TransportContext
+from kvplane.transfer.types import OpCode, SegmentDesc, TransferRequest, TransferStatus
+
+log = logging.getLogger(__name__)
+S = TransferStatus
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+class TransferEngine:
+    """Moves bytes between registered memory of any processes, in batches.
+
+    Args:
+        config: an EngineConfig; keyword ``overrides`` replace its fields.
+
+    Example:
+        >>> with TransferEngine(metadata="P2PHANDSHAKE") as te:  # doctest: +SKIP
+        ...     te.register_memory(buf)
+        ...     seg = te.open_segment("127.0.0.1:15001")
+        ...     te.transfer([TransferRequest(OpCode.WRITE, src, seg, remote_addr, n)])
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        cfg = config or EngineConfig.from_env()
+        if overrides:
+            cfg = EngineConfig(**{**cfg.__dict__, **overrides})
+        self.config = cfg
+        self.memory = MemoryTable()
+        self.host_id = host_identity()
+        self._version = 0
+        self._lock = threading.Lock()
+        self._server = DataServer(self.memory, self._describe_bytes, cfg.host, cfg.port, cfg.token,
+                                  cfg.max_frame, cfg.max_connections)
+        self.port = self._server.port
+        self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
+        ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
+                               cfg.file_root, retries=cfg.retries)
+        self.transports: dict[str, Transport] = {n: TRANSPORTS.load(n)(ctx) for n in cfg.transports}
+        if "tcp" not in self.transports:
+            raise InvalidArgument("the tcp transport is required (handshakes use it)")
+        self._meta: MetadataBackend | None = open_metadata(cfg.metadata, cfg.token)
+        self._segments: dict[int, OpenSegment] = {}
+        self._by_name: dict[str, int] = {}
+        self._handles = itertools.count(1)
+        self._batches: dict[int, Batch] = {}
+        self._batch_ids = itertools.count(1)
+        self._managed: dict[int, ManagedBuffer] = {}
+        self._exec = cf.ThreadPoolExecutor(8, thread_name_prefix="te-batch")
+        self._stop = threading.Event()
+        self._closed = False
+        self._republisher: threading.Thread | None = None
+        if self._meta is not None:
+            self.publish()
+            self._republisher = threading.Thread(target=self._republish_loop, daemon=True,
+                                                 name=f"te-republish-{self.port}")
+            self._republisher.start()
+        klog.event("engine_started", segment=self.name, port=self.port, metadata=cfg.metadata)
+
+    # -- descriptor and metadata -----------------------------------------------------------
+    def describe(self) -> SegmentDesc:
+        """This engine's segment descriptor."""
+        return SegmentDesc(self.name, self.config.host, self.port, self.host_id, os.getpid(),
+                           sorted(self.transports), self.memory.descs(), self._version)
+
+    def _describe_bytes(self) -> bytes:
+        return encode_desc(self.describe())
+
+    def publish(self, timeout: float = 5.0) -> None:
+        """Write the descriptor to the metadata backend (no-op under P2PHANDSHAKE)."""
+        if self._meta is not None:
+            self._meta.put(KEY_PREFIX + self.name, self._describe_bytes(), timeout)
+
+    def _changed(self) -> None:
+        with self._lock:
+            self._version += 1
+        try:
+            self.publish()
+        except Unavailable as exc:  # the republisher will retry
+            log.warning("publishing segment %s failed: %s", self.name, exc)
+
+    def _republish_loop(self) -> None:
+        assert self._meta is not None
+        while not self._stop.wait(self.config.republish_interval):
+            try:
+                if self._meta.get(KEY_PREFIX + self.name, timeout=2.0) is None:
+                    self.publish(timeout=2.0)
+                    klog.event("segment_republished", segment=self.name)
+            except Unavailable as exc:
+                log.debug("metadata check failed: %s", exc)
+
+    # -- memory ----------------------------------------------------------------------------
+    def register_memory(self, obj: Any, length: int | None = None) -> Region:
+        """Register a buffer (numpy, bytearray, mmap, torch CPU tensor) or a raw address.
+
+        Args:
+            obj: the buffer, or an int address (then ``length`` is required).
+            length: bytes, for a raw address.
+
+        Raises:
+            Conflict: overlaps a registered region.
+            InvalidArgument: unsupported or read-only buffer.
+        """
+        if isinstance(obj, int):
+            if not length or length <= 0:
+                raise InvalidArgument("register_memory(address, length) needs length > 0")
+            addr, n, keep = obj, length, None
+        else:
+            addr, n, keep = address_of(obj)
+        region = self.memory.add(Region(addr, n, view_at(addr, n), keep=keep))
+        self._changed()
+        return region
+
+    def unregister_memory(self, addr: int) -> None:
+        """Unregister the region starting at ``addr``. Raises NotFound."""
+        region = self.memory.remove(addr)
+        if region.fd >= 0:
+            os.close(region.fd)
+        self._changed()
+
+    def allocate_managed_buffer(self, length: int) -> ManagedBuffer:
+        """Shared-memory backed, registered memory that same-host peers map directly."""
+        buf = ManagedBuffer(length)
+        self.memory.add(Region(buf.addr, length, view_at(buf.addr, length), kind="shm",
+                               shm=buf.name, keep=buf))
+        self._managed[buf.addr] = buf
+        self._changed()
+        return buf
+
+    def free_managed_buffer(self, addr: int) -> None:
+        """Unregister and release a managed buffer. Raises NotFound."""
+        buf = self._managed.pop(addr, None)
+        if buf is None:
+            raise NotFound(f"no managed buffer at {addr:#x}")
+        self.memory.remove(addr)
+        self._changed()
+        buf.close()
+
+    def register_file(self, name: str, size: int) -> Region:
+        """Create (or open) ``name`` under the file root, sized ``size``, as a file region.
+
+        Raises:
+            InvalidArgument: no file root configured, or a name that is not a plain file name.
+        """
+        root = self.config.file_root
+        if not root:
+            raise InvalidArgument("file segments need file_root (KVPLANE_FILE_ROOT)")
+        if not _FILE_NAME.match(name):
+            raise InvalidArgument(f"bad file name {name!r}: plain names only, no paths")
+        rootp = os.path.realpath(root)
+        path = os.path.realpath(os.path.join(rootp, name))
+        if os.path.dirname(path) != rootp:
+            raise InvalidArgument(f"{name!r} escapes the file root")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            region = self.memory.add(Region(self.memory.next_file_base(), size, None, kind="file",
+                                            path=path, fd=fd))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._changed()
+        return region
+
+    # -- segments --------------------------------------------------------------------------
+    def open_segment(self, name: str, timeout: float = 5.0) -> int:
+        """Look up a segment and return its handle (cached; re-fetched when asked again).
+
+        Raises:
+            NotFound: the metadata backend has no such segment.
+            Unavailable: the backend or (P2P) the peer cannot be reached.
+        """
+        desc = self._fetch(name, timeout)
+        with self._lock:
+            h = self._by_name.get(name)
+            if h is not None:
+                self._segments[h].update(desc)
+                return h
+            h = next(self._handles)
+            self._segments[h] = OpenSegment(h, name, desc, desc.host_id == self.host_id)
+            self._by_name[name] = h
+            return h
+
+    def _fetch(self, name: str, timeout: float) -> SegmentDesc:
+        if name == self.name:
+            return self.describe()
+        if self._meta is not None:
+            raw = self._meta.get(KEY_PREFIX + name, timeout)
+            if raw is None:
+                raise NotFound(f"segment {name!r} is not published")
+            return decode_desc(raw)
+        host, port = parse_hostport(name)
+        tcp = self.transports["tcp"]
+        return decode_desc(tcp.describe(host, port, timeout))  # type: ignore[attr-defined]
+
+    def close_segment(self, handle: int) -> None:
+        """Forget a segment handle."""
+        with self._lock:
+            seg = self._segments.pop(handle, None)
+            if seg is not None:
+                self._by_name.pop(seg.name, None)
+
+    def segment(self, handle: int) -> OpenSegment:
+        """The open segment for ``handle``. Raises NotFound."""
+        seg = self._segments.get(handle)
+        if seg is None:
+            raise NotFound(f"no open segment with handle {handle}")
+        return seg
+
+    # -- planning --------------------------------------------------------------------------
+    def _choose(self, req: TransferRequest, route: Route) -> Transport:
+        want = req.transport or self.config.protocol
+        if want != "auto":
+            t = self.transports.get(want)
+            if t is None or not t.can_reach(route):
+                raise InvalidArgument(f"transport {want!r} cannot reach segment "
+                                      f"{route.segment.name!r} for this request")
+            return t
+        best = None
+        for t in self.transports.values():
+            if (best is None or t.capabilities.priority > best.capabilities.priority) and \
+                    t.can_reach(route):
+                best = t
+        if best is None:
+            raise Unavailable(f"no transport reaches segment {route.segment.name!r}")
+        return best
+
+    def _plan(self, tasks: list[Task]) -> dict[tuple[Any, ...], tuple[Transport, Route, list[Slice]]]:
+        groups: dict[tuple[Any, ...], tuple[Transport, Route, list[Slice]]] = {}
+        for task in tasks:
+            req = task.req
+            try:
+                if req.length <= 0:
+                    raise InvalidArgument(f"length must be > 0, got {req.length}")
+                local = self.memory.view(req.source, req.length)
+                seg = self.segment(req.target)
+                region = seg.region(req.target_offset, req.length)
+                route = Route(seg.desc, region, seg.same_host)
+                t = self._choose(req, route)
+            except KVPlaneError as exc:
+                task.batch.fail(task, S.FAILED if not isinstance(exc, Timeout) else S.TIMEOUT,
+                                str(exc))
+                task.code = exc.code
+                continue
+            key = (req.target, t.name, region.addr if t.capabilities.same_host_only else 0)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = (t, route, [])
+            size = self.config.slice_size if t.name == "tcp" else max(req.length, 1)
+            slices = cut(task, local, req.target_offset, req.length, size)
+            task.batch.expect(task, len(slices))
+            group[2].extend(slices)
+        return groups
+
+    def _run(self, groups: dict[tuple[Any, ...], tuple[Transport, Route, list[Slice]]],
+             deadline: Deadline, inline: bool) -> None:
+        items = list(groups.values())
+        if not items:
+            return
+        first = items[0] if inline else None
+        futs = [self._exec.submit(t.run, route, slices, deadline)
+                for (t, route, slices) in (items[1:] if inline else items)]
+        if first is not None:
+            first[0].run(first[1], first[2], deadline)
+        for f in futs:
+            f.result()
+
+    # -- batch API (Mooncake's shape) -------------------------------------------------------
+    def allocate_batch(self, capacity: int) -> int:
+        """A batch id that can take up to ``capacity`` requests."""
+        bid = next(self._batch_ids)
+        self._batches[bid] = Batch(bid, capacity)
+        return bid
+
+    def _batch(self, batch_id: int) -> Batch:
+        b = self._batches.get(batch_id)
+        if b is None:
+            raise NotFound(f"no batch {batch_id}")
+        return b
+
+    def submit(self, batch_id: int, requests: list[TransferRequest],
+               timeout: float | None = None) -> None:
+        """Start ``requests`` in the background; poll with :meth:`status` or :meth:`wait`.
+
+        Raises:
+            InvalidArgument: the batch cannot take that many more requests.
+        """
+        batch = self._batch(batch_id)
+        tasks = batch.add(requests)
+        deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
+        groups = self._plan(tasks)
+        batch.on_done(_count_done)
+        if groups:
+            self._exec.submit(self._run, groups, deadline, False)
+
+    def status(self, batch_id: int, task_id: int) -> tuple[TransferStatus, int]:
+        """(status, transferred bytes) of one request of a batch."""
+        tasks = self._batch(batch_id).tasks
+        if not 0 <= task_id < len(tasks):
+            raise InvalidArgument(f"batch {batch_id} has no request {task_id}")
+        t = tasks[task_id]
+        return t.status, t.transferred
+
+    def batch_status(self, batch_id: int) -> list[TransferStatus]:
+        """Status of every request in the batch, in submission order."""
+        return [t.status for t in self._batch(batch_id).tasks]
+
+    def errors(self, batch_id: int) -> list[str]:
+        """The error message of every request ("" where none)."""
+        return [t.error for t in self._batch(batch_id).tasks]
+
+    def wait(self, batch_id: int, timeout: float | None = None) -> list[TransferStatus]:
+        """Block until every request is terminal or ``timeout``; returns the statuses."""
+        self._batch(batch_id).wait(self.config.timeout + 1 if timeout is None else timeout)
+        return self.batch_status(batch_id)
+
+    def free_batch(self, batch_id: int) -> None:
+        """Release a batch. Raises Conflict while requests are in flight (ERR_BATCH_BUSY)."""
+        self._batch(batch_id).check_free()
+        self._batches.pop(batch_id, None)
+
+    # -- one-call forms ----------------------------------------------------------------------
+    def transfer(self, requests: list[TransferRequest], timeout: float | None = None,
+                 check: bool = False) -> list[TransferStatus]:
+        """Run ``requests`` to completion on the calling thread (striping uses helpers).
+
+        Args:
+            requests: the moves.
+            timeout: seconds for the whole call (default: ``config.timeout``).
+            check: raise on the first failed request instead of returning statuses.
+
+        Raises:
+            Timeout / Unavailable / InvalidArgument: only with ``check=True``.
+        """
+        batch = Batch(0, max(1, len(requests)))
+        tasks = batch.add(requests)
+        deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
+        self._run(self._plan(tasks), deadline, inline=True)
+        _count_done(batch)
+        if check:
+            _raise_first(tasks)
+        return [t.status for t in tasks]
+
+    async def transfer_async(self, requests: list[TransferRequest],
+                             timeout: float | None = None) -> list[TransferStatus]:
+        """asyncio form of :meth:`transfer`: awaits completion without blocking the loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        bid = self.allocate_batch(max(1, len(requests)))
+
+        def done(_: Batch) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+        try:
+            self.submit(bid, requests, timeout)
+            self._batch(bid).on_done(done)
+            wait_s = (self.config.timeout if timeout is None else timeout) + 1.0
+            await asyncio.wait_for(fut, wait_s)
+            return self.batch_status(bid)
+        finally:
+            if not self._batch(bid).busy:
+                self.free_batch(bid)
+
+    def read(self, handle: int, local: int, remote: int, length: int,
+             timeout: float | None = None) -> None:
+        """Copy remote -> local; raises on failure."""
+        self.transfer([TransferRequest(OpCode.READ, local, handle, remote, length)], timeout, True)
+
+    def write(self, handle: int, local: int, remote: int, length: int,
+              timeout: float | None = None) -> None:
+        """Copy local -> remote; raises on failure."""
+        self.transfer([TransferRequest(OpCode.WRITE, local, handle, remote, length)], timeout, True)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unpublish, stop the listener and release everything (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._meta is not None:
+            try:
+                self._meta.delete(KEY_PREFIX + self.name, timeout=2.0)
+            except Unavailable:
+                pass
+            self._meta.close()
+        self._server.close()
+        for t in self.transports.values():
+            t.close()
+        self._exec.shutdown(wait=False, cancel_futures=True)
+        for addr in list(self._managed):
+            self._managed.pop(addr).close()
+        for r in self.memory.regions():
+            if r.fd >= 0:
+                os.close(r.fd)
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_REQ_COUNTERS = {(op, st): metrics.TRANSFER_REQUESTS.labels(op.name.lower(), st.name.lower())
+                 for op in OpCode for st in TransferStatus}
+_BYTE_COUNTERS = {op: metrics.TRANSFER_BYTES.labels(op.name.lower(), "any") for op in OpCode}
+
+
+def _count_done(batch: Batch) -> None:
+    for t in batch.tasks:
+        _REQ_COUNTERS[(t.req.op, t.status)].inc()
+        if t.transferred:
+            _BYTE_COUNTERS[t.req.op].inc(t.transferred)
+
+
+def _raise_first(tasks: list[Task]) -> None:
+    for t in tasks:
+        if t.status == S.COMPLETED:
+            continue
+        if t.code:
+            raise from_code(t.code, t.error)
+        if t.status == S.TIMEOUT:
+            raise Timeout(t.error or "transfer timed out")
+        raise Unavailable(t.error or f"transfer {t.status.name}")

@@ -1,0 +1,201 @@
+"""Registration of local memory as (address, length) regions, with bounds checks.
+
+Accepts numpy arrays, bytearray, mmap, torch CPU tensors and raw (address, length). Every
+lookup checks that a whole range lies inside one region before any byte is touched.
+Does not import transports or the engine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import os
+import threading
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+from kvplane.common.errors import AddressNotRegistered, Conflict, InvalidArgument, NotFound
+from kvplane.transfer.types import RegionDesc
+
+FILE_BASE = 0x7E00_0000_0000_0000  # synthetic address space for file-backed regions
+FILE_STRIDE = 1 << 44
+
+
+@dataclass(eq=False)
+class Region:
+    """One registered region. ``view`` is a writable byte memoryview over it (None for files)."""
+
+    addr: int
+    length: int
+    view: memoryview | None
+    kind: str = "mem"
+    shm: str = ""
+    path: str = ""
+    fd: int = -1
+    keep: Any = field(default=None, repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+    def desc(self) -> RegionDesc:
+        """The descriptor peers see."""
+        return RegionDesc(self.addr, self.length, self.kind, self.shm,
+                          os.path.basename(self.path) if self.path else "")
+
+
+def view_at(addr: int, length: int) -> memoryview:
+    """A writable byte view of raw memory at ``addr`` (the caller vouches for it)."""
+    if length == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+def address_of(obj: Any) -> tuple[int, int, Any]:
+    """(address, length, keep-alive) of a buffer-like object.
+
+    Raises:
+        InvalidArgument: for read-only, non-contiguous or unsupported objects.
+    """
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
+        return obj[0], obj[1], None
+    mod = type(obj).__module__
+    if mod.startswith("torch"):
+        if obj.device.type != "cpu" or not obj.is_contiguous():
+            raise InvalidArgument("only contiguous CPU tensors can be registered")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), obj
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous or not obj.flags.writeable:
+            raise InvalidArgument("numpy arrays must be C-contiguous and writeable")
+        return int(obj.ctypes.data), int(obj.nbytes), obj
+    if isinstance(obj, (bytearray, mmap.mmap, memoryview)):
+        mv = memoryview(obj)
+        if mv.readonly or not mv.contiguous:
+            raise InvalidArgument("buffer must be writable and contiguous")
+        arr = np.frombuffer(mv, dtype=np.uint8)
+        return int(arr.ctypes.data), mv.nbytes, (obj, arr)
+    raise InvalidArgument(f"cannot register {type(obj).__name__}: pass numpy, bytearray, mmap, "
+                          "torch CPU tensor or (address, length)")
+
+
+class ManagedBuffer:
+    """Memory backed by POSIX shared memory, so same-host peers can map it.
+
+    Attributes:
+        addr: start address in this process.
+        length: usable bytes.
+        name: the shared-memory name peers open.
+        array: a uint8 numpy view of the memory.
+    """
+
+    def __init__(self, length: int) -> None:
+        if length <= 0:
+            raise InvalidArgument("managed buffer length must be > 0")
+        self._shm = shared_memory.SharedMemory(create=True, size=length)
+        self.name = self._shm.name
+        self.length = length
+        self.array = np.frombuffer(self._shm.buf, dtype=np.uint8, count=length)
+        self.addr = int(self.array.ctypes.data)
+
+    def close(self) -> None:
+        """Release the mapping and unlink the name (idempotent)."""
+        if self._shm is None:
+            return
+        self.array = None  # type: ignore[assignment]
+        shm, self._shm = self._shm, None
+        try:
+            shm.close()
+        except BufferError:
+            pass  # a live view still exists; the mapping goes when it does
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class MemoryTable:
+    """Registered regions of one engine, sorted by address. Thread-safe.
+
+    Lookups are O(log n) and check the whole [addr, addr+length) range.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._regions: list[Region] = []
+        self._lock = threading.Lock()
+        self._next_file = 0
+
+    def add(self, region: Region) -> Region:
+        """Insert a region.
+
+        Raises:
+            Conflict: if it overlaps a registered region (Mooncake ERR_ADDRESS_OVERLAPPED).
+            InvalidArgument: for an empty or negative region.
+        """
+        if region.length <= 0 or region.addr <= 0:
+            raise InvalidArgument(f"bad region addr={region.addr:#x} length={region.length}")
+        with self._lock:
+            i = bisect.bisect_left(self._starts, region.addr)
+            prev = self._regions[i - 1] if i > 0 else None
+            nxt = self._regions[i] if i < len(self._regions) else None
+            if (prev and prev.end > region.addr) or (nxt and nxt.addr < region.end):
+                raise Conflict(f"region {region.addr:#x}+{region.length} overlaps a registered one")
+            self._starts.insert(i, region.addr)
+            self._regions.insert(i, region)
+        return region
+
+    def remove(self, addr: int) -> Region:
+        """Remove the region starting at ``addr``.
+
+        Raises:
+            NotFound: if no region starts there.
+        """
+        with self._lock:
+            i = bisect.bisect_left(self._starts, addr)
+            if i == len(self._starts) or self._starts[i] != addr:
+                raise NotFound(f"no region registered at {addr:#x}")
+            del self._starts[i]
+            return self._regions.pop(i)
+
+    def find(self, addr: int, length: int) -> Region:
+        """The region holding all of [addr, addr+length).
+
+        Raises:
+            AddressNotRegistered: otherwise (no memory is touched).
+        """
+        if length < 0 or addr < 0:
+            raise AddressNotRegistered(f"bad range {addr:#x}+{length}")
+        with self._lock:
+            i = bisect.bisect_right(self._starts, addr) - 1
+            r = self._regions[i] if i >= 0 else None
+        if r is not None and addr + length <= r.end:
+            return r
+        raise AddressNotRegistered(f"range {addr:#x}+{length} is not inside a registered region")
+
+    def view(self, addr: int, length: int) -> memoryview:
+        """Bounds-checked writable view of [addr, addr+length) (memory regions only)."""
+        r = self.find(addr, length)
+        if r.view is None:
+            raise InvalidArgument(f"{addr:#x} is in a file region; it has no memory view")
+        off = addr - r.addr
+        return r.view[off:off + length]
+
+    def next_file_base(self) -> int:
+        """A fresh synthetic base address for a file region."""
+        with self._lock:
+            base = FILE_BASE + self._next_file * FILE_STRIDE
+            self._next_file += 1
+            return base
+
+    def regions(self) -> list[Region]:
+        """A snapshot of the regions, sorted by address."""
+        with self._lock:
+            return list(self._regions)
+
+    def descs(self) -> list[RegionDesc]:
+        """Descriptors of every region."""
+        return [r.desc() for r in self.regions()]

@@ -1,0 +1,83 @@
+"""The HTTP metadata server: Mooncake's ``GET|PUT|DELETE /metadata?key=K`` protocol on FastAPI.
+
+In memory only (like Mooncake's), so engines re-publish when it restarts empty. Also serves
+``/health``, ``/metrics`` and the OpenAPI spec. Binding happens in :func:`serve_in_thread`
+or the CLI; :func:`create_app` is pure.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+
+from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
+
+from kvplane.common import metrics
+from kvplane.common.http import ServerThread
+
+MAX_VALUE = 1 << 20  # Mooncake's handshake/metadata limit (MC_HANDSHAKE_MAX_LENGTH)
+MAX_KEY = 1024
+MAX_KEYS = 100_000
+
+_KEYS = metrics.Gauge("kvplane_metadata_keys", "Keys held by the HTTP metadata server")
+
+
+def create_app(token: str = "") -> FastAPI:
+    """Build the app. ``token``: required in ``X-KVPlane-Token`` when non-empty."""
+    app = FastAPI(title="kvplane metadata", version="1",
+                  description="Segment metadata store (Mooncake-compatible /metadata API)")
+    table: dict[str, bytes] = {}
+    lock = threading.Lock()
+
+    def auth(value: str | None) -> None:
+        if token and not hmac.compare_digest((value or "").encode(), token.encode()):
+            raise HTTPException(401, "bad or missing X-KVPlane-Token")
+
+    KeyQ = Query(..., min_length=1, max_length=MAX_KEY, description="metadata key")
+    TokenH = Header(None, alias="X-KVPlane-Token")
+
+    @app.get("/metadata", responses={404: {"description": "no such key"}})
+    def get_key(key: str = KeyQ, x_token: str | None = TokenH) -> Response:
+        auth(x_token)
+        with lock:
+            value = table.get(key)
+        if value is None:
+            raise HTTPException(404, "metadata not found")
+        return Response(value, media_type="application/json")
+
+    @app.put("/metadata", responses={413: {"description": "value too large"}})
+    async def put_key(request: Request, key: str = KeyQ, x_token: str | None = TokenH) -> dict[str, str]:
+        auth(x_token)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_VALUE:
+                raise HTTPException(413, f"value larger than {MAX_VALUE} bytes")
+        with lock:
+            if key not in table and len(table) >= MAX_KEYS:
+                raise HTTPException(507, "metadata server full")
+            table[key] = bytes(body)
+            _KEYS.set(len(table))
+        return {"status": "ok"}
+
+    @app.delete("/metadata")
+    def delete_key(key: str = KeyQ, x_token: str | None = TokenH) -> dict[str, str]:
+        auth(x_token)
+        with lock:
+            found = table.pop(key, None) is not None
+            _KEYS.set(len(table))
+        if not found:
+            raise HTTPException(404, "metadata not found")
+        return {"status": "ok"}
+
+    @app.get("/health")
+    def health() -> dict[str, object]:
+        return {"status": "ok", "keys": len(table)}
+
+    app.mount("/metrics", metrics.asgi_app())
+    return app
+
+
+def serve_in_thread(host: str = "127.0.0.1", port: int = 0, token: str = "") -> ServerThread:
+    """Start the metadata server in this process; returns once it accepts connections."""
+    return ServerThread(create_app(token), host, port)

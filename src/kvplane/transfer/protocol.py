@@ -1,0 +1,100 @@
+"""The TCP data protocol: fixed binary headers and exact send/receive helpers.
+
+Request (32 bytes, little endian): magic u32, version u8, op u8, flags u16, id u64, addr u64,
+length u64. A WRITE is followed by ``length`` payload bytes; HELLO by a ``length``-byte token.
+Response (24 bytes): magic u32, status i32 (0 ok, else a kvplane error code), id u64, length
+u64, followed by ``length`` bytes (READ data, a DESCRIBE descriptor, or an error message).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from kvplane.common.errors import ProtocolError, Unavailable
+
+MAGIC = 0x4C50564B  # "KVPL"
+RESP_MAGIC = 0x5250564B  # "KVPR"
+VERSION = 1
+
+REQ = struct.Struct("<IBBHQQQ")
+RESP = struct.Struct("<IiQQ")
+
+OP_HELLO = 1
+OP_DESCRIBE = 2
+OP_READ = 3
+OP_WRITE = 4
+OP_PING = 5
+OPS = {OP_HELLO: "hello", OP_DESCRIBE: "describe", OP_READ: "read", OP_WRITE: "write", OP_PING: "ping"}
+
+MAX_TOKEN = 4096
+MAX_ERROR = 4096
+
+
+def pack_req(op: int, rid: int, addr: int, length: int) -> bytes:
+    """Encode a request header."""
+    return REQ.pack(MAGIC, VERSION, op, 0, rid, addr, length)
+
+
+def pack_resp(status: int, rid: int, length: int) -> bytes:
+    """Encode a response header."""
+    return RESP.pack(RESP_MAGIC, status, rid, length)
+
+
+_TIMEVAL = struct.Struct("ll")
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Kernel-side send/receive timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket.
+
+    Unlike ``settimeout`` this adds no poll() before every call: a blocked call fails with
+    EAGAIN after ``seconds``, which the helpers here raise as ``TimeoutError``.
+    """
+    sec = max(seconds, 1e-3)
+    tv = _TIMEVAL.pack(int(sec), int((sec % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``.
+
+    Raises:
+        Unavailable: the peer closed the connection.
+        TimeoutError: the kernel timeout expired with bytes still missing.
+    """
+    got, n = 0, len(view)
+    try:
+        while got < n:
+            k = sock.recv_into(view[got:] if got else view, 0, socket.MSG_WAITALL)
+            if k == 0:
+                raise Unavailable("connection closed by peer")
+            got += k
+    except BlockingIOError as exc:
+        raise TimeoutError("receive timed out") from exc
+
+
+def send_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
+    """Send every buffer with ``sendmsg`` (no joining copies), handling partial sends."""
+    views = [memoryview(b) for b in bufs]
+    while views:
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError as exc:
+            raise TimeoutError("send timed out") from exc
+        while sent:
+            head = views[0]
+            if sent >= len(head):
+                sent -= len(head)
+                views.pop(0)
+            else:
+                views[0] = head[sent:]
+                sent = 0
+        if views and len(views[0]) == 0:
+            views.pop(0)
+
+
+def check_resp_magic(magic: int) -> None:
+    """Raise ProtocolError unless ``magic`` marks a response."""
+    if magic != RESP_MAGIC:
+        raise ProtocolError(f"bad response magic {magic:#x}")

@@ -1,0 +1,241 @@
+"""The engine's TCP listener: serves READ/WRITE/DESCRIBE frames against registered memory.
+
+The only module of ``kvplane.transfer`` that binds sockets. One named daemon thread accepts;
+each connection gets one named daemon thread with blocking I/O (the fastest data path in
+CPython: ``recv_into`` straight into registered memory, ``sendmsg`` straight out of it).
+A malformed or hostile frame closes that connection and nothing else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+from kvplane.common import metrics
+from kvplane.common.errors import KVPlaneError, ProtocolError, Unauthorized
+from kvplane.transfer import protocol as P
+from kvplane.transfer.memory import MemoryTable, Region
+
+log = logging.getLogger(__name__)
+
+PAYLOAD_TIMEOUT = 30.0  # once a header arrived, its payload must follow within this
+_DRAIN = 1 << 20
+
+
+class _Reject(Exception):
+    """Close this connection: reason is a metrics label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+class DataServer:
+    """Serves the registered memory of one engine over TCP.
+
+    Args:
+        memory: the engine's region table (bounds checks happen here, per frame).
+        describe: returns this engine's encoded segment descriptor.
+        host: bind address.
+        port: 0 picks a free port; read ``.port``.
+        token: shared token; when set, a connection must send HELLO with it first.
+        max_frame: largest READ/WRITE length accepted in one frame.
+        max_connections: inbound connections beyond this are refused.
+    """
+
+    def __init__(self, memory: MemoryTable, describe: Callable[[], bytes], host: str = "127.0.0.1",
+                 port: int = 0, token: str = "", max_frame: int = 256 << 20,
+                 max_connections: int = 512) -> None:
+        self.memory = memory
+        self._describe = describe
+        self._token = token.encode()
+        self.max_frame = max_frame
+        self.max_connections = max_connections
+        self._lsock = socket.create_server((host, port), backlog=128)
+        self.host, self.port = self._lsock.getsockname()[:2]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.rejected = 0
+        self.frames = 0  # frames served (tests use it to prove a path did not touch TCP)
+        self._frames = {op: metrics.SERVER_FRAMES.labels(name) for op, name in P.OPS.items()}
+        self._thread = threading.Thread(target=self._accept_loop, name=f"te-accept-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- accept ---------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, addr = self._lsock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= self.max_connections:
+                    conn.close()
+                    self._count_reject("too_many_connections")
+                    continue
+                self._conns.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name=f"te-conn-{addr[1]}").start()
+
+    def _count_reject(self, reason: str) -> None:
+        self.rejected += 1
+        metrics.SERVER_REJECTED.labels(reason).inc()
+
+    # -- one connection -------------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        metrics.SERVER_CONNECTIONS.inc()
+        hdr = bytearray(P.REQ.size)
+        hview = memoryview(hdr)
+        authed = not self._token
+        conn.settimeout(None)
+        P.set_io_timeout(conn, PAYLOAD_TIMEOUT)
+        try:
+            while not self._closed.is_set():
+                try:
+                    got = conn.recv_into(hview)
+                except BlockingIOError:
+                    continue  # idle pooled connection: keep it
+                if got == 0:
+                    return
+                if got < P.REQ.size:
+                    P.recv_exact(conn, hview[got:])
+                magic, ver, op, _flags, rid, addr, length = P.REQ.unpack(hdr)
+                if magic != P.MAGIC or ver != P.VERSION:
+                    raise _Reject("bad_magic")
+                if not authed and op != P.OP_HELLO:
+                    raise _Reject("unauthenticated")
+                authed = self._handle(conn, op, rid, addr, length) or authed
+        except _Reject as exc:
+            self._count_reject(exc.reason)
+            log.warning("closing data connection: %s", exc)
+        except (OSError, KVPlaneError):
+            pass  # peer went away or stalled mid-frame: drop just this connection
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            metrics.SERVER_CONNECTIONS.dec()
+            conn.close()
+
+    def _handle(self, conn: socket.socket, op: int, rid: int, addr: int, length: int) -> bool:
+        counter = self._frames.get(op)
+        if counter is not None:
+            counter.inc()
+        self.frames += 1
+        if op == P.OP_READ:
+            self._read(conn, rid, addr, length)
+        elif op == P.OP_WRITE:
+            self._write(conn, rid, addr, length)
+        elif op == P.OP_DESCRIBE:
+            body = self._describe()
+            P.send_all(conn, [P.pack_resp(0, rid, len(body)), body])
+        elif op == P.OP_PING:
+            conn.sendall(P.pack_resp(0, rid, 0))
+        elif op == P.OP_HELLO:
+            return self._hello(conn, rid, length)
+        else:
+            raise _Reject("bad_op", f"unknown op {op}")
+        return False
+
+    def _hello(self, conn: socket.socket, rid: int, length: int) -> bool:
+        if length > P.MAX_TOKEN:
+            raise _Reject("bad_hello")
+        token = bytearray(length)
+        P.recv_exact(conn, memoryview(token))
+        if self._token and not hmac.compare_digest(bytes(token), self._token):
+            self._error(conn, rid, Unauthorized("bad token"))
+            raise _Reject("bad_token")
+        conn.sendall(P.pack_resp(0, rid, 0))
+        return True
+
+    def _check_length(self, length: int) -> None:
+        if length > self.max_frame:
+            raise _Reject("oversized", f"frame of {length} bytes > max_frame {self.max_frame}")
+
+    def _read(self, conn: socket.socket, rid: int, addr: int, length: int) -> None:
+        self._check_length(length)
+        try:
+            region = self.memory.find(addr, length)
+        except KVPlaneError as exc:
+            self._error(conn, rid, exc)
+            return
+        if region.kind == "file":
+            P.send_all(conn, [P.pack_resp(0, rid, length)])
+            _sendfile(conn, region, addr - region.addr, length)
+            return
+        off = addr - region.addr
+        P.send_all(conn, [P.pack_resp(0, rid, length), region.view[off:off + length]])  # type: ignore[index]
+
+    def _write(self, conn: socket.socket, rid: int, addr: int, length: int) -> None:
+        self._check_length(length)
+        try:
+            region = self.memory.find(addr, length)
+        except KVPlaneError as exc:
+            _drain(conn, length)  # keep the stream in sync, touch no memory
+            self._error(conn, rid, exc)
+            return
+        off = addr - region.addr
+        if region.kind == "file":
+            _recv_to_file(conn, region, off, length)
+        else:
+            P.recv_exact(conn, region.view[off:off + length])  # type: ignore[index]
+        conn.sendall(P.pack_resp(0, rid, 0))
+
+    @staticmethod
+    def _error(conn: socket.socket, rid: int, exc: KVPlaneError) -> None:
+        msg = str(exc).encode()[: P.MAX_ERROR]
+        P.send_all(conn, [P.pack_resp(exc.code, rid, len(msg)), msg])
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop accepting and close every connection (idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._lsock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(2)
+
+
+def _drain(conn: socket.socket, length: int) -> None:
+    scratch = memoryview(bytearray(min(length, _DRAIN) or 1))
+    left = length
+    while left > 0:
+        n = min(left, len(scratch))
+        P.recv_exact(conn, scratch[:n])
+        left -= n
+
+
+def _sendfile(conn: socket.socket, region: Region, off: int, length: int) -> None:
+    sent = 0
+    while sent < length:
+        n = os.sendfile(conn.fileno(), region.fd, off + sent, length - sent)
+        if n == 0:
+            raise ProtocolError("file region shorter than advertised")
+        sent += n
+
+
+def _recv_to_file(conn: socket.socket, region: Region, off: int, length: int) -> None:
+    buf = memoryview(bytearray(min(length, _DRAIN) or 1))
+    done = 0
+    while done < length:
+        n = min(length - done, len(buf))
+        P.recv_exact(conn, buf[:n])
+        os.pwrite(region.fd, buf[:n], off + done)
+        done += n

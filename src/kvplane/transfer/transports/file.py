@@ -1,0 +1,83 @@
+"""File transport: a file-backed region on this host, moved with pread/pwrite into registered memory.
+
+Only files under this engine's own file root are opened, whatever a descriptor says, so a
+hostile descriptor cannot make us write outside it; other targets go over TCP, where the
+owner serves its own file.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from kvplane.common.deadline import Deadline
+from kvplane.transfer.batch import Slice
+from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
+from kvplane.transfer.types import OpCode, TransferStatus
+
+S = TransferStatus
+
+
+class FileTransport(Transport):
+    """``os.preadv``/``os.pwritev`` between a same-host file segment and registered memory."""
+
+    name = "file"
+    capabilities = Capabilities(same_host_only=True, priority=2)
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, route: Route) -> str | None:
+        if not self.ctx.file_root or route.region.kind != "file" or not route.same_host:
+            return None
+        root = os.path.realpath(self.ctx.file_root)
+        path = os.path.realpath(os.path.join(root, route.region.path))
+        if os.path.dirname(path) != root or not os.path.isfile(path):
+            return None
+        return path
+
+    def can_reach(self, route: Route) -> bool:
+        return self._path(route) is not None
+
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = os.open(path, os.O_RDWR)
+                self._fds[path] = fd
+            return fd
+
+    def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
+        path = self._path(route)
+        for s in slices:
+            if path is None:
+                s.done(S.FAILED, "file region not reachable from this host")
+                continue
+            if deadline.expired():
+                s.done(S.TIMEOUT, "deadline passed")
+                continue
+            off = s.remote - route.region.addr
+            try:
+                fd = self._fd(path)
+                done = 0
+                while done < s.length:
+                    part = s.local[done:]
+                    if s.op == OpCode.WRITE:
+                        n = os.pwritev(fd, [part], off + done)
+                    else:
+                        n = os.preadv(fd, [part], off + done)
+                    if n <= 0:
+                        raise OSError("short file transfer (past end of file?)")
+                    done += n
+            except OSError as exc:
+                s.done(S.FAILED, f"file transfer failed: {exc}")
+                continue
+            s.done(S.COMPLETED)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)

@@ -1,0 +1,272 @@
+"""TCP transport: pipelined frames from registered memory straight into the socket and back.
+
+Bytes go ``sendmsg([header, view_of_registered_memory])`` out and ``recv_into(view)`` in:
+no intermediate copies in Python. Connections are pooled per peer; a batch of several slices
+is striped over up to ``streams`` connections (the first runs on the calling thread). A slice
+whose connection breaks is retried on a fresh one; a passed deadline turns what is left into
+TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import socket
+import threading
+
+from kvplane.common import metrics
+from kvplane.common.deadline import Deadline
+from kvplane.common.errors import KVPlaneError, ProtocolError, Unauthorized, Unavailable, from_code
+from kvplane.transfer import protocol as P
+from kvplane.transfer.batch import Slice
+from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
+from kvplane.transfer.types import OpCode, TransferStatus
+
+S = TransferStatus
+WINDOW = 64  # most frames in flight on one connection
+STRIPE_MIN = 512 << 10  # batches smaller than this stay on one connection
+MAX_IDLE = 16  # pooled idle connections per peer
+
+
+class _Broken(Exception):
+    """The connection died; ``left`` are the slices that did not finish."""
+
+    def __init__(self, left: list[Slice], cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.left = left
+
+
+class Conn:
+    """One data connection to a peer. Used by one thread at a time."""
+
+    def __init__(self, host: str, port: int, token: str, timeout: float) -> None:
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise Unavailable(f"cannot connect to {host}:{port}: {exc}") from exc
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(None)  # blocking; deadlines are kernel timeouts (set_timeout)
+        self._timeout = -1.0
+        self.peer = (host, port)
+        self._rid = 0
+        self._hdr = bytearray(P.RESP.size)
+        self._hview = memoryview(self._hdr)
+        self.alive = True
+        if token:
+            try:
+                self.call(P.OP_HELLO, 0, token.encode(), timeout)
+            except (OSError, ProtocolError) as exc:
+                self.close()
+                raise Unavailable(f"handshake with {host}:{port} failed: {exc}") from exc
+            except BaseException:
+                self.close()
+                raise
+
+    def set_timeout(self, deadline: Deadline) -> None:
+        """Bound the next socket calls by ``deadline`` (re-armed only when it shrank by 10 %)."""
+        left = deadline.remaining()
+        if left < self._timeout * 0.9 or self._timeout < 0 or left > self._timeout:
+            P.set_io_timeout(self.sock, left)
+            self._timeout = max(left, 1e-3)
+
+    def next_id(self) -> int:
+        self._rid += 1
+        return self._rid
+
+    def read_resp(self, expect: int) -> tuple[int, int]:
+        """Receive a response header for request ``expect``; returns (status, length)."""
+        P.recv_exact(self.sock, self._hview)
+        magic, status, rid, length = P.RESP.unpack(self._hdr)
+        P.check_resp_magic(magic)
+        if rid != expect:
+            raise ProtocolError(f"response id {rid} != request id {expect}")
+        return status, length
+
+    def read_error(self, status: int, length: int) -> KVPlaneError:
+        """Consume an error body and build the exception."""
+        if length > P.MAX_ERROR:
+            raise ProtocolError("error message too long")
+        msg = bytearray(length)
+        P.recv_exact(self.sock, memoryview(msg))
+        return from_code(status, msg.decode(errors="replace"))
+
+    def call(self, op: int, addr: int, payload: bytes, timeout: float, limit: int = 1 << 20) -> bytes:
+        """A simple request/response (HELLO, DESCRIBE, PING); returns the response body."""
+        rid = self.next_id()
+        self.set_timeout(Deadline.after(timeout))
+        P.send_all(self.sock, [P.pack_req(op, rid, addr, len(payload)), payload])
+        status, length = self.read_resp(rid)
+        if status:
+            raise self.read_error(status, length)
+        if length > limit:
+            raise ProtocolError(f"response of {length} bytes exceeds {limit}")
+        body = bytearray(length)
+        P.recv_exact(self.sock, memoryview(body))
+        return bytes(body)
+
+    def close(self) -> None:
+        self.alive = False
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def execute(self, slices: list[Slice], deadline: Deadline) -> None:
+        """Run ``slices`` pipelined; raises _Broken with the unfinished ones on a dead link.
+
+        READ headers are coalesced into one send. A WRITE waits until no READ is outstanding,
+        so neither side can block sending while the other blocks sending (no deadlock).
+        """
+        sock = self.sock
+        out: collections.deque[tuple[Slice, int]] = collections.deque()
+        n, i, reads_out = len(slices), 0, 0
+        self.set_timeout(deadline)
+        try:
+            while i < n or out:
+                hdrs: list[bytes] = []
+                while i < n and len(out) < WINDOW:
+                    s = slices[i]
+                    rid = self.next_id()
+                    if s.op == OpCode.WRITE:
+                        if reads_out or hdrs:
+                            break
+                        P.send_all(sock, [P.pack_req(P.OP_WRITE, rid, s.remote, s.length), s.local])
+                    else:
+                        hdrs.append(P.pack_req(P.OP_READ, rid, s.remote, s.length))
+                        reads_out += 1
+                    out.append((s, rid))
+                    i += 1
+                if hdrs:
+                    P.send_all(sock, [b"".join(hdrs)])
+                s, rid = out[0]
+                if deadline.expired():
+                    raise TimeoutError("deadline passed")
+                self.set_timeout(deadline)
+                status, length = self.read_resp(rid)
+                if status:
+                    s.done(S.FAILED, str(self.read_error(status, length)))
+                elif s.op == OpCode.READ:
+                    if length != s.length:
+                        raise ProtocolError(f"READ returned {length} bytes, asked {s.length}")
+                    P.recv_exact(sock, s.local)
+                    s.done(S.COMPLETED)
+                else:
+                    s.done(S.COMPLETED)
+                out.popleft()
+                if s.op == OpCode.READ:
+                    reads_out -= 1
+        except TimeoutError:
+            self.close()
+            for s in [x for x, _ in out] + slices[i:]:
+                s.done(S.TIMEOUT, "deadline passed waiting for the peer")
+        except (OSError, Unavailable, ProtocolError) as exc:
+            self.close()
+            raise _Broken([x for x, _ in out] + slices[i:], exc) from exc
+
+
+class TcpTransport(Transport):
+    """Pipelined, pooled, striped TCP to any peer's data listener."""
+
+    name = "tcp"
+    capabilities = Capabilities(same_host_only=False, priority=1)
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._idle: dict[tuple[str, int], list[Conn]] = {}
+        self._lock = threading.Lock()
+        self._lanes = cf.ThreadPoolExecutor(max(1, ctx.streams * 4), thread_name_prefix="te-tcp-lane")
+        self._closed = False
+
+    def can_reach(self, route: Route) -> bool:
+        return route.segment.port > 0
+
+    # -- pool ------------------------------------------------------------------------------
+    def _acquire(self, peer: tuple[str, int], deadline: Deadline) -> Conn:
+        with self._lock:
+            idle = self._idle.get(peer)
+            if idle:
+                return idle.pop()
+        return Conn(peer[0], peer[1], self.ctx.token,
+                    min(self.ctx.connect_timeout, max(deadline.remaining(), 1e-3)))
+
+    def _release(self, conn: Conn) -> None:
+        if not conn.alive or self._closed:
+            conn.close()
+            return
+        with self._lock:
+            idle = self._idle.setdefault(conn.peer, [])
+            if len(idle) < MAX_IDLE:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def drop_peer(self, peer: tuple[str, int]) -> None:
+        """Close every idle connection to ``peer`` (after it restarted or died)."""
+        with self._lock:
+            conns = self._idle.pop(peer, [])
+        for c in conns:
+            c.close()
+
+    # -- data path -------------------------------------------------------------------------
+    def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
+        peer = (route.segment.host, route.segment.port)
+        lanes = 1
+        if len(slices) > 1 and self.ctx.streams > 1:
+            total = sum(s.length for s in slices)
+            if total >= STRIPE_MIN:
+                lanes = min(self.ctx.streams, len(slices))
+        if lanes == 1:
+            self._lane(peer, slices, deadline)
+            return
+        futs = [self._lanes.submit(self._lane, peer, slices[k::lanes], deadline)
+                for k in range(1, lanes)]
+        self._lane(peer, slices[0::lanes], deadline)
+        cf.wait(futs)
+
+    def _lane(self, peer: tuple[str, int], slices: list[Slice], deadline: Deadline) -> None:
+        attempts = self.ctx.retries + 1
+        while slices:
+            try:
+                conn = self._acquire(peer, deadline)
+            except KVPlaneError as exc:
+                for s in slices:
+                    s.done(S.FAILED, str(exc))
+                return
+            try:
+                conn.execute(slices, deadline)
+                self._release(conn)
+                return
+            except _Broken as exc:
+                slices = exc.left
+                attempts -= 1
+                if isinstance(exc.__cause__, Unauthorized) or attempts <= 0 or deadline.expired():
+                    status = S.TIMEOUT if deadline.expired() else S.FAILED
+                    for s in slices:
+                        s.done(status, f"connection to {peer[0]}:{peer[1]} failed: {exc}")
+                    return
+                self.drop_peer(peer)  # siblings of a broken connection are suspect too
+                metrics.TRANSFER_RETRIES.labels(self.name).inc()
+
+    def describe(self, host: str, port: int, timeout: float) -> bytes:
+        """Fetch a peer's segment descriptor (the P2P handshake)."""
+        deadline = Deadline.after(timeout)
+        conn = self._acquire((host, port), deadline)
+        try:
+            body = conn.call(P.OP_DESCRIBE, 0, b"", max(deadline.remaining(), 1e-3))
+        except TimeoutError as exc:
+            conn.close()
+            raise Unavailable(f"handshake with {host}:{port} timed out") from exc
+        except (OSError, ProtocolError) as exc:
+            conn.close()
+            raise Unavailable(f"handshake with {host}:{port} failed: {exc}") from exc
+        self._release(conn)
+        return body
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            pools, self._idle = list(self._idle.values()), {}
+        for conns in pools:
+            for c in conns:
+                c.close()
+        self._lanes.shutdown(wait=False, cancel_futures=True)

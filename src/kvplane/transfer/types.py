@@ -1,0 +1,84 @@
+"""Plain types of the transfer engine: opcodes, statuses, requests, and wire descriptors.
+
+Imports nothing from the rest of ``kvplane.transfer``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import msgspec
+
+
+class OpCode(enum.IntEnum):
+    """Direction of a request, seen from the initiator (Mooncake: READ=0, WRITE=1)."""
+
+    READ = 0  # remote -> local source buffer
+    WRITE = 1  # local source buffer -> remote
+
+
+class TransferStatus(enum.IntEnum):
+    """Per-request status (Mooncake TransferStatusEnum order)."""
+
+    WAITING = 0
+    PENDING = 1
+    INVALID = 2
+    CANCELED = 3
+    COMPLETED = 4
+    TIMEOUT = 5
+    FAILED = 6
+
+    @property
+    def done(self) -> bool:
+        """True for terminal states."""
+        return self not in (TransferStatus.WAITING, TransferStatus.PENDING)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRequest:
+    """One move between local registered memory and a remote segment.
+
+    Attributes:
+        op: READ copies remote -> ``source``; WRITE copies ``source`` -> remote.
+        source: local address inside a registered region.
+        target: segment handle returned by ``TransferEngine.open_segment``.
+        target_offset: remote address (memory regions) inside the target's registered memory.
+        length: bytes to move.
+        transport: ``None``/"auto" picks per target; "tcp", "shm" or "file" forces one.
+    """
+
+    op: OpCode
+    source: int
+    target: int
+    target_offset: int
+    length: int
+    transport: str | None = None
+
+
+class RegionDesc(msgspec.Struct, frozen=True):
+    """A registered region as published to peers.
+
+    ``kind`` is "mem" (reachable over TCP or same-host CMA), "shm" (POSIX shared memory
+    ``shm`` that same-host peers map) or "file" (a file ``path`` under the owner's file root;
+    ``addr`` is then a synthetic base address and offsets map onto the file).
+    """
+
+    addr: int
+    length: int
+    kind: str = "mem"
+    shm: str = ""
+    path: str = ""
+
+
+class SegmentDesc(msgspec.Struct, frozen=True):
+    """A segment descriptor: everything a peer needs to reach one engine's memory."""
+
+    name: str
+    host: str
+    port: int
+    host_id: str
+    pid: int
+    transports: list[str]
+    regions: list[RegionDesc]
+    version: int = 0

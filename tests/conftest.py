@@ -1,0 +1,49 @@
+"""Shared fixtures: a clean KVPLANE_* environment, seeded randomness, real services."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("KVPLANE_") and k != "KVPLANE_VLLM_PYTHON" and k != "KVPLANE_MOONCAKE_PYTHON":
+            monkeypatch.delenv(k, raising=False)
+    random.seed(1234)
+    np.random.seed(1234)
+
+
+def _missing(exc: Exception) -> None:
+    """Skip locally when a server binary is absent; in CI (CI=true) that is a failure."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{exc} (CI must install it: see .ci/run)")
+    pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    from kvplane.testing.services import start_redis
+
+    try:
+        svc = start_redis()
+    except FileNotFoundError as exc:
+        _missing(exc)
+    yield svc.url
+    svc.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_url(tmp_path_factory: pytest.TempPathFactory):
+    from kvplane.testing.services import start_etcd
+
+    try:
+        svc = start_etcd(str(tmp_path_factory.mktemp("etcd")))
+    except FileNotFoundError as exc:
+        _missing(exc)
+    yield svc.url
+    svc.stop()

@@ -1,0 +1,161 @@
+"""Engines in one process: striping, transport choice, file segments, tokens, metadata backends."""
+
+import numpy as np
+import pytest
+
+from kvplane.common.errors import InvalidArgument, NotFound, Unauthorized
+from kvplane.testing.services import wait_until
+from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus as S
+from kvplane.transfer.metadata import open_metadata
+from kvplane.transfer.metadata_server import serve_in_thread
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+MB = 1 << 20
+
+
+def pair(**kw):
+    return TransferEngine(**kw), TransferEngine(**kw)
+
+
+def test_large_request_is_sliced_and_striped():
+    a, b = pair(protocol="tcp", slice_size=MB, streams=3)
+    with a, b:
+        src = np.random.randint(0, 256, 24 * MB, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        a.register_memory(src)
+        b.register_memory(dst)
+        seg = a.open_segment(b.name)
+        a.write(seg, src.ctypes.data, dst.ctypes.data, src.nbytes)
+        assert np.array_equal(src, dst)
+        assert b._server.frames >= 24  # one frame per 1 MiB slice
+        assert len(b._server._conns) >= 3  # three striped connections served it
+
+
+def test_auto_uses_shm_and_no_socket_for_managed_memory():
+    a, b = pair(protocol="auto")
+    with a, b:
+        buf = b.allocate_managed_buffer(4 * MB)
+        src = np.random.randint(0, 256, 4 * MB, dtype=np.uint8)
+        a.register_memory(src)
+        seg = a.open_segment(b.name)
+        before = b._server.frames
+        a.write(seg, src.ctypes.data, buf.addr, 4 * MB)
+        assert np.array_equal(buf.array, src)
+        assert b._server.frames == before  # no READ/WRITE frame: it went through shared memory
+        a.transfer([TransferRequest(OpCode.READ, src.ctypes.data, seg, buf.addr, MB,
+                                    transport="tcp")], check=True)
+        assert b._server.frames == before + 1
+        with pytest.raises(InvalidArgument):
+            a.transfer([TransferRequest(OpCode.READ, src.ctypes.data, seg, buf.addr, MB,
+                                        transport="file")], check=True)
+        b.free_managed_buffer(buf.addr)
+        with pytest.raises(NotFound):
+            b.free_managed_buffer(buf.addr)
+
+
+def test_file_segments_local_and_remote(tmp_path):
+    root = tmp_path / "nvme"
+    root.mkdir()
+    a, b = pair(protocol="auto", file_root=str(root))
+    with a, b:
+        region = b.register_file("kv.bin", 8 * MB)
+        src = np.random.randint(0, 256, 8 * MB, dtype=np.uint8)
+        back = np.zeros_like(src)
+        a.register_memory(src)
+        a.register_memory(back)
+        seg = a.open_segment(b.name)
+        before = b._server.frames
+        a.write(seg, src.ctypes.data, region.addr, 8 * MB)  # file transport: pwrite
+        assert b._server.frames == before
+        assert (root / "kv.bin").read_bytes() == src.tobytes()
+        a.transfer([TransferRequest(OpCode.READ, back.ctypes.data, seg, region.addr + MB, MB,
+                                    transport="tcp")], check=True)  # owner serves it (sendfile)
+        assert np.array_equal(back[:MB], src[MB:2 * MB])
+        a.transfer([TransferRequest(OpCode.WRITE, src.ctypes.data, seg, region.addr, MB,
+                                    transport="tcp")], check=True)
+        for bad in ("../escape", "a/b", "", ".hidden/../../x"):
+            with pytest.raises(InvalidArgument):
+                b.register_file(bad, 10)
+        assert not (tmp_path / "escape").exists()
+
+
+def test_file_segments_need_a_root():
+    with TransferEngine() as te, pytest.raises(InvalidArgument):
+        te.register_file("x", 10)
+
+
+def test_token_is_enforced():
+    with TransferEngine(token="s3cret", protocol="tcp") as b, \
+            TransferEngine(token="wrong", protocol="tcp") as bad, \
+            TransferEngine(token="s3cret", protocol="tcp") as good:
+        dst = np.zeros(MB, np.uint8)
+        b.register_memory(dst)
+        src = np.ones(MB, np.uint8)
+        bad.register_memory(src)
+        good.register_memory(src.copy())
+        with pytest.raises(Unauthorized):
+            bad.open_segment(b.name, timeout=3)
+        seg = good.open_segment(b.name)
+        good.write(seg, good.memory.regions()[0].addr, dst.ctypes.data, MB)
+        assert dst.all()
+
+
+@pytest.mark.parametrize("backend", ["memory", "http", "etcd", "redis"])
+def test_metadata_backends(backend, request):
+    http = None
+    if backend == "memory":
+        url = "memory://t-backends"
+    elif backend == "http":
+        http = serve_in_thread()
+        url = f"{http.url}/metadata"
+    else:
+        url = request.getfixturevalue(f"{backend}_url")
+    try:
+        with TransferEngine(metadata=url, name=f"seg-{backend}", protocol="tcp") as b, \
+                TransferEngine(metadata=url, protocol="tcp") as a:
+            dst = np.zeros(MB, np.uint8)
+            b.register_memory(dst)
+            src = np.full(MB, 9, np.uint8)
+            a.register_memory(src)
+            seg = a.open_segment(f"seg-{backend}")
+            a.write(seg, src.ctypes.data, dst.ctypes.data, MB)
+            assert (dst == 9).all()
+            with pytest.raises(NotFound):
+                a.open_segment("no-such-segment")
+        meta = open_metadata(url)
+        assert meta.get(f"kvplane/segments/seg-{backend}") is None  # unpublished on close
+        meta.close()
+    finally:
+        if http:
+            http.close()
+
+
+def test_republish_after_metadata_server_restart():
+    http = serve_in_thread()
+    port = http.port
+    url = f"{http.url}/metadata"
+    with TransferEngine(metadata=url, name="phoenix", republish_interval=0.05) as b:
+        b.register_memory(np.zeros(4096, np.uint8))
+        http.close()
+        http = serve_in_thread(port=port)  # comes back empty
+        meta = open_metadata(url)
+        wait_until(lambda: meta.get("kvplane/segments/phoenix") is not None, 10, "republish")
+        meta.close()
+    http.close()
+
+
+def test_http_metadata_server_limits():
+    import httpx
+
+    with serve_in_thread(token="t") as srv:
+        base = f"{srv.url}/metadata"
+        assert httpx.put(base, params={"key": "k"}, content=b"v").status_code == 401
+        hdr = {"X-KVPlane-Token": "t"}
+        assert httpx.put(base, params={"key": "k"}, content=b"v", headers=hdr).status_code == 200
+        assert httpx.get(base, params={"key": "k"}, headers=hdr).content == b"v"
+        big = b"x" * ((1 << 20) + 1)
+        assert httpx.put(base, params={"key": "b"}, content=big, headers=hdr).status_code == 413
+        assert httpx.get(base, params={"key": "nope"}, headers=hdr).status_code == 404
+        assert httpx.get(base, headers=hdr).status_code == 422
+        assert httpx.delete(base, params={"key": "k"}, headers=hdr).status_code == 200
+        assert "kvplane_metadata_keys" in httpx.get(f"{srv.url}/metrics/").text
