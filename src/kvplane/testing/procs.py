@@ -78,9 +78,12 @@ class Proc:
                 self.popen.wait(timeout)
             except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
                 self.kill()
-        for f in (self.popen.stdout, self.popen.stderr):
+        for f in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if f:
-                f.close()
+                try:
+                    f.close()
+                except (BrokenPipeError, OSError):
+                    pass
 
     def __enter__(self) -> "Proc":
         return self

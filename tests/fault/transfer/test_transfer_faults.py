@@ -1,0 +1,188 @@
+"""kill -9, SIGSTOP, bad offsets, garbage and truncated frames: errors, never hangs."""
+
+import os
+import signal
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from kvplane.testing import spawn_target
+from kvplane.testing.services import wait_until
+from kvplane.testing.target import pattern
+from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus as S
+from kvplane.transfer import protocol as P
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
+MB = 1 << 20
+
+
+@pytest.fixture
+def engine():
+    with TransferEngine(protocol="tcp", slice_size=MB) as te:
+        yield te
+
+
+def test_kill9_target_mid_batch_fails_within_timeout(engine):
+    with spawn_target("--buf-mb", "64") as victim, spawn_target("--buf-mb", "4") as healthy:
+        local = np.zeros(64 * MB, np.uint8)
+        engine.register_memory(local)
+        seg = engine.open_segment(victim.info["segment"])
+        reqs = [TransferRequest(OpCode.WRITE, local.ctypes.data + i * MB, seg,
+                                victim.info["addr"] + i * MB, MB) for i in range(64)] * 8
+        bid = engine.allocate_batch(len(reqs))
+        t0 = time.monotonic()
+        engine.submit(bid, reqs, timeout=10)
+        victim.kill()
+        statuses = engine.wait(bid, timeout=15)
+        elapsed = time.monotonic() - t0
+        assert all(s.done for s in statuses), statuses
+        assert elapsed < 10.5
+        assert S.FAILED in statuses or S.TIMEOUT in statuses  # the dead peer shows up
+        errors = [e for e in engine.errors(bid) if e]
+        assert errors and all(isinstance(e, str) for e in errors)
+        engine.free_batch(bid)
+        # the initiator keeps working with other peers
+        seg2 = engine.open_segment(healthy.info["segment"])
+        engine.read(seg2, local.ctypes.data, healthy.info["addr"], 4 * MB, timeout=5)
+        assert np.array_equal(local[:4 * MB], pattern(4 * MB))
+        # and new transfers to the dead one fail fast (connection refused), not hang
+        t1 = time.monotonic()
+        assert engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
+                                                victim.info["addr"], MB)], timeout=5) == [S.FAILED]
+        assert time.monotonic() - t1 < 5
+
+
+def test_stalled_peer_times_out(engine):
+    with spawn_target("--buf-mb", "8") as t:
+        local = np.zeros(8 * MB, np.uint8)
+        engine.register_memory(local)
+        seg = engine.open_segment(t.info["segment"])
+        engine.read(seg, local.ctypes.data, t.info["addr"], MB)  # pooled connection exists
+        t.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            st = engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
+                                                  t.info["addr"], 8 * MB)], timeout=1.5)
+            elapsed = time.monotonic() - t0
+            assert st == [S.TIMEOUT]
+            assert 1.0 < elapsed < 3.0
+        finally:
+            t.signal(signal.SIGCONT)
+        # after it resumes, fresh transfers work again
+        engine.read(seg, local.ctypes.data, t.info["addr"], MB, timeout=10)
+        assert np.array_equal(local[:MB], pattern(MB))
+
+
+def _raw(port):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return s
+
+
+def _closed(s):
+    """True if the server closed the connection (closes ours too)."""
+    s.settimeout(5)
+    try:
+        return s.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+    finally:
+        s.close()
+
+
+def test_listener_survives_hostile_frames():
+    with TransferEngine(protocol="tcp") as b, TransferEngine(protocol="tcp") as a:
+        dst = np.zeros(MB, np.uint8)
+        b.register_memory(dst)
+        addr = dst.ctypes.data
+        # 1. garbage
+        s = _raw(b.port)
+        s.sendall(os.urandom(4096))
+        assert _closed(s)
+        # 2. truncated header, then close
+        s = _raw(b.port)
+        s.sendall(P.pack_req(P.OP_WRITE, 1, addr, 100)[:10])
+        s.close()
+        # 3. write frame whose payload never fully arrives: only what arrived lands
+        s = _raw(b.port)
+        s.sendall(P.pack_req(P.OP_WRITE, 1, addr, 1000) + b"x" * 10)
+        s.close()
+        wait_until(lambda: len(b._server._conns) == 0, 5, "server to drop the connection")
+        assert dst[:10].tobytes() == b"x" * 10
+        dst[:10] = 0
+        # 4. oversized frame
+        s = _raw(b.port)
+        s.sendall(P.pack_req(P.OP_READ, 1, addr, 1 << 40))
+        assert _closed(s)
+        # 5. unknown op
+        s = _raw(b.port)
+        s.sendall(P.pack_req(99, 1, addr, 0))
+        assert _closed(s)
+        # 6. a bad offset is an error reply, touches nothing, and the connection stays usable
+        s = _raw(b.port)
+        s.sendall(P.pack_req(P.OP_WRITE, 7, addr + MB - 4, 16) + b"y" * 16)
+        magic, status, rid, n = P.RESP.unpack(s.recv(P.RESP.size, socket.MSG_WAITALL))
+        assert (magic, rid) == (P.RESP_MAGIC, 7) and status != 0
+        assert b"not inside" in s.recv(n, socket.MSG_WAITALL)
+        s.sendall(P.pack_req(P.OP_PING, 8, 0, 0))
+        assert P.RESP.unpack(s.recv(P.RESP.size, socket.MSG_WAITALL))[1:3] == (0, 8)
+        s.close()
+        assert not dst.any()
+        assert b._server.rejected >= 3
+        # the listener still serves real transfers
+        src = np.full(MB, 3, np.uint8)
+        a.register_memory(src)
+        seg = a.open_segment(b.name)
+        a.write(seg, src.ctypes.data, addr, MB, timeout=5)
+        assert (dst == 3).all()
+
+
+def test_token_listener_rejects_unauthenticated_ops():
+    with TransferEngine(token="tok") as b:
+        dst = np.zeros(4096, np.uint8)
+        b.register_memory(dst)
+        s = _raw(b.port)
+        s.sendall(P.pack_req(P.OP_WRITE, 1, dst.ctypes.data, 4) + b"zzzz")
+        assert _closed(s)
+        assert not dst.any()
+        s = _raw(b.port)
+        s.sendall(P.pack_req(P.OP_HELLO, 1, 0, 3) + b"bad")
+        magic, status, rid, n = P.RESP.unpack(s.recv(P.RESP.size, socket.MSG_WAITALL))
+        assert status != 0
+        assert b"token" in s.recv(n, socket.MSG_WAITALL)
+        assert _closed(s)
+
+
+def test_response_with_wrong_id_is_a_protocol_failure(engine):
+    """A peer that answers out of order is treated as broken, not trusted."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    port = ls.getsockname()[1]
+    import threading
+
+    def evil():
+        c, _ = ls.accept()
+        hdr = c.recv(P.REQ.size, socket.MSG_WAITALL)
+        rid = struct.unpack_from("<Q", hdr, 8)[0]
+        c.sendall(P.pack_resp(0, rid + 1000, 0))
+        c.recv(1)
+        c.close()
+
+    th = threading.Thread(target=evil, daemon=True)
+    th.start()
+    tcp = engine.transports["tcp"]
+    from kvplane.common.deadline import Deadline
+    from kvplane.transfer.batch import Batch, Slice
+
+    local = np.zeros(16, np.uint8)
+    b = Batch(1, 1)
+    (task,) = b.add([TransferRequest(OpCode.WRITE, 0, 0, 0, 16)])
+    b.expect(task, 1)
+    engine.config  # noqa: B018
+    tcp.ctx = type(tcp.ctx)(**{**tcp.ctx.__dict__, "retries": 0})
+    tcp._lane(("127.0.0.1", port), [Slice(task, OpCode.WRITE, memoryview(local), 0, 16)],
+              Deadline.after(5))
+    assert task.status == S.FAILED and "response id" in task.error
+    ls.close()
+    th.join(5)
