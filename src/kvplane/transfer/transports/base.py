@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
@@ -18,8 +19,7 @@ class Capabilities:
     priority: int = 0  # higher wins under protocol "auto"
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(NamedTuple):
     """Where one request goes: the target segment and the region holding the range."""
 
     segment: SegmentDesc

@@ -1,0 +1,66 @@
+import socket
+import struct
+
+import msgspec
+import pytest
+
+from kvplane.common.errors import InvalidArgument, NotFound, Timeout, Unauthorized, Unavailable
+from kvplane.common.rpc import RpcClient, RpcServer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Req(msgspec.Struct):
+    x: int
+
+
+def make_server(token=""):
+    srv = RpcServer(token=token)
+
+    def double(r: Req) -> int:
+        if r.x < 0:
+            raise NotFound("negative")
+        return r.x * 2
+
+    srv.add("double", double, Req)
+    srv.add("boom", lambda r: 1 / 0, Req)
+    return srv.start()
+
+
+def test_calls_errors_and_token():
+    with make_server(token="t") as srv:
+        ep = f"127.0.0.1:{srv.port}"
+        with RpcClient(ep, token="t") as c:
+            assert c.call("double", Req(21), int) == 42
+            with pytest.raises(NotFound):
+                c.call("double", Req(-1), int)
+            with pytest.raises(InvalidArgument):
+                c.call("nope", Req(1), int)
+            assert "internal error" in str(pytest.raises(Exception, c.call, "boom", Req(1), int).value)
+            assert c.call("double", Req(1), int) == 2  # still usable
+        with RpcClient(ep, token="bad") as c, pytest.raises(Unauthorized):
+            c.call("double", Req(1), int)
+
+
+def test_malformed_frames_close_only_that_connection():
+    with make_server() as srv:
+        for junk in (b"\xff" * 64, struct.pack("<I", 1 << 30), struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1"):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+                s.sendall(junk)
+                try:
+                    assert s.recv(100) == b""  # closed, no reply
+                except ConnectionResetError:
+                    pass  # closed with our junk unread: also a close
+        with RpcClient(f"127.0.0.1:{srv.port}") as c:
+            assert c.call("double", Req(2), int) == 4
+        assert srv.malformed >= 2
+
+
+def test_timeout_and_unreachable():
+    ls = socket.create_server(("127.0.0.1", 0))  # accepts but never answers
+    port = ls.getsockname()[1]
+    with RpcClient(f"127.0.0.1:{port}", timeout=0.3) as c, pytest.raises(Timeout):
+        c.call("double", Req(1), int)
+    ls.close()
+    with RpcClient(f"127.0.0.1:{port}", timeout=0.3) as c, pytest.raises(Unavailable):
+        c.call("double", Req(1), int)
