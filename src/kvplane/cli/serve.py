@@ -1,53 +1,49 @@
-"""``kvplane serve``: metadata server + transfer engine with a DRAM segment, on loopback."""
+"""``kvplane serve``: master + HTTP metadata server + one DRAM segment, in one process."""
 
 from __future__ import annotations
-
-import signal
-import threading
 
 import typer
 
 from kvplane.common import envs
+from kvplane.cli.store import _announce, _wait_for_signal
 
 
 def serve(
     host: str = typer.Option("127.0.0.1", help="Bind address of every service."),
+    master_port: int = typer.Option(50051, help="Master RPC port (Mooncake's default)."),
     metadata_port: int = typer.Option(8080, help="HTTP metadata server port (served at /metadata)."),
-    data_port: int = typer.Option(0, help="Transfer engine data/handshake port (0 = any free)."),
+    admin_port: int = typer.Option(9003, help="Admin HTTP port: /metrics /health /query_key /segments."),
     segment_size: str = typer.Option("1GiB", help="DRAM this node contributes, e.g. 4GiB."),
     token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
-    ready_file: str = typer.Option(None, help="Write a JSON line with the bound ports here once ready."),
+    ready_file: str = typer.Option(None, help="Write the bound addresses here as JSON once ready."),
 ) -> None:
-    """Run a node on embedded defaults: the metadata server and one shared-memory DRAM segment.
+    """Run a whole store node on embedded defaults, on loopback.
 
-    Peers reach the segment as NAME through --metadata http://HOST:METADATA_PORT/metadata, by
-    TCP from anywhere or by shared memory on this host. Ctrl-C stops it.
+    Clients (kvplane.store.StoreClient, or Mooncake code through kvplane.compat.mooncake) use
+    master HOST:MASTER_PORT and metadata http://HOST:METADATA_PORT/metadata. Ctrl-C stops it.
     """
-    import json
-
     from kvplane.common.config import parse_size
-    from kvplane.transfer import EngineConfig, TransferEngine
+    from kvplane.store.client.client import StoreClient
+    from kvplane.store.config import StoreConfig
+    from kvplane.store.master.server import MasterServer
     from kvplane.transfer.metadata_server import serve_in_thread
 
     tok = token if token is not None else envs.get("KVPLANE_TOKEN")
-    size = parse_size(segment_size)
     meta = serve_in_thread(host, metadata_port, tok)
     url = f"http://{host}:{meta.port}/metadata"
-    te = TransferEngine(EngineConfig.from_env(host=host, port=data_port, metadata=url, token=tok))
-    buf = te.allocate_managed_buffer(size)
-    info = {"metadata": url, "segment": te.name, "data_port": te.port, "base": buf.addr,
-            "size": size}
-    typer.echo(json.dumps(info))
-    if ready_file:
-        with open(ready_file, "w", encoding="utf-8") as f:
-            f.write(json.dumps(info) + "\n")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    te.close()
+    master = MasterServer(host=host, port=master_port, admin_port=admin_port, token=tok)
+    seg = StoreClient(StoreConfig(master=f"{host}:{master.port}", metadata=url, local_hostname=host,
+                                  global_segment_size=parse_size(segment_size),
+                                  local_buffer_size=0, token=tok))
+    _announce({"master": f"{host}:{master.port}", "metadata": url,
+               "admin": f"http://{host}:{master.http.port}" if master.http else None,
+               "segment": seg.segment_name, "segment_size": parse_size(segment_size)}, ready_file)
+    _wait_for_signal()
+    seg.close()
+    master.close()
     meta.close()
 
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
+

@@ -320,3 +320,8 @@ class TransferEngine:
 
 
 __all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "te_code"]
+
+
+from kvplane.compat.mooncake_store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
+
+__all__ += ["MooncakeDistributedStore", "ReplicateConfig"]

@@ -37,7 +37,8 @@ class Proc:
     """A child process with line-oriented stdin/stdout."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 ready_timeout: float = 30.0) -> None:
+                 ready_timeout: float = 30.0, stop_signal: int | None = None) -> None:
+        self.stop_signal = stop_signal  # None: stop by closing stdin; else send this signal
         self.popen = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, bufsize=1,
                                       env={**os.environ, **(env or {})})
@@ -69,12 +70,14 @@ class Proc:
         self.popen.wait(10)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Close stdin (clean exit), then kill if it lingers; continue it first if stopped."""
+        """Ask for a clean exit (close stdin, or ``stop_signal``), then kill if it lingers."""
         if self.popen.poll() is None:
             try:
                 self.popen.send_signal(signal.SIGCONT)
                 if self.popen.stdin:
                     self.popen.stdin.close()
+                if self.stop_signal is not None:
+                    self.popen.send_signal(self.stop_signal)
                 self.popen.wait(timeout)
             except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
                 self.kill()

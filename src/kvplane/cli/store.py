@@ -1,0 +1,85 @@
+"""``kvplane master`` and ``kvplane segment``: the store's processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import typer
+
+from kvplane.common import envs
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+
+
+def _announce(info: dict[str, object], ready_file: str | None) -> None:
+    typer.echo(json.dumps(info), nl=True)
+    if ready_file:
+        with open(ready_file, "w", encoding="utf-8") as f:
+            f.write(json.dumps(info) + "\n")
+
+
+def master(
+    host: str = typer.Option("127.0.0.1", help="Bind address of the RPC and admin listeners."),
+    port: int = typer.Option(50051, "--port", "--rpc-port", help="Master RPC port (Mooncake's default)."),
+    admin_port: int = typer.Option(9003, help="Admin HTTP: /metrics /health /query_key /segments."),
+    metadata_port: int = typer.Option(None, help="Also serve the HTTP metadata server on this port (e.g. 8080)."),
+    lease_ttl: float = typer.Option(10.0, help="Read lease, seconds (blocks remove and eviction)."),
+    client_ttl: float = typer.Option(10.0, help="Seconds without a heartbeat before a client's segments go."),
+    high_watermark: float = typer.Option(0.90, help="Used ratio that starts eviction."),
+    evict_ratio: float = typer.Option(0.05, help="Share of capacity one eviction pass frees."),
+    allocation_strategy: str = typer.Option("random", help="random | free_ratio_first"),
+    token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    ready_file: str = typer.Option(None, help="Write the bound ports here as JSON once ready."),
+) -> None:
+    """Run the store master: metadata only (placement, leases, eviction, liveness).
+
+    Clients connect with master address HOST:PORT; bytes never pass through the master.
+    """
+    from kvplane.store.master.config import MasterConfig
+    from kvplane.store.master.server import MasterServer
+    from kvplane.transfer.metadata_server import serve_in_thread
+
+    tok = token if token is not None else envs.get("KVPLANE_TOKEN")
+    cfg = MasterConfig(lease_ttl=lease_ttl, client_ttl=client_ttl, high_watermark=high_watermark,
+                       evict_ratio=evict_ratio, allocation_strategy=allocation_strategy)  # type: ignore[arg-type]
+    meta = serve_in_thread(host, metadata_port, tok) if metadata_port is not None else None
+    srv = MasterServer(cfg, host, port, admin_port, tok)
+    _announce({"master": f"{host}:{srv.port}", "admin_port": srv.http.port if srv.http else None,
+               "metadata": f"http://{host}:{meta.port}/metadata" if meta else None}, ready_file)
+    _wait_for_signal()
+    srv.close()
+    if meta:
+        meta.close()
+
+
+def segment(
+    size: str = typer.Option("4GiB", help="DRAM this process contributes to the pool."),
+    master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address."),
+    metadata: str = typer.Option("P2PHANDSHAKE", help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
+    host: str = typer.Option("127.0.0.1", help="Address the data listener binds and advertises."),
+    token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    ready_file: str = typer.Option(None, help="Write the segment name here as JSON once mounted."),
+) -> None:
+    """Contribute a shared-memory DRAM segment to the pool (Mooncake's mooncake_client role)."""
+    from kvplane.common.config import parse_size
+    from kvplane.store.client.client import StoreClient
+    from kvplane.store.config import StoreConfig
+
+    tok = token if token is not None else envs.get("KVPLANE_TOKEN")
+    c = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
+                                global_segment_size=parse_size(size), local_buffer_size=0, token=tok))
+    _announce({"segment": c.segment_name, "size": parse_size(size)}, ready_file)
+    _wait_for_signal()
+    c.close()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("master")(master)
+    app.command("segment")(segment)

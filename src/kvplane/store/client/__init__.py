@@ -1,0 +1,1 @@
+"""Store clients: the blocking core (``client.StoreClient``) and its asyncio facade."""

@@ -1,0 +1,309 @@
+"""StoreClient: the blocking store client (Mooncake semantics; batch is the primitive).
+
+A put is PutStart (master allocates replicas) -> transfer-engine writes -> PutEnd (or
+PutRevoke on failure). A get is GetReplicaList (master grants a read lease) -> a transfer from
+the best replica (same host first, through shared memory) -> fail over to the next replica.
+Bytes never pass through the master. A client with ``global_segment_size > 0`` contributes a
+shared-memory segment to the pool and heartbeats; after a master restart it remounts.
+
+Why blocking and not asyncio at the core: a store op is two round trips of ~30 us each here, and
+an event-loop hop per call costs as much again. The asyncio facade (``aio.AsyncStoreClient``)
+runs this core in a thread pool, as Mooncake's async store does.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+
+from kvplane.common import log as klog
+from kvplane.common.errors import KVPlaneError, Timeout, Unavailable
+from kvplane.common.rpc import RpcClient
+from kvplane.store.config import StoreConfig
+from kvplane.store.client.staging import Staging
+from kvplane.store.errors import (
+    InvalidParams, LeaseExpired, ObjectExists, TransferFail,
+)
+from kvplane.store.types import (
+    CodesRep, KeyResult, KeysReq, MountReq, PingRep, PingReq, PutStartReq, RegexReq, RemoveReq,
+    Replica, ReplicateConfig, ResultsRep, SegmentInfo,
+)
+from kvplane.transfer import EngineConfig, OpCode, TransferEngine, TransferRequest, TransferStatus
+
+log = logging.getLogger(__name__)
+OK = TransferStatus.COMPLETED
+
+
+class StoreClient:
+    """A store client. Thread-safe; every call is bounded by ``config.timeout``.
+
+    Args:
+        config: a StoreConfig; keyword ``overrides`` replace its fields.
+    """
+
+    def __init__(self, config: StoreConfig | None = None, **overrides: Any) -> None:
+        cfg = config or StoreConfig.from_env()
+        if overrides:
+            cfg = StoreConfig(**{**cfg.__dict__, **overrides})
+        self.config = cfg
+        self.engine = TransferEngine(EngineConfig.from_env(
+            host=cfg.local_hostname, metadata=cfg.metadata, protocol=cfg.protocol,
+            token=cfg.token, timeout=cfg.timeout))
+        self.rpc = RpcClient(cfg.master, cfg.token, cfg.timeout)
+        self._handles: dict[str, int] = {}
+        self._segments: list[SegmentInfo] = []
+        self._closed = threading.Event()
+        self.staging = Staging(self.engine, cfg.local_buffer_size)
+        self.remounts = 0
+        if cfg.global_segment_size > 0:
+            buf = self.engine.allocate_managed_buffer(cfg.global_segment_size)
+            self._segments = [SegmentInfo(self.engine.name, buf.addr, cfg.global_segment_size,
+                                          cfg.client_id, self.engine.name, self.engine.host_id)]
+        self.mount()
+        self._hb = threading.Thread(target=self._heartbeat, daemon=True,
+                                    name=f"store-heartbeat-{cfg.client_id[:8]}")
+        self._hb.start()
+
+    # -- liveness ------------------------------------------------------------------------------
+    def mount(self) -> None:
+        """(Re)register this client and its segments with the master."""
+        self.rpc.call("mount", MountReq(self.config.client_id, self._segments), int)
+
+    def _heartbeat(self) -> None:
+        failures = 0
+        while not self._closed.wait(self.config.heartbeat_interval):
+            try:
+                rep = self.rpc.call("ping", PingReq(self.config.client_id), PingRep,
+                                    timeout=min(self.config.timeout, 5.0))
+                failures = 0
+                if rep.status == "need_remount":
+                    self.mount()
+                    self.engine.publish()
+                    self.remounts += 1
+                    klog.event("store_remounted", client_id=self.config.client_id)
+            except KVPlaneError as exc:
+                failures += 1
+                if failures in (1, 3) or failures % 30 == 0:
+                    log.warning("heartbeat to master %s failed (%d): %s",
+                                self.config.master, failures, exc)
+
+    def health_check(self) -> int:
+        """0 healthy, 1 closed, 2 master unreachable (Mooncake's codes)."""
+        if self._closed.is_set():
+            return 1
+        try:
+            self.rpc.call("ping", PingReq(self.config.client_id), PingRep, timeout=2.0)
+        except KVPlaneError:
+            return 2
+        return 0
+
+    # -- transfers ----------------------------------------------------------------------------
+    def _handle(self, segment: str, refresh: bool = False) -> int:
+        h = self._handles.get(segment)
+        if h is None or refresh:
+            h = self.engine.open_segment(segment, timeout=min(self.config.timeout, 5.0))
+            self._handles[segment] = h
+        return h
+
+    def _ordered(self, replicas: list[Replica]) -> list[Replica]:
+        mine = self.engine.host_id
+        return sorted(replicas, key=lambda r: r.host_id != mine)  # same host first (stable)
+
+    def _run(self, reqs: list[tuple[int, Replica, OpCode, int, int]]) -> list[bool]:
+        """Run (index, replica, op, local_addr, size) moves; True where each completed."""
+        out = [False] * len(reqs)
+        batch: list[TransferRequest] = []
+        where: list[int] = []
+        for i, (_, rep, op, addr, size) in enumerate(reqs):
+            try:
+                h = self._handle(rep.segment)
+            except KVPlaneError as exc:
+                log.debug("segment %s unreachable: %s", rep.segment, exc)
+                continue
+            batch.append(TransferRequest(op, addr, h, rep.addr, size))
+            where.append(i)
+        if batch:
+            for i, st in zip(where, self.engine.transfer(batch, self.config.timeout)):
+                out[i] = st == OK
+            if not all(out[i] for i in where):  # a segment may have restarted: refresh once
+                for i in where:
+                    if not out[i]:
+                        self._handles.pop(reqs[i][1].segment, None)
+        return out
+
+    # -- zero-copy batch primitives ---------------------------------------------------------------
+    def batch_put_from(self, keys: list[str], addrs: list[int], sizes: list[int],
+                       config: ReplicateConfig | None = None, upsert: bool = False) -> list[int]:
+        """Store ``sizes[i]`` bytes at registered ``addrs[i]`` under ``keys[i]``.
+
+        Returns per key 0 (stored, or already present: a put never overwrites) or a negative
+        error code. ``upsert=True`` overwrites.
+        """
+        if not len(keys) == len(addrs) == len(sizes):
+            raise InvalidParams("keys, buffers and sizes differ in length")
+        if not keys:
+            return []
+        cfg = config or ReplicateConfig()
+        rep = self.rpc.call("put_start", PutStartReq(self.config.client_id, list(keys),
+                                                     [int(s) for s in sizes], cfg, upsert),
+                            ResultsRep)
+        codes = [r.code for r in rep.results]
+        moves = [(i, replica, OpCode.WRITE, int(addrs[i]), int(sizes[i]))
+                 for i, r in enumerate(rep.results) if r.code == 0 for replica in r.replicas]
+        done = self._run(moves)
+        failed = {m[0] for m, ok in zip(moves, done) if not ok}
+        ends = [keys[i] for i, c in enumerate(codes) if c == 0 and i not in failed]
+        revokes = [keys[i] for i in sorted(failed)]
+        if ends:
+            self.rpc.call("put_end", KeysReq(self.config.client_id, ends), CodesRep)
+        if revokes:
+            self.rpc.call("put_revoke", KeysReq(self.config.client_id, revokes), CodesRep)
+        for i in failed:
+            codes[i] = TransferFail.code
+        return [0 if c == ObjectExists.code else c for c in codes]
+
+    def batch_get_into(self, keys: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
+        """Read objects into registered buffers; per key the bytes read or a negative code."""
+        if not len(keys) == len(addrs) == len(sizes):
+            raise InvalidParams("keys, buffers and sizes differ in length")
+        if not keys:
+            return []
+        t0 = time.monotonic()
+        results = self._get_replicas(keys)
+        return self._read(results, [int(a) for a in addrs], [int(s) for s in sizes], t0)
+
+    def _get_replicas(self, keys: list[str]) -> list[KeyResult]:
+        return self.rpc.call("get_replicas", KeysReq(self.config.client_id, list(keys)),
+                             ResultsRep).results
+
+    def _read(self, results: list[KeyResult], addrs: list[int], caps: list[int], t0: float) -> list[int]:
+        out = [r.code if r.code else r.size for r in results]
+        todo: dict[int, list[Replica]] = {}
+        for i, r in enumerate(results):
+            if r.code:
+                continue
+            if r.size > caps[i]:
+                out[i] = InvalidParams.code
+                continue
+            todo[i] = self._ordered(r.replicas)
+        while todo:
+            moves = [(i, reps.pop(0), OpCode.READ, addrs[i], results[i].size)
+                     for i, reps in todo.items()]
+            for m, ok in zip(moves, self._run(moves)):
+                i = m[0]
+                if ok:
+                    todo.pop(i)
+                elif not todo[i]:
+                    todo.pop(i)
+                    out[i] = TransferFail.code
+        if time.monotonic() - t0 > self.config.lease_ttl:
+            return [LeaseExpired.code if o > 0 else o for o in out]
+        return out
+
+    # -- the rest of the API --------------------------------------------------------------------------
+    def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        return self.batch_put_from([key], [addr], [size], config)[0]
+
+    def get_into(self, key: str, addr: int, size: int) -> int:
+        return self.batch_get_into([key], [addr], [size])[0]
+
+    def put_batch(self, keys: list[str], values: list[bytes], config: ReplicateConfig | None = None,
+                  upsert: bool = False) -> list[int]:
+        """Copying form: values are staged in registered memory, then written."""
+        with ExitStack() as stack:
+            addrs = []
+            for v in values:
+                addr, view = stack.enter_context(self.staging.block(len(v)))
+                view[:] = np.frombuffer(v, np.uint8)
+                addrs.append(addr)
+            return self.batch_put_from(keys, addrs, [len(v) for v in values], config, upsert)
+
+    def put(self, key: str, value: bytes, config: ReplicateConfig | None = None) -> int:
+        return self.put_batch([key], [value], config)[0]
+
+    def upsert(self, key: str, value: bytes, config: ReplicateConfig | None = None) -> int:
+        return self.put_batch([key], [value], config, upsert=True)[0]
+
+    def upsert_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        return self.batch_put_from([key], [addr], [size], config, upsert=True)[0]
+
+    def get_batch(self, keys: list[str]) -> list[bytes | int]:
+        """Copying form: each entry is the bytes, or a negative error code."""
+        t0 = time.monotonic()
+        results = self._get_replicas(keys)
+        out: list[bytes | int] = []
+        with ExitStack() as stack:
+            addrs, caps = [], []
+            blocks = []
+            for r in results:
+                addr, view = stack.enter_context(self.staging.block(r.size if r.code == 0 else 0))
+                addrs.append(addr)
+                caps.append(r.size)
+                blocks.append(view)
+            for n, view in zip(self._read(results, addrs, caps, t0), blocks):
+                out.append(view[:n].tobytes() if n >= 0 else n)
+        return out
+
+    def get(self, key: str) -> bytes | int:
+        return self.get_batch([key])[0]
+
+    def batch_exists(self, keys: list[str]) -> list[int]:
+        return self.rpc.call("exist", KeysReq(self.config.client_id, list(keys)), CodesRep).codes
+
+    def exists(self, key: str) -> int:
+        return self.batch_exists([key])[0]
+
+    def get_size(self, key: str) -> int:
+        return self.rpc.call("get_size", KeysReq(self.config.client_id, [key]), CodesRep).codes[0]
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        return self.rpc.call("remove", RemoveReq(self.config.client_id, list(keys), force),
+                             CodesRep).codes
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return self.batch_remove([key], force)[0]
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        re.compile(pattern)
+        return self.rpc.call("remove_regex", RegexReq(self.config.client_id, pattern, force), int)
+
+    def remove_all(self, force: bool = False) -> int:
+        return self.rpc.call("remove_all", RegexReq(self.config.client_id, "", force), int)
+
+    def register_buffer(self, obj: Any, length: int | None = None) -> int:
+        """Register user memory for the zero-copy calls; returns its address."""
+        return self.engine.register_memory(obj, length).addr
+
+    def unregister_buffer(self, addr: int) -> None:
+        self.engine.unregister_memory(addr)
+
+    @property
+    def segment_name(self) -> str:
+        return self.engine.name
+
+    def close(self) -> None:
+        """Stop heartbeating, unmount, and release the engine (idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._hb.join(self.config.heartbeat_interval + 1)
+        if self._segments:
+            try:
+                self.rpc.call("unmount", MountReq(self.config.client_id, self._segments), int,
+                              timeout=2.0)
+            except (Timeout, Unavailable, KVPlaneError) as exc:
+                log.debug("unmount on close failed: %s", exc)
+        self.rpc.close()
+        self.engine.close()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

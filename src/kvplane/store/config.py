@@ -1,0 +1,53 @@
+"""StoreConfig: how a client reaches the master and what it contributes."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvplane.common import envs
+from kvplane.common.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Store client configuration (Mooncake's setup() arguments, plus timeouts).
+
+    Attributes:
+        master: master RPC address ``host:port``.
+        metadata: transfer-engine metadata: ``P2PHANDSHAKE`` or a backend URL.
+        local_hostname: address this client's engine binds and advertises.
+        protocol: ``auto`` (shared memory on one host, else TCP) or ``tcp`` (TCP even on one host).
+        global_segment_size: bytes this client contributes to the pool (0: pure client).
+        local_buffer_size: registered staging for the bytes API (put/get of ``bytes``).
+        token: shared token for the master and the data listener.
+        timeout: seconds for one master RPC or one transfer.
+        heartbeat_interval: seconds between pings (Mooncake 1 s).
+        lease_ttl: the master's read lease, seconds; a read slower than this fails (LEASE_EXPIRED).
+        client_id: unique id of this client (fresh by default).
+    """
+
+    master: str = "127.0.0.1:50051"
+    metadata: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "auto"
+    global_segment_size: int = 0
+    local_buffer_size: int = 64 << 20
+    token: str = ""
+    timeout: float = 10.0
+    heartbeat_interval: float = 1.0
+    lease_ttl: float = 10.0
+    client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if self.global_segment_size < 0 or self.local_buffer_size < 0:
+            raise InvalidArgument("segment and buffer sizes must be >= 0")
+        if self.timeout <= 0 or self.heartbeat_interval <= 0:
+            raise InvalidArgument("timeout and heartbeat_interval must be > 0")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "StoreConfig":
+        """Defaults, then KVPLANE_TOKEN, then explicit ``overrides``."""
+        base = cls(token=envs.get("KVPLANE_TOKEN"))
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})

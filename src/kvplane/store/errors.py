@@ -1,0 +1,113 @@
+"""Store errors, carrying Mooncake's numeric ErrorCode values on the wire.
+
+::
+
+    KVPlaneError
+    ├── NotFound
+    │   ├── ObjectNotFound        -704
+    │   ├── SegmentNotFound       -101
+    │   └── ClientNotFound        -103
+    ├── Conflict
+    │   ├── ObjectExists          -705
+    │   ├── ObjectHasLease        -706
+    │   ├── SegmentExists         -102
+    │   └── ReplicaNotReady       -703
+    ├── NoSpace
+    │   └── NoAvailableHandle     -200
+    ├── InvalidArgument
+    │   ├── InvalidKey            -400
+    │   └── InvalidParams         -600
+    ├── LeaseExpired              -707
+    └── TransferFail              -800 (retryable)
+"""
+
+from __future__ import annotations
+
+from kvplane.common.errors import (
+    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, register_code,
+)
+
+
+@register_code
+class ObjectNotFound(NotFound):
+    """No complete object under that key (Mooncake OBJECT_NOT_FOUND)."""
+
+    code = -704
+
+
+@register_code
+class ObjectExists(Conflict):
+    """The key exists already; a plain put does not overwrite (OBJECT_ALREADY_EXISTS)."""
+
+    code = -705
+
+
+@register_code
+class ObjectHasLease(Conflict):
+    """A read lease blocks the removal (OBJECT_HAS_LEASE)."""
+
+    code = -706
+
+
+@register_code
+class ReplicaNotReady(Conflict):
+    """The object is still being written (REPLICA_IS_NOT_READY)."""
+
+    code = -703
+
+
+@register_code
+class SegmentNotFound(NotFound):
+    """SEGMENT_NOT_FOUND."""
+
+    code = -101
+
+
+@register_code
+class SegmentExists(Conflict):
+    """SEGMENT_ALREADY_EXISTS."""
+
+    code = -102
+
+
+@register_code
+class ClientNotFound(NotFound):
+    """CLIENT_NOT_FOUND."""
+
+    code = -103
+
+
+@register_code
+class NoAvailableHandle(NoSpace):
+    """No segment has room (NO_AVAILABLE_HANDLE)."""
+
+    code = -200
+
+
+@register_code
+class InvalidKey(InvalidArgument):
+    """Empty, too long, or otherwise unusable key (INVALID_KEY)."""
+
+    code = -400
+
+
+@register_code
+class InvalidParams(InvalidArgument):
+    """INVALID_PARAMS."""
+
+    code = -600
+
+
+@register_code
+class LeaseExpired(KVPlaneError):
+    """The read lease ran out before the transfer finished (LEASE_EXPIRED)."""
+
+    code = -707
+
+
+@register_code
+class TransferFail(KVPlaneError):
+    """Every replica failed to transfer (TRANSFER_FAIL)."""
+
+    code = -800
+    retryable = True

@@ -1,0 +1,236 @@
+"""The master process: binds MasterState to the control RPC, runs the liveness/eviction timer,
+and serves the admin HTTP API (Prometheus /metrics, /health, /query_key, /segments...).
+
+The only module of the store master that binds sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query
+
+from kvplane.common import log as klog
+from kvplane.common import metrics
+from kvplane.common.http import ServerThread
+from kvplane.common.rpc import RpcServer
+from kvplane.store.master.config import MasterConfig
+from kvplane.store.master.state import MasterState
+from kvplane.store.types import (
+    CodesRep, KeysReq, MountReq, PingRep, PingReq, PutStartReq, RegexReq, RemoveReq, ResultsRep,
+)
+
+log = logging.getLogger(__name__)
+
+KEYS = metrics.Gauge("master_key_count", "Objects held by the master")
+ALLOCATED = metrics.Gauge("master_allocated_bytes", "Bytes allocated in mounted segments")
+CAPACITY = metrics.Gauge("master_total_capacity_bytes", "Bytes of mounted segments")
+CLIENTS = metrics.Gauge("master_active_clients", "Clients with a live heartbeat")
+SEGMENTS = metrics.Gauge("master_mounted_segments", "Mounted segments")
+EVICTED = metrics.Counter("master_evicted_key_count", "Objects evicted")
+EXPIRED = metrics.Counter("master_expired_clients_total", "Clients dropped after their TTL")
+RPCS = metrics.Counter("master_rpc_requests_total", "Master RPCs served", ["method"])
+
+TICK = 0.1  # seconds between liveness / eviction / reclaim passes
+
+
+class MasterServer:
+    """A running master: RPC on ``port``, admin HTTP on ``admin_port`` (None: no HTTP).
+
+    Args:
+        config: master semantics (leases, TTLs, watermarks, placement).
+        host: bind address for both listeners.
+        port: RPC port (Mooncake default 50051; 0 picks one).
+        admin_port: admin/metrics HTTP port (Mooncake default 9003; 0 picks one; None disables).
+        token: shared token for RPC.
+        clock: monotonic clock (tests may inject one).
+    """
+
+    def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0,
+                 admin_port: int | None = 0, token: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.state = MasterState(config)
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.rpc = RpcServer(host, port, token)
+        self.port = self.rpc.port
+        for name, fn, typ in (
+            ("mount", self._mount, MountReq), ("unmount", self._unmount, MountReq),
+            ("ping", self._ping, PingReq), ("put_start", self._put_start, PutStartReq),
+            ("put_end", self._put_end, KeysReq), ("put_revoke", self._put_revoke, KeysReq),
+            ("get_replicas", self._get_replicas, KeysReq), ("exist", self._exist, KeysReq),
+            ("get_size", self._get_size, KeysReq), ("remove", self._remove, RemoveReq),
+            ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
+        ):
+            self.rpc.add(name, self._counted(name, fn), typ)
+        self.rpc.start()
+        self._stop = threading.Event()
+        self._timer = threading.Thread(target=self._tick_loop, name="master-timer", daemon=True)
+        self._timer.start()
+        self.http: ServerThread | None = None
+        if admin_port is not None:
+            self.http = ServerThread(self.admin_app(), host, admin_port)
+        klog.event("master_started", port=self.port,
+                   admin_port=self.http.port if self.http else None)
+
+    # -- rpc handlers (each under the state lock) --------------------------------------------
+    def _counted(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        counter = RPCS.labels(name)
+
+        def handler(req: Any) -> Any:
+            counter.inc()
+            with self.lock:
+                return fn(req)
+        return handler
+
+    def _mount(self, req: MountReq) -> int:
+        self.state.mount(req.client_id, req.segments, self.clock())
+        self.state.view_version += 1
+        return 0
+
+    def _unmount(self, req: MountReq) -> int:
+        for s in req.segments:
+            self.state.unmount(s.name)
+        return 0
+
+    def _ping(self, req: PingReq) -> PingRep:
+        return PingRep(self.state.ping(req.client_id, self.clock()), self.state.view_version)
+
+    def _local(self, client_id: str) -> frozenset[str]:
+        client = self.state.clients.get(client_id)
+        if client is None:
+            return frozenset()
+        hosts = {self.state.segments[s].info.host_id for s in client.segments
+                 if s in self.state.segments}
+        return frozenset(n for n, s in self.state.segments.items() if s.info.host_id in hosts)
+
+    def _put_start(self, req: PutStartReq) -> ResultsRep:
+        now = self.clock()
+        local = self._local(req.client_id) if req.config.prefer_alloc_in_same_node else frozenset()
+        return ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local)
+                           for k, n in zip(req.keys, req.sizes, strict=True)])
+
+    def _put_end(self, req: KeysReq) -> CodesRep:
+        now = self.clock()
+        return CodesRep([self.state.put_end(k, now) for k in req.keys])
+
+    def _put_revoke(self, req: KeysReq) -> CodesRep:
+        now = self.clock()
+        return CodesRep([self.state.put_revoke(k, now) for k in req.keys])
+
+    def _get_replicas(self, req: KeysReq) -> ResultsRep:
+        now = self.clock()
+        return ResultsRep([self.state.get_replicas(k, now) for k in req.keys])
+
+    def _exist(self, req: KeysReq) -> CodesRep:
+        now = self.clock()
+        return CodesRep([self.state.exist(k, now) for k in req.keys])
+
+    def _get_size(self, req: KeysReq) -> CodesRep:
+        out = []
+        for k in req.keys:
+            obj = self.state.objects.get(k)
+            out.append(obj.size if obj is not None and obj.complete else -704)
+        return CodesRep(out)
+
+    def _remove(self, req: RemoveReq) -> CodesRep:
+        now = self.clock()
+        return CodesRep([self.state.remove(k, req.force, now) for k in req.keys])
+
+    def _remove_regex(self, req: RegexReq) -> int:
+        return self.state.remove_regex(req.pattern, req.force, self.clock())
+
+    def _remove_all(self, req: RegexReq) -> int:
+        return self.state.remove_all(req.force, self.clock())
+
+    # -- background --------------------------------------------------------------------------------
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(TICK):
+            try:
+                self.tick()
+            except Exception:  # keep the timer alive; count and back off through the tick
+                log.exception("master timer pass failed")
+
+    def tick(self) -> None:
+        """One liveness + reclaim + eviction pass, and a metrics refresh."""
+        with self.lock:
+            now = self.clock()
+            for cid in self.state.expire_clients(now):
+                EXPIRED.inc()
+                klog.event("client_expired", client_id=cid)
+            self.state.reclaim(now)
+            n = self.state.evict(now)
+            if n:
+                EVICTED.inc(n)
+                klog.event("evicted", count=n)
+            segs = self.state.segments.values()
+            KEYS.set(len(self.state.objects))
+            ALLOCATED.set(sum(s.alloc.used for s in segs))
+            CAPACITY.set(sum(s.alloc.capacity for s in segs))
+            CLIENTS.set(len(self.state.clients))
+            SEGMENTS.set(len(self.state.segments))
+
+    # -- admin http -----------------------------------------------------------------------------
+    def admin_app(self) -> FastAPI:
+        """Mooncake-style admin API (read-only views; no leases are taken)."""
+        app = FastAPI(title="kvplane master", version="1")
+        st = self.state
+
+        @app.get("/health")
+        def health() -> dict[str, Any]:
+            return {"status": "ok", "role": "leader", "ready": True,
+                    "keys": len(st.objects), "segments": len(st.segments)}
+
+        @app.get("/query_key")
+        def query_key(key: str = Query(..., max_length=4096)) -> dict[str, Any]:
+            with self.lock:
+                obj = st.objects.get(key)
+                if obj is None or not obj.complete:
+                    raise HTTPException(404, detail={"error_code": -704})
+                data = [{"size_": obj.size, "buffer_address_": st.segments[s].info.base + o,
+                         "protocol_": "tcp", "transport_endpoint_": st.segments[s].info.endpoint,
+                         "segment": s} for s, o in obj.replicas]
+            return {"success": True, "data": data}
+
+        @app.get("/get_all_keys")
+        def all_keys(limit: int = Query(10000, ge=1, le=1_000_000)) -> list[str]:
+            with self.lock:
+                return [k for k, o in list(st.objects.items())[:limit] if o.complete]
+
+        @app.get("/get_all_segments")
+        def all_segments() -> list[str]:
+            with self.lock:
+                return list(st.segments)
+
+        @app.get("/segments")
+        def segments() -> list[dict[str, Any]]:
+            with self.lock:
+                return [{"segment_name": n, "client_id": s.info.client_id, "base_address": s.info.base,
+                         "size_bytes": s.info.size, "te_endpoint": s.info.endpoint,
+                         "allocator_used_bytes": s.alloc.used,
+                         "allocator_capacity_bytes": s.alloc.capacity,
+                         "allocator_usage_percent": round(100 * s.alloc.used / s.alloc.capacity, 2)}
+                        for n, s in st.segments.items()]
+
+        app.add_api_route("/get_segments_detail", segments, methods=["GET"])
+        app.mount("/metrics", metrics.asgi_app())
+        return app
+
+    def close(self) -> None:
+        """Stop the timer, RPC and HTTP (idempotent)."""
+        self._stop.set()
+        self.rpc.close()
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+        self._timer.join(2)
+
+    def __enter__(self) -> "MasterServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,98 @@
+"""Store wire types: replicate config, replica descriptors, and master RPC messages."""
+
+from __future__ import annotations
+
+import msgspec
+
+MAX_KEY = 4096  # bytes of a key
+MAX_VALUE = 1 << 40  # bytes of one object
+
+
+class ReplicateConfig(msgspec.Struct, kw_only=True):
+    """How an object is placed (Mooncake's ReplicateConfig fields)."""
+
+    replica_num: int = 1
+    with_hard_pin: bool = False
+    with_soft_pin: bool = False
+    soft_pin_ttl_ms: int | None = None
+    preferred_segment: str = ""
+    preferred_segments: list[str] = msgspec.field(default_factory=list)
+    prefer_alloc_in_same_node: bool = False
+
+
+class Replica(msgspec.Struct, array_like=True):
+    """One memory replica: a contiguous buffer in a segment (Mooncake's buffer descriptor)."""
+
+    segment: str
+    addr: int
+    size: int
+    endpoint: str = ""  # transfer-engine endpoint (host:port) of the segment
+    host_id: str = ""
+
+
+class SegmentInfo(msgspec.Struct):
+    """A mounted segment as the master records it."""
+
+    name: str
+    base: int
+    size: int
+    client_id: str
+    endpoint: str
+    host_id: str
+    used: int = 0
+
+
+# --- RPC messages ----------------------------------------------------------------------
+class MountReq(msgspec.Struct):
+    client_id: str
+    segments: list[SegmentInfo]
+
+
+class PingReq(msgspec.Struct):
+    client_id: str
+
+
+class PingRep(msgspec.Struct):
+    status: str  # "ok" | "need_remount"
+    view_version: int
+
+
+class PutStartReq(msgspec.Struct):
+    client_id: str
+    keys: list[str]
+    sizes: list[int]
+    config: ReplicateConfig
+    upsert: bool = False
+
+
+class KeyResult(msgspec.Struct, array_like=True):
+    """Per-key outcome: code 0 and replicas, or a negative error code."""
+
+    code: int
+    replicas: list[Replica] = msgspec.field(default_factory=list)
+    size: int = 0
+
+
+class KeysReq(msgspec.Struct):
+    client_id: str
+    keys: list[str]
+
+
+class RemoveReq(msgspec.Struct):
+    client_id: str
+    keys: list[str]
+    force: bool = False
+
+
+class RegexReq(msgspec.Struct):
+    client_id: str
+    pattern: str
+    force: bool = False
+
+
+class ResultsRep(msgspec.Struct):
+    results: list[KeyResult]
+
+
+class CodesRep(msgspec.Struct):
+    codes: list[int]

@@ -1,0 +1,118 @@
+"""A store client process for tests: reads JSON commands on stdin, answers JSON on stdout.
+
+Values are derived from their keys (``value_of``), so any process can verify any object.
+
+    python -m kvplane.testing.store_worker --master HOST:PORT [--protocol tcp] [--segment-mb 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import zlib
+
+import numpy as np
+
+from kvplane.store.client.client import StoreClient
+from kvplane.store.config import StoreConfig
+from kvplane.store.types import ReplicateConfig
+
+
+def value_of(key: str, size: int) -> np.ndarray:
+    """The bytes stored under ``key`` in these tests."""
+    seed = zlib.crc32(key.encode())
+    return ((np.arange(size, dtype=np.int64) * 7 + seed) % 251).astype(np.uint8)
+
+
+def check(c: StoreClient, key: str, size: int) -> str:
+    """"ok", "missing" or "corrupt"."""
+    got = c.get(key)
+    if isinstance(got, int):
+        return "missing"
+    return "ok" if np.array_equal(np.frombuffer(got, np.uint8), value_of(key, size)) else "corrupt"
+
+
+def mixed(c: StoreClient, n: int, prefix: str, seed: int) -> dict[str, object]:
+    """``n`` random puts / gets / removes; returns what was acknowledged and what went wrong."""
+    rng = random.Random(seed)
+    live: dict[str, int] = {}
+    stats = {"put": 0, "get": 0, "remove": 0, "corrupt": 0, "lost": 0, "errors": 0}
+    for i in range(n):
+        r = rng.random()
+        if r < 0.5 or not live:
+            key, size = f"{prefix}-{i}", rng.choice([64, 4096, 20000, 65536])
+            code = c.put(key, value_of(key, size).tobytes())
+            if code == 0:
+                live[key] = size
+                stats["put"] += 1
+            else:
+                stats["errors"] += 1
+        elif r < 0.9:
+            key = rng.choice(list(live))
+            res = check(c, key, live[key])
+            stats["get"] += 1
+            if res == "corrupt":
+                stats["corrupt"] += 1
+            elif res == "missing":
+                stats["lost"] += 1
+        else:
+            key = rng.choice(list(live))
+            if c.remove(key, force=True) == 0:
+                del live[key]
+                stats["remove"] += 1
+    return {"live": live, **stats}
+
+
+def read_loop(c: StoreClient, keys: dict[str, int], seconds: float) -> dict[str, object]:
+    """Read and verify ``keys`` round-robin for ``seconds``; report outcomes and worst latency."""
+    out = {"ok": 0, "missing": 0, "corrupt": 0, "max_latency_s": 0.0}
+    end = time.monotonic() + seconds
+    items = list(keys.items())
+    i = 0
+    while time.monotonic() < end:
+        key, size = items[i % len(items)]
+        t = time.monotonic()
+        res = check(c, key, size)
+        out["max_latency_s"] = max(out["max_latency_s"], time.monotonic() - t)  # type: ignore[type-var]
+        out[res] += 1  # type: ignore[operator]
+        i += 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--protocol", default="auto")
+    ap.add_argument("--segment-mb", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=5.0)
+    a = ap.parse_args(argv)
+    c = StoreClient(StoreConfig(master=a.master, protocol=a.protocol, timeout=a.timeout,
+                                global_segment_size=a.segment_mb << 20, local_buffer_size=16 << 20))
+    print(json.dumps({"segment": c.segment_name}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "put":
+            cfg = ReplicateConfig(replica_num=cmd.get("replicas", 1))
+            keys, size = cmd["keys"], cmd["size"]
+            res: object = c.put_batch(keys, [value_of(k, size).tobytes() for k in keys], cfg)
+        elif op == "check":
+            res = {k: check(c, k, s) for k, s in cmd["keys"].items()}
+        elif op == "mixed":
+            res = mixed(c, cmd["n"], cmd["prefix"], cmd["seed"])
+        elif op == "read_loop":
+            res = read_loop(c, cmd["keys"], cmd["seconds"])
+        elif op == "health":
+            res = c.health_check()
+        else:
+            res = {"error": f"unknown op {op}"}
+        print(json.dumps({"result": res, "remounts": c.remounts}), flush=True)
+    c.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

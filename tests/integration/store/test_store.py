@@ -1,0 +1,115 @@
+"""The store end to end: master + segment processes + client processes on 127.0.0.1."""
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from kvplane.store.client.client import StoreClient
+from kvplane.store.master.server import MasterServer
+from kvplane.store.types import ReplicateConfig
+from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
+from kvplane.testing.store_worker import value_of
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with spawn_master() as m:
+        addr = m.info["master"]
+        with spawn_segment(addr) as s1, spawn_segment(addr) as s2:
+            yield {"master": addr, "admin": m.info["admin_port"], "segments": [s1, s2]}
+
+
+def ask(proc, **cmd):
+    return proc.ask(json.dumps(cmd), timeout=60)["result"]
+
+
+def test_two_clients_two_segments(cluster):
+    with spawn_worker(cluster["master"], "--protocol", "tcp") as w1, \
+            spawn_worker(cluster["master"]) as w2:
+        keys = [f"tc-{i}" for i in range(20)]
+        assert ask(w1, op="put", keys=keys, size=100_000, replicas=2) == [0] * 20
+        assert set(ask(w2, op="check", keys={k: 100_000 for k in keys}).values()) == {"ok"}
+        detail = httpx.get(f"http://127.0.0.1:{cluster['admin']}/query_key",
+                           params={"key": "tc-0"}).json()
+        assert len({d["segment"] for d in detail["data"]}) == 2  # two distinct segments
+        segs = httpx.get(f"http://127.0.0.1:{cluster['admin']}/get_segments_detail").json()
+        assert {s["segment_name"] for s in segs} == {p.info["segment"] for p in cluster["segments"]}
+        assert all(s["allocator_used_bytes"] > 0 for s in segs)
+
+
+@pytest.fixture
+def client(cluster):
+    with StoreClient(master=cluster["master"], protocol="tcp") as c:
+        yield c
+
+
+def test_put_semantics(client):
+    assert client.put("sem-a", b"one") == 0
+    assert client.put("sem-a", b"two") == 0  # exists: success, no overwrite
+    assert client.get("sem-a") == b"one"
+    assert client.upsert("sem-a", b"three!") == 0
+    assert client.get("sem-a") == b"three!"
+    assert client.get_size("sem-a") == 6
+    assert client.exists("sem-a") == 1 and client.exists("sem-none") == 0
+    assert client.batch_exists(["sem-a", "sem-none"]) == [1, 0]
+    assert client.get("sem-none") == -704
+
+
+def test_leases_block_remove(client):
+    client.put("lease-a", b"x")
+    client.get("lease-a")
+    assert client.remove("lease-a") == -706
+    assert client.remove("lease-a", force=True) == 0
+    assert client.remove("lease-a") == -704
+
+
+def test_regex_and_remove_all(client):
+    client.put_batch([f"rx-{i}" for i in range(5)] + ["other-1"], [b"v"] * 6)
+    assert client.remove_by_regex("^rx-", force=True) == 5
+    assert client.exists("other-1") == 1
+
+
+def test_zero_copy_batch(client):
+    src = np.concatenate([value_of(f"zc-{i}", MB) for i in range(4)])
+    dst = np.zeros_like(src)
+    client.register_buffer(src)
+    client.register_buffer(dst)
+    keys = [f"zc-{i}" for i in range(4)]
+    addrs = [src.ctypes.data + i * MB for i in range(4)]
+    assert client.batch_put_from(keys, addrs, [MB] * 4) == [0] * 4
+    got = client.batch_get_into(keys, [dst.ctypes.data + i * MB for i in range(4)], [MB] * 4)
+    assert got == [MB] * 4 and np.array_equal(src, dst)
+    assert client.get_into("zc-0", dst.ctypes.data, 100) == -600  # buffer too small
+    assert client.get_into("zc-none", dst.ctypes.data, MB) == -704
+
+
+def test_health_check(client):
+    assert client.health_check() == 0
+
+
+def test_same_host_replica_is_read_through_shared_memory():
+    with MasterServer(admin_port=None) as m:
+        addr = f"127.0.0.1:{m.port}"
+        with StoreClient(master=addr, global_segment_size=8 * MB) as seg, \
+                StoreClient(master=addr, protocol="auto") as c:
+            assert c.put("shm-k", value_of("shm-k", 2 * MB).tobytes()) == 0
+            frames = seg.engine._server.frames
+            got = c.get("shm-k")
+            assert np.array_equal(np.frombuffer(got, np.uint8), value_of("shm-k", 2 * MB))
+            assert seg.engine._server.frames == frames  # no TCP frame served the read
+            with StoreClient(master=addr, protocol="tcp") as t:
+                assert t.get("shm-k") == got
+            assert seg.engine._server.frames > frames
+
+
+def test_replicate_config_and_metrics(cluster, client):
+    cfg = ReplicateConfig(replica_num=2, with_hard_pin=True)
+    assert client.put("pin-k", b"p", cfg) == 0
+    text = httpx.get(f"http://127.0.0.1:{cluster['admin']}/metrics/").text
+    assert "master_key_count" in text and "master_rpc_requests_total" in text
+    assert httpx.get(f"http://127.0.0.1:{cluster['admin']}/health").json()["ready"] is True

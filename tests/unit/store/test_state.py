@@ -1,0 +1,189 @@
+"""MasterState semantics, each as a test, on an explicit timeline (no clocks, no sockets)."""
+
+import pytest
+
+from kvplane.common.errors import InvalidArgument
+from kvplane.store.errors import (
+    InvalidKey, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
+    SegmentExists,
+)
+from kvplane.store.master.config import MasterConfig
+from kvplane.store.master.state import MasterState
+from kvplane.store.types import ReplicateConfig, SegmentInfo
+
+MB = 1 << 20
+
+
+def state(n_segs=2, seg_size=MB, **cfg):
+    st = MasterState(MasterConfig(**cfg), seed=1)
+    for i in range(n_segs):
+        st.mount(f"c{i}", [SegmentInfo(f"s{i}", 1_000_000 * (i + 1), seg_size, "", f"h:{i}", "host")], 0.0)
+    return st
+
+
+def put(st, key, size=1000, now=0.0, **cfg):
+    r = st.put_start(key, size, ReplicateConfig(**cfg), now)
+    if r.code == 0:
+        assert st.put_end(key, now) == 0
+    return r
+
+
+def test_two_phase_put_is_invisible_until_end():
+    st = state()
+    r = st.put_start("k", 1000, ReplicateConfig(), 0.0)
+    assert r.code == 0 and len(r.replicas) == 1 and r.replicas[0].size == 1000
+    assert st.get_replicas("k", 0.0).code == ReplicaNotReady.code
+    assert st.exist("k", 0.0) == 0
+    st.put_end("k", 0.0)
+    got = st.get_replicas("k", 0.0)
+    assert got.code == 0 and got.replicas == r.replicas and st.exist("k", 0.0) == 1
+
+
+def test_put_existing_is_refused_upsert_overwrites():
+    st = state()
+    put(st, "k")
+    assert st.put_start("k", 2000, ReplicateConfig(), 1.0).code == ObjectExists.code
+    assert st.get_replicas("k", 1.0).size == 1000
+    up = st.put_start("k", 2000, ReplicateConfig(), 20.0, upsert=True)
+    assert up.code == 0
+    st.put_end("k", 20.0)
+    assert st.get_replicas("k", 20.0).size == 2000
+
+
+def test_revoke_frees_space():
+    st = state(n_segs=1)
+    st.put_start("k", MB, ReplicateConfig(), 0.0)
+    assert st.used_ratio() == 1.0
+    assert st.put_revoke("k", 0.0) == 0
+    assert st.used_ratio() == 0.0 and "k" not in st.objects
+    assert st.put_revoke("k", 0.0) == ObjectNotFound.code
+
+
+def test_replicas_on_distinct_segments_best_effort():
+    st = state(n_segs=3)
+    r = put(st, "k", replica_num=2)
+    assert len({x.segment for x in r.replicas}) == 2
+    r = put(st, "k2", replica_num=5)
+    assert len(r.replicas) == 3  # best effort: as many as there are segments
+
+
+def test_preferred_segment_first():
+    st = state(n_segs=3)
+    for i in range(10):
+        assert put(st, f"k{i}", preferred_segment="s2").replicas[0].segment == "s2"
+    assert put(st, "p", preferred_segments=["nope", "s1"]).replicas[0].segment == "s1"
+
+
+def test_free_ratio_first_fills_the_emptiest():
+    st = state(n_segs=2, allocation_strategy="free_ratio_first")
+    put(st, "big", size=MB // 2, preferred_segment="s0")
+    assert all(put(st, f"k{i}", size=1000).replicas[0].segment == "s1" for i in range(5))
+
+
+def test_lease_blocks_remove_until_it_ends():
+    st = state(lease_ttl=10.0)
+    put(st, "k")
+    st.get_replicas("k", 5.0)
+    assert st.remove("k", False, 6.0) == ObjectHasLease.code
+    assert st.remove("k", False, 15.5) == 0
+    assert st.remove("k", False, 15.5) == ObjectNotFound.code
+
+
+def test_force_remove_of_leased_object_defers_its_space():
+    st = state(n_segs=1, lease_ttl=10.0)
+    put(st, "k", size=MB)
+    st.get_replicas("k", 1.0)
+    assert st.remove("k", True, 2.0) == 0
+    assert st.put_start("x", MB, ReplicateConfig(), 3.0).code == NoAvailableHandle.code
+    st.reclaim(11.5)  # the reader's lease is over: now the space can be reused
+    assert st.put_start("x", MB, ReplicateConfig(), 12.0).code == 0
+
+
+def test_eviction_from_high_watermark_skips_leased_pinned_and_unfinished():
+    st = state(n_segs=1, seg_size=100 * 1024, high_watermark=0.5, evict_ratio=0.2, lease_ttl=10.0)
+    for i in range(8):
+        put(st, f"k{i}", size=1024 * 8 - 64, now=float(i))
+    put(st, "hard", size=1024 * 4, now=8.0, with_hard_pin=True)
+    st.put_start("pending", 4096, ReplicateConfig(), 8.0)
+    st.get_replicas("k0", 9.0)  # leased oldest
+    assert st.used_ratio() > 0.5
+    n = st.evict(9.5)
+    assert n > 0
+    assert {"k0", "hard", "pending"} <= set(st.objects)
+    assert "k1" not in st.objects  # the oldest evictable went first
+    assert st.used_ratio() <= 0.5
+
+
+def test_soft_pinned_evicted_last():
+    st = state(n_segs=1, seg_size=64 * 1024, high_watermark=0.99)
+    put(st, "soft", size=16 * 1024, now=0.0, with_soft_pin=True)
+    put(st, "plain", size=16 * 1024, now=1.0)
+    assert st.evict(2.0, need=16 * 1024) == 1
+    assert "soft" in st.objects and "plain" not in st.objects
+    assert st.evict(3.0, need=16 * 1024) == 1  # nothing else left: the soft pin goes too
+    assert "soft" not in st.objects
+
+
+def test_allocation_failure_evicts_then_retries():
+    st = state(n_segs=1, seg_size=64 * 1024)
+    for i in range(4):
+        put(st, f"k{i}", size=16 * 1024, now=float(i))
+    r = st.put_start("new", 16 * 1024, ReplicateConfig(), 10.0)
+    assert r.code == 0 and "k0" not in st.objects
+
+
+def test_no_space_when_everything_is_protected():
+    st = state(n_segs=1, seg_size=64 * 1024)
+    put(st, "a", size=60 * 1024, with_hard_pin=True)
+    r = st.put_start("b", 16 * 1024, ReplicateConfig(), 1.0)
+    assert r.code == NoAvailableHandle.code
+
+
+def test_abandoned_put_is_preempted_then_reclaimed():
+    st = state(put_discard_timeout=30.0, put_release_timeout=600.0)
+    st.put_start("k", 1000, ReplicateConfig(), 0.0)
+    assert st.put_start("k", 1000, ReplicateConfig(), 10.0).code == ObjectExists.code
+    assert st.put_start("k", 1000, ReplicateConfig(), 31.0).code == 0  # pre-empted
+    st.put_start("z", 1000, ReplicateConfig(), 100.0)
+    assert st.reclaim(701.0) >= 1 and "z" not in st.objects
+
+
+def test_client_expiry_unmounts_and_drops_replicas():
+    st = state(n_segs=2, client_ttl=10.0)
+    r = put(st, "k", replica_num=2)
+    assert len(r.replicas) == 2
+    st.ping("c0", 5.0)
+    assert st.expire_clients(12.0) == ["c1"]
+    assert "s1" not in st.segments
+    assert [x.segment for x in st.get_replicas("k", 12.0).replicas] == ["s0"]
+    assert st.ping("c1", 12.0) == "need_remount"
+    assert st.expire_clients(30.0) == ["c0"]
+    assert "k" not in st.objects  # its last replica went with the last segment
+
+
+def test_segment_names_belong_to_one_client():
+    st = state(n_segs=1)
+    with pytest.raises(SegmentExists):
+        st.mount("other", [SegmentInfo("s0", 1, MB, "", "e", "h")], 0.0)
+    st.mount("c0", [SegmentInfo("s0", 1, MB, "", "e", "h")], 0.0)  # remount by the owner: fine
+
+
+def test_remove_regex_and_all():
+    st = state()
+    for k in ("a1", "a2", "b1"):
+        put(st, k)
+    st.get_replicas("a2", 0.0)
+    assert st.remove_regex("^a", False, 1.0) == 1  # a2 is leased
+    assert st.remove_all(False, 1.0) == 1  # b1
+    assert st.remove_all(True, 1.0) == 1  # a2 by force
+    with pytest.raises(InvalidArgument):
+        st.remove_regex("(", False, 1.0)
+
+
+def test_bad_keys_and_sizes():
+    st = state()
+    assert st.put_start("", 10, ReplicateConfig(), 0.0).code == InvalidKey.code
+    assert st.put_start("x" * 5000, 10, ReplicateConfig(), 0.0).code == InvalidKey.code
+    assert st.put_start("k", 0, ReplicateConfig(), 0.0).code < 0
+    assert st.put_start("k", 10, ReplicateConfig(replica_num=0), 0.0).code < 0
+    assert st.put_start("k", 10 * MB, ReplicateConfig(), 0.0).code == NoAvailableHandle.code
