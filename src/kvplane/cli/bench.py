@@ -81,3 +81,57 @@ def transfer(
 def register(app: typer.Typer) -> None:
     """Add the ``bench`` group to the root app."""
     app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("store")
+def store(
+    sizes: str = typer.Option("4KiB,64KiB,1MiB,16MiB", help="Value sizes."),
+    batch: int = typer.Option(32, help="Objects per batch call."),
+    duration: float = typer.Option(1.0, help="Seconds per cell."),
+    clients: str = typer.Option("1,2", help="Client process counts (remote topology)."),
+    sides: str = typer.Option("kvplane-tcp,kvplane-shm,mooncake,redis", help="What to measure."),
+    topologies: str = typer.Option("remote,local", help="remote: segment in another process; local: own segment."),
+    segment_mb: int = typer.Option(2048, help="Segment size, MiB."),
+    cap_mb: int = typer.Option(256, help="Live bytes per client before keys are recycled."),
+    mooncake_python: str = typer.Option(None, help="Python with mooncake installed."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per row."),
+    plot: str = typer.Option("store_bench.png", help="PNG of GB/s vs value size ('' for none)."),
+) -> None:
+    """Store: kvplane (tcp and shared memory) vs real Mooncake store vs Redis 7, one run."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from kvplane.bench import store as sb
+
+    opt = sb.Options(sizes=_ints(sizes), batch=batch, duration=duration,
+                     clients=[int(c) for c in clients.split(",")], sides=sides.split(","),
+                     topologies=topologies.split(","), segment_mb=segment_mb, cap_mb=cap_mb,
+                     mooncake_python=mooncake_python)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
+                  disable=as_json) as prog:
+        task = prog.add_task("starting", total=None)
+        rows = sb.run(opt, progress=lambda s: prog.update(task, description=s))
+    rr = sb.ratios(rows)
+    if plot:
+        sb.plot(rows, plot)
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        for r in rr:
+            print(json.dumps({"ratio": True, **r}))
+        return
+    out = Console()
+    t = Table(title="measured (objects/s, GB/s, per-call latency)")
+    for c in ("side", "topology", "clients", "op", "size", "batch", "obj/s", "GB/s", "p50 us", "p99 us"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["impl"], r["topology"], str(r["clients"]), r["op"], str(r["size"]),
+                  str(r["batch"]), f"{r['ops_s']:.0f}", f"{r['gb_s']:.3f}", f"{r['p50_us']:.0f}",
+                  f"{r['p99_us']:.0f}")
+    out.print(t)
+    rt = Table(title="ratios (GB/s): kvplane / Mooncake, kvplane / Redis")
+    for c in ("side", "topology", "clients", "op", "size", "batch", "vs mooncake", "vs redis"):
+        rt.add_column(c)
+    for r in rr:
+        rt.add_row(r["side"], r["topology"], str(r["clients"]), r["op"], str(r["size"]),
+                   str(r["batch"]), _fmt(r["vs_mooncake"]), _fmt(r["vs_redis"]))
+    out.print(rt)

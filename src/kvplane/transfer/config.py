@@ -48,7 +48,7 @@ class EngineConfig:
     file_root: str = ""
     republish_interval: float = 2.0
     retries: int = 2
-    transports: tuple[str, ...] = field(default=("tcp", "shm", "file"))
+    transports: tuple[str, ...] = field(default=("tcp", "shm", "file", "local"))
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS and self.protocol not in self.transports:

@@ -67,7 +67,7 @@ class TransferEngine:
         self.port = self._server.port
         self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
         ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
-                               cfg.file_root, retries=cfg.retries)
+                               cfg.file_root, retries=cfg.retries, segment=self.name)
         self.transports: dict[str, Transport] = {n: TRANSPORTS.load(n)(ctx) for n in cfg.transports}
         if "tcp" not in self.transports:
             raise InvalidArgument("the tcp transport is required (handshakes use it)")
@@ -243,6 +243,9 @@ class TransferEngine:
     # -- planning --------------------------------------------------------------------------
     def _choose(self, req: TransferRequest, route: Route) -> Transport:
         want = req.transport or self.config.protocol
+        local = self.transports.get("local")
+        if local is not None and want != "file" and local.can_reach(route):
+            return local  # our own memory: one memcpy, whatever the protocol
         if want != "auto":
             t = self.transports.get(want)
             if t is None or not t.can_reach(route):

@@ -168,3 +168,16 @@ def test_http_metadata_server_limits():
         assert httpx.get(base, headers=hdr).status_code == 422
         assert httpx.delete(base, params={"key": "k"}, headers=hdr).status_code == 200
         assert "kvplane_metadata_keys" in httpx.get(f"{srv.url}/metrics/").text
+
+
+def test_own_segment_is_a_memcpy_even_under_tcp():
+    with TransferEngine(protocol="tcp") as te:
+        a = np.arange(MB, dtype=np.uint8)
+        b = np.zeros(MB, np.uint8)
+        te.register_memory(a)
+        te.register_memory(b)
+        seg = te.open_segment(te.name)
+        te.write(seg, a.ctypes.data, b.ctypes.data, MB)
+        assert np.array_equal(a, b) and te._server.frames == 0
+        with pytest.raises(Exception):
+            te.write(seg, a.ctypes.data, b.ctypes.data + 10, MB)  # still bounds-checked

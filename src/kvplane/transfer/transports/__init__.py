@@ -11,5 +11,6 @@ TRANSPORTS: Registry[Transport] = Registry("transport")
 TRANSPORTS.register("tcp", "kvplane.transfer.transports.tcp:TcpTransport")
 TRANSPORTS.register("shm", "kvplane.transfer.transports.shm:ShmTransport")
 TRANSPORTS.register("file", "kvplane.transfer.transports.file:FileTransport")
+TRANSPORTS.register("local", "kvplane.transfer.transports.local:LocalTransport")
 
 __all__ = ["TRANSPORTS", "Transport", "Capabilities", "Route"]

@@ -38,6 +38,7 @@ class TransportContext:
     file_root: str
     connect_timeout: float = 5.0
     retries: int = 2
+    segment: str = ""  # this engine's own segment name
 
 
 class Transport(abc.ABC):

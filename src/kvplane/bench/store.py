@@ -1,0 +1,223 @@
+"""``kvplane bench store``: kvplane vs real Mooncake store vs Redis, side by side in one run.
+
+Topologies: ``remote`` (the segment lives in another process: ``kvplane segment`` /
+``mooncake_client``; clients contribute nothing) and ``local`` (the client contributes its own
+segment). kvplane runs with protocol ``tcp`` (bytes over TCP even on one host, like Mooncake
+here) and ``auto`` (shared memory on one host). Every side runs ``store_worker``'s loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvplane.bench.transfer import find_mooncake_python
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_worker.py")
+
+
+@dataclass
+class Options:
+    sizes: list[int] = field(default_factory=lambda: [4096, 65536, 1 << 20, 16 << 20])
+    batch: int = 32
+    duration: float = 1.0
+    clients: list[int] = field(default_factory=lambda: [1, 2])
+    sides: list[str] = field(default_factory=lambda: ["kvplane-tcp", "kvplane-shm", "mooncake", "redis"])
+    topologies: list[str] = field(default_factory=lambda: ["remote", "local"])
+    segment_mb: int = 2048
+    cap_mb: int = 256
+    mooncake_python: str | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)  # readiness poll on the port
+    raise RuntimeError(f"port {port} not ready in {timeout}s")
+
+
+class Services:
+    """Background servers for one side; stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.tmp = tempfile.mkdtemp(prefix="kvplane-bench-")
+
+    def start(self, args: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        log = open(os.path.join(self.tmp, f"{len(self.procs)}.log"), "w")
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **(env or {})})
+        log.close()
+        self.procs.append(p)
+        _wait_port(port, p)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        self.procs.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _kvplane(svc: Services, remote: bool, seg_mb: int) -> str:
+    port, admin = _free_port(), _free_port()
+    cli = [sys.executable, "-m", "kvplane.cli.main"]
+    svc.start([*cli, "master", "--port", str(port), "--admin-port", str(admin)], port)
+    master = f"127.0.0.1:{port}"
+    if remote:
+        ready = os.path.join(svc.tmp, "seg.json")
+        p = subprocess.Popen([*cli, "segment", "--master", master, "--size", f"{seg_mb}MiB",
+                              "--ready-file", ready], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        svc.procs.append(p)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready):
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvplane segment failed to start")
+            time.sleep(0.05)  # readiness poll on the ready file
+    return master
+
+
+def _mooncake(svc: Services, py: str, remote: bool, seg_mb: int) -> tuple[str, str]:
+    pkg = subprocess.run([py, "-c", "import mooncake,os;print(os.path.dirname(mooncake.__file__))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    port, meta, metrics, srv = _free_port(), _free_port(), _free_port(), _free_port()
+    env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"}
+    svc.start([f"{pkg}/mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+               f"--http_metadata_server_port={meta}", "--metrics_host=127.0.0.1",
+               f"--metrics_port={metrics}"], port, env)
+    _wait_port(meta, svc.procs[-1])
+    url = f"http://127.0.0.1:{meta}/metadata"
+    if remote:
+        svc.start([f"{pkg}/mooncake_client", "--host=127.0.0.1", f"--port={srv}",
+                   f"--global_segment_size={seg_mb} MB", "--local_buffer_size=0", "--protocol=tcp",
+                   f"--master_server_address=127.0.0.1:{port}", f"--metadata_server={url}"], srv, env)
+    return f"127.0.0.1:{port}", url
+
+
+def _redis(svc: Services) -> str:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise FileNotFoundError("redis-server not installed")
+    port = _free_port()
+    svc.start([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--maxmemory", "4gb"], port)
+    return f"127.0.0.1:{port}"
+
+
+def _worker(py: str, impl: str, label: str, master: str, opt: Options, clients: int,
+            protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", segment_mb: int = 0) -> list[dict]:
+    cmd = [py, WORKER, "--impl", impl, "--label", label, "--master", master, "--metadata", metadata,
+           "--protocol", protocol, "--clients", str(clients), "--segment-mb", str(segment_mb),
+           "--sizes", ",".join(map(str, opt.sizes)), "--batch", str(opt.batch),
+           "--duration", str(opt.duration), "--cap-mb", str(opt.cap_mb),
+           "--local-buffer-mb", str(max(64, opt.batch * max(opt.sizes) >> 20))]
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not rows or not all(r["verified"] for r in rows):
+        raise RuntimeError(f"{label} failed rc={proc.returncode}: {proc.stderr[-3000:]}")
+    return rows
+
+
+def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Measure every (side, topology, clients); rows carry ``topology``."""
+    rows: list[dict] = []
+    mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
+    if "mooncake" in opt.sides and mc is None:
+        progress("mooncake not installed: skipped (see shared/peers/mooncake)")
+    for topo in opt.topologies:
+        remote = topo == "remote"
+        for clients in opt.clients if remote else [1]:
+            seg = 0 if remote else opt.segment_mb // 2
+            for side in opt.sides:
+                if side == "redis" and not remote:
+                    continue
+                if side == "mooncake" and mc is None:
+                    continue
+                progress(f"{side} {topo} x{clients}")
+                svc = Services()
+                try:
+                    if side.startswith("kvplane"):
+                        master = _kvplane(svc, remote, opt.segment_mb)
+                        proto = "tcp" if side == "kvplane-tcp" else "auto"
+                        got = _worker(sys.executable, "kvplane", side, master, opt, clients, proto,
+                                      segment_mb=seg)
+                    elif side == "mooncake":
+                        master, url = _mooncake(svc, mc, remote, opt.segment_mb)  # type: ignore[arg-type]
+                        got = _worker(mc, "mooncake", side, master, opt, clients, "tcp", url, seg)  # type: ignore[arg-type]
+                    else:
+                        got = _worker(sys.executable, "redis", side, _redis(svc), opt, clients)
+                finally:
+                    svc.stop()
+                rows += [dict(r, topology=topo) for r in got]
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """kvplane (tcp and shm) over Mooncake and over Redis, per cell."""
+    idx = {(r["impl"], r["topology"], r["clients"], r["op"], r["size"], r["batch"]): r for r in rows}
+    out = []
+    for r in rows:
+        if not r["impl"].startswith("kvplane"):
+            continue
+        key = (r["topology"], r["clients"], r["op"], r["size"], r["batch"])
+        mc, rd = idx.get(("mooncake", *key)), idx.get(("redis", *key))
+        out.append(dict(side=r["impl"], topology=r["topology"], clients=r["clients"], op=r["op"],
+                        size=r["size"], batch=r["batch"], gb_s=r["gb_s"], ops_s=r["ops_s"],
+                        vs_mooncake=r["gb_s"] / mc["gb_s"] if mc else None,
+                        vs_redis=r["gb_s"] / rd["gb_s"] if rd else None))
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """GB/s vs value size per side, one panel per (op, batch), remote topology, 1 client."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("put", 1), ("get", 1), ("put", 32), ("get", 32)]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4), sharey=False)
+    for ax, (op, b) in zip(axes, panels):
+        for side in sorted({r["impl"] for r in rows}):
+            pts = sorted((r["size"], r["gb_s"]) for r in rows if r["impl"] == side and r["op"] == op
+                         and r["batch"] == b and r["topology"] == "remote" and r["clients"] == 1)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=side)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op} batch={b} (remote, 1 client)")
+        ax.set_xlabel("value size (bytes)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

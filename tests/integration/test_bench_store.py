@@ -1,0 +1,29 @@
+"""Smoke-run benchmarks/store.py with tiny sizes (kvplane both ways, and Redis when installed)."""
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_store_benchmark_smoke(tmp_path):
+    sides = "kvplane-tcp,kvplane-shm" + (",redis" if shutil.which("redis-server") else "")
+    plot = tmp_path / "s.png"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/store.py"), "--sizes", "4KiB,64KiB", "--batch", "4",
+         "--duration", "0.05", "--clients", "1", "--sides", sides, "--segment-mb", "64",
+         "--cap-mb", "8", "--json", "--plot", str(plot)],
+        capture_output=True, text=True, timeout=230)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    cells = [r for r in rows if not r.get("ratio")]
+    assert {r["impl"] for r in cells} == set(sides.split(","))
+    assert all(r["verified"] and r["ops_s"] > 0 for r in cells)
+    assert {(r["op"], r["batch"]) for r in cells} == {("put", 1), ("get", 1), ("put", 4), ("get", 4)}
+    assert plot.stat().st_size > 1000
