@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvplane.common import wire
+from kvplane.common.listener import Listener
 from kvplane.common.errors import (
     InvalidArgument, KVPlaneError, ProtocolError, Timeout, Unauthorized, Unavailable, from_code,
 )
@@ -77,6 +78,9 @@ _NONE = msgspec.Raw(wire.encode(None))
 class RpcServer:
     """Serves registered methods over TCP; handlers run on the connection's thread.
 
+    The port is bound (and accepting) once constructed; register methods with ``add`` before
+    handing the address out.
+
     Args:
         host: bind address (127.0.0.1 unless told otherwise).
         port: TCP port, 0 picks a free one (read it back from ``.port``).
@@ -87,47 +91,24 @@ class RpcServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  max_message: int = wire.MAX_CONTROL_FRAME, max_connections: int = 1024) -> None:
-        self._lsock = socket.create_server((host, port), backlog=256)
-        self.host, self.port = self._lsock.getsockname()[:2]
         self._token = token
         self._max = max_message
-        self._max_conns = max_connections
         self._handlers: dict[str, tuple[Handler, type[Any]]] = {}
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
         self.malformed = 0
+        self._listener = Listener(self._serve, host, port, "rpc", max_connections)
+        self.host, self.port = self._listener.host, self._listener.port
 
     def add(self, method: str, handler: Handler, request_type: type[Any]) -> None:
-        """Register ``handler(request) -> reply`` for ``method`` (before ``start``)."""
+        """Register ``handler(request) -> reply`` for ``method``."""
         self._handlers[method] = (handler, request_type)
 
     def start(self) -> "RpcServer":
-        """Start accepting connections."""
-        self._thread = threading.Thread(target=self._accept, name=f"rpc-accept-{self.port}",
-                                        daemon=True)
-        self._thread.start()
+        """Kept for symmetry with other services: the listener is already accepting."""
         return self
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, addr = self._lsock.accept()
-            except OSError:
-                return
-            with self._lock:
-                if len(self._conns) >= self._max_conns:
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name=f"rpc-conn-{addr[1]}").start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            while not self._closed.is_set():
+            while not self._listener.closed.is_set():
                 try:
                     data = _recv_frame(conn, self._max)
                 except ProtocolError:
@@ -140,10 +121,6 @@ class RpcServer:
                 _send_frame(conn, wire.encode(reply))
         except (OSError, KVPlaneError):
             pass
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     def _dispatch(self, data: bytes | bytearray) -> wire.Reply | None:
         try:
@@ -169,23 +146,7 @@ class RpcServer:
 
     def close(self) -> None:
         """Stop serving and drop every connection (idempotent)."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            self._lsock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._lsock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if self._thread is not None:
-            self._thread.join(2)
+        self._listener.close()
 
     def __enter__(self) -> "RpcServer":
         return self.start()

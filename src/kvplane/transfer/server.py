@@ -1,7 +1,7 @@
 """The engine's TCP listener: serves READ/WRITE/DESCRIBE frames against registered memory.
 
-The only module of ``kvplane.transfer`` that binds sockets. One named daemon thread accepts;
-each connection gets one named daemon thread with blocking I/O (the fastest data path in
+The only module of ``kvplane.transfer`` that binds sockets (through ``common.listener``): each
+connection gets one named daemon thread with blocking I/O (the fastest data path in
 CPython: ``recv_into`` straight into registered memory, ``sendmsg`` straight out of it).
 A malformed or hostile frame closes that connection and nothing else.
 """
@@ -12,10 +12,10 @@ import hmac
 import logging
 import os
 import socket
-import threading
 from collections.abc import Callable
 
 from kvplane.common import metrics
+from kvplane.common.listener import Listener
 from kvplane.common.errors import KVPlaneError, ProtocolError, Unauthorized
 from kvplane.transfer import protocol as P
 from kvplane.transfer.memory import MemoryTable, Region
@@ -55,34 +55,13 @@ class DataServer:
         self._token = token.encode()
         self.max_frame = max_frame
         self.max_connections = max_connections
-        self._lsock = socket.create_server((host, port), backlog=128)
-        self.host, self.port = self._lsock.getsockname()[:2]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
         self.rejected = 0
         self.frames = 0  # frames served (tests use it to prove a path did not touch TCP)
         self._frames = {op: metrics.SERVER_FRAMES.labels(name) for op, name in P.OPS.items()}
-        self._thread = threading.Thread(target=self._accept_loop, name=f"te-accept-{self.port}",
-                                        daemon=True)
-        self._thread.start()
-
-    # -- accept ---------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, addr = self._lsock.accept()
-            except OSError:
-                return
-            with self._lock:
-                if len(self._conns) >= self.max_connections:
-                    conn.close()
-                    self._count_reject("too_many_connections")
-                    continue
-                self._conns.add(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name=f"te-conn-{addr[1]}").start()
+        self._listener = Listener(self._serve, host, port, "te", max_connections,
+                                  lambda: self._count_reject("too_many_connections"))
+        self.host, self.port = self._listener.host, self._listener.port
+        self._conns = self._listener.conns
 
     def _count_reject(self, reason: str) -> None:
         self.rejected += 1
@@ -97,7 +76,7 @@ class DataServer:
         conn.settimeout(None)
         P.set_io_timeout(conn, PAYLOAD_TIMEOUT)
         try:
-            while not self._closed.is_set():
+            while not self._listener.closed.is_set():
                 try:
                     got = conn.recv_into(hview)
                 except BlockingIOError:
@@ -118,10 +97,7 @@ class DataServer:
         except (OSError, KVPlaneError):
             pass  # peer went away or stalled mid-frame: drop just this connection
         finally:
-            with self._lock:
-                self._conns.discard(conn)
             metrics.SERVER_CONNECTIONS.dec()
-            conn.close()
 
     def _handle(self, conn: socket.socket, op: int, rid: int, addr: int, length: int) -> bool:
         counter = self._frames.get(op)
@@ -192,25 +168,9 @@ class DataServer:
         msg = str(exc).encode()[: P.MAX_ERROR]
         P.send_all(conn, [P.pack_resp(exc.code, rid, len(msg)), msg])
 
-    # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
         """Stop accepting and close every connection (idempotent)."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            self._lsock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._lsock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(2)
+        self._listener.close()
 
 
 def _drain(conn: socket.socket, length: int) -> None:
