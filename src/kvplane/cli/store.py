@@ -65,9 +65,11 @@ def segment(
     metadata: str = typer.Option("P2PHANDSHAKE", help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
     host: str = typer.Option("127.0.0.1", help="Address the data listener binds and advertises."),
     token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    metrics_port: int = typer.Option(0, help="Prometheus /metrics port (0 = any free port, -1 = off)."),
     ready_file: str = typer.Option(None, help="Write the segment name here as JSON once mounted."),
 ) -> None:
     """Contribute a shared-memory DRAM segment to the pool (Mooncake's mooncake_client role)."""
+    from kvplane.common import metrics
     from kvplane.common.config import parse_size
     from kvplane.store.client.client import StoreClient
     from kvplane.store.config import StoreConfig
@@ -75,7 +77,9 @@ def segment(
     tok = token if token is not None else envs.get("KVPLANE_TOKEN")
     c = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                                 global_segment_size=parse_size(size), local_buffer_size=0, token=tok))
-    _announce({"segment": c.segment_name, "size": parse_size(size)}, ready_file)
+    mport = metrics.serve(metrics_port, host) if metrics_port >= 0 else None
+    _announce({"segment": c.segment_name, "size": parse_size(size), "metrics_port": mport},
+              ready_file)
     _wait_for_signal()
     c.close()
 

@@ -50,6 +50,7 @@ def asgi_app():  # type: ignore[no-untyped-def]
     return make_asgi_app()
 
 
-def serve(port: int, host: str = "127.0.0.1") -> None:
-    """Serve /metrics on its own port in a daemon thread."""
-    start_http_server(port, addr=host)
+def serve(port: int, host: str = "127.0.0.1") -> int:
+    """Serve /metrics on its own port (0 picks one) in a daemon thread; returns the port."""
+    server, _thread = start_http_server(port, addr=host)
+    return int(server.server_port)

@@ -37,6 +37,9 @@ def test_two_clients_two_segments(cluster):
         detail = httpx.get(f"http://127.0.0.1:{cluster['admin']}/query_key",
                            params={"key": "tc-0"}).json()
         assert len({d["segment"] for d in detail["data"]}) == 2  # two distinct segments
+        for p in cluster["segments"]:  # every segment process serves its own metrics
+            text = httpx.get(f"http://127.0.0.1:{p.info['metrics_port']}/metrics").text
+            assert "kvplane_transfer_server_frames_total" in text
         segs = httpx.get(f"http://127.0.0.1:{cluster['admin']}/get_segments_detail").json()
         assert {s["segment_name"] for s in segs} == {p.info["segment"] for p in cluster["segments"]}
         assert all(s["allocator_used_bytes"] > 0 for s in segs)
