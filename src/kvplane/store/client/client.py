@@ -237,17 +237,14 @@ class StoreClient:
         """Copying form: each entry is the bytes, or a negative error code."""
         t0 = time.monotonic()
         results = self._get_replicas(keys)
-        out: list[bytes | int] = []
+        hits = [i for i, r in enumerate(results) if r.code == 0]
+        out: list[bytes | int] = [r.code for r in results]
         with ExitStack() as stack:
-            addrs, caps = [], []
-            blocks = []
-            for r in results:
-                addr, view = stack.enter_context(self.staging.block(r.size if r.code == 0 else 0))
-                addrs.append(addr)
-                caps.append(r.size)
-                blocks.append(view)
-            for n, view in zip(self._read(results, addrs, caps, t0), blocks):
-                out.append(view[:n].tobytes() if n >= 0 else n)
+            blocks = [stack.enter_context(self.staging.block(results[i].size)) for i in hits]
+            got = self._read([results[i] for i in hits], [a for a, _ in blocks],
+                             [results[i].size for i in hits], t0)
+            for i, n, (_, view) in zip(hits, got, blocks):
+                out[i] = view[:n].tobytes() if n >= 0 else n
         return out
 
     def get(self, key: str) -> bytes | int:

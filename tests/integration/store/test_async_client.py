@@ -1,0 +1,26 @@
+import asyncio
+
+import pytest
+
+from kvplane.store import AsyncStoreClient, MasterServer, StoreClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
+
+
+def test_async_facade():
+    with MasterServer(admin_port=None) as m:
+        addr = f"127.0.0.1:{m.port}"
+        with StoreClient(master=addr, global_segment_size=4 << 20) as seg:
+            ac = AsyncStoreClient(StoreClient(master=addr))
+
+            async def go():
+                assert await ac.put("a", b"1") == 0
+                got = await asyncio.gather(*(ac.get("a") for _ in range(8)))
+                assert got == [b"1"] * 8
+                assert await ac.exists("a") == 1
+                with pytest.raises(AttributeError):
+                    ac.no_such_method  # noqa: B018
+                await ac.close()
+
+            asyncio.run(go())
+            assert seg.health_check() == 0
