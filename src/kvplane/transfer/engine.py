@@ -25,7 +25,9 @@ from kvplane.common.errors import (
 )
 from kvplane.transfer.batch import Batch, Slice, Task, cut
 from kvplane.transfer.config import EngineConfig
-from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, address_of, view_at
+from kvplane.transfer.memory import (
+    ManagedBuffer, MemoryTable, Region, address_of, sweep_stale_shm, view_at,
+)
 from kvplane.transfer.metadata import KEY_PREFIX, MetadataBackend, open_metadata
 from kvplane.transfer.segments import (
     OpenSegment, check_name, decode_desc, encode_desc, host_identity,
@@ -58,6 +60,7 @@ class TransferEngine:
         if overrides:
             cfg = EngineConfig(**{**cfg.__dict__, **overrides})
         self.config = cfg
+        sweep_stale_shm()
         self.memory = MemoryTable()
         self.host_id = host_identity()
         self._version = 0
@@ -294,10 +297,10 @@ class TransferEngine:
         if not items:
             return
         first = items[0] if inline else None
-        futs = [self._exec.submit(t.run, route, slices, deadline)
+        futs = [self._exec.submit(_guarded, t, route, slices, deadline)
                 for (t, route, slices) in (items[1:] if inline else items)]
         if first is not None:
-            first[0].run(first[1], first[2], deadline)
+            _guarded(*first, deadline)
         for f in futs:
             f.result()
 
@@ -435,6 +438,18 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline) -> None:
+    """Run a transport; a bug in it fails its unfinished requests instead of leaving them
+    PENDING forever."""
+    try:
+        t.run(route, slices, deadline)
+    except Exception as exc:
+        log.exception("transport %s failed", t.name)
+        for s in slices:
+            if not s.task.status.done:
+                s.task.batch.fail(s.task, S.FAILED, f"internal error in {t.name}: {exc}")
 
 
 _REQ_COUNTERS = {(op, st): metrics.TRANSFER_REQUESTS.labels(op.name.lower(), st.name.lower())

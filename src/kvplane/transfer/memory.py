@@ -11,9 +11,9 @@ import bisect
 import ctypes
 import mmap
 import os
+import secrets
 import threading
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -82,8 +82,44 @@ def address_of(obj: Any) -> tuple[int, int, Any]:
                           "torch CPU tensor or (address, length)")
 
 
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvplane-"
+
+
+def sweep_stale_shm() -> int:
+    """Unlink managed buffers left by processes that died without cleaning up (kill -9).
+
+    Names are ``kvplane-<pid>-<random>``; a file whose pid no longer exists is removed.
+    Returns how many were removed.
+    """
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if not name.startswith(SHM_PREFIX) or len(parts) != 3 or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): keep
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class ManagedBuffer:
-    """Memory backed by POSIX shared memory, so same-host peers can map it.
+    """Memory backed by POSIX shared memory (``/dev/shm/kvplane-<pid>-<id>``, mode 0600), so
+    same-host peers can map it.
 
     Attributes:
         addr: start address in this process.
@@ -95,26 +131,35 @@ class ManagedBuffer:
     def __init__(self, length: int) -> None:
         if length <= 0:
             raise InvalidArgument("managed buffer length must be > 0")
-        self._shm = shared_memory.SharedMemory(create=True, size=length)
-        self.name = self._shm.name
+        self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self._path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, length)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, length)
+        except BaseException:
+            os.unlink(self._path)
+            raise
+        finally:
+            os.close(fd)
         self.length = length
-        self.array = np.frombuffer(self._shm.buf, dtype=np.uint8, count=length)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8, count=length)
         self.addr = int(self.array.ctypes.data)
 
     def close(self) -> None:
-        """Release the mapping and unlink the name (idempotent)."""
-        if self._shm is None:
+        """Unlink the name and release the mapping once no view needs it (idempotent)."""
+        if self._mmap is None:
             return
-        self.array = None  # type: ignore[assignment]
-        shm, self._shm = self._shm, None
         try:
-            shm.close()
-        except BufferError:
-            pass  # a live view still exists; the mapping goes when it does
-        try:
-            shm.unlink()
+            os.unlink(self._path)
         except FileNotFoundError:
             pass
+        self.array = None  # type: ignore[assignment]
+        mm, self._mmap = self._mmap, None
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a live view still exists; the mapping goes when it does
 
 
 class MemoryTable:

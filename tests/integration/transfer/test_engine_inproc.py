@@ -181,3 +181,20 @@ def test_own_segment_is_a_memcpy_even_under_tcp():
         assert np.array_equal(a, b) and te._server.frames == 0
         with pytest.raises(Exception):
             te.write(seg, a.ctypes.data, b.ctypes.data + 10, MB)  # still bounds-checked
+
+
+def test_a_crashing_transport_fails_requests_instead_of_hanging():
+    with TransferEngine(protocol="tcp") as a, TransferEngine(protocol="tcp") as b:
+        src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+        a.register_memory(src)
+        b.register_memory(dst)
+        seg = a.open_segment(b.name)
+
+        def boom(*args):
+            raise RuntimeError("bug")
+
+        a.transports["tcp"].run = boom
+        st = a.transfer([TransferRequest(OpCode.WRITE, src.ctypes.data, seg, dst.ctypes.data, 4096)],
+                        timeout=5)
+        assert st == [S.FAILED]
+

@@ -58,3 +58,11 @@ def test_capacity_and_busy():
     assert not b.wait(0.01)
     with pytest.raises(InvalidArgument):
         Batch(1, 0)
+
+
+def test_hostile_shm_names_are_refused():
+    from kvplane.transfer.transports.shm import _SHM_NAME
+
+    assert _SHM_NAME.match("kvplane-123-abcdef")
+    for bad in ("../../etc/passwd", "kvplane-1-ab/../x", "psm_123", ""):
+        assert not _SHM_NAME.match(bad)

@@ -1,4 +1,5 @@
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -71,11 +72,30 @@ def test_torch_tensor():
         address_of(torch.zeros(4, 4).t())
 
 
+def test_stale_shared_memory_of_dead_processes_is_swept():
+    import subprocess
+    import sys
+
+    from kvplane.transfer.memory import sweep_stale_shm
+
+    code = "from kvplane.transfer.memory import ManagedBuffer as M; b = M(4096); print(b.name)"
+    name = subprocess.run([sys.executable, "-c", code + "; import os; os._exit(0)"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.exists(f"/dev/shm/{name}")  # the process died without cleaning up
+    live = ManagedBuffer(4096)
+    try:
+        assert sweep_stale_shm() >= 1
+        assert not os.path.exists(f"/dev/shm/{name}")
+        assert os.path.exists(f"/dev/shm/{live.name}")  # ours is alive: kept
+    finally:
+        live.close()
+
+
 def test_managed_buffer_is_shared_memory(tmp_path):
     buf = ManagedBuffer(1 << 20)
     try:
         buf.array[:4] = [1, 2, 3, 4]
-        with open(f"/dev/shm/{buf.name.lstrip('/')}", "rb") as f:
+        with open(f"/dev/shm/{buf.name}", "rb") as f:
             assert f.read(4) == b"\x01\x02\x03\x04"
     finally:
         buf.close()

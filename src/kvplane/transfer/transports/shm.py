@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 import threading
 
 import numpy as np
@@ -22,6 +23,7 @@ from kvplane.transfer.types import OpCode, RegionDesc, TransferStatus
 
 S = TransferStatus
 SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^kvplane-[0-9]+-[0-9a-f]+$")  # only our own managed buffers
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -64,7 +66,8 @@ class ShmTransport(Transport):
         if not route.same_host or route.region.kind == "file":
             return False
         if route.region.kind == "shm":
-            return os.path.exists(os.path.join(SHM_DIR, route.region.shm.lstrip("/")))
+            return _SHM_NAME.match(route.region.shm) is not None and \
+                os.path.exists(os.path.join(SHM_DIR, route.region.shm))
         return self._probe_cma(route.segment.pid)
 
     def _probe_cma(self, pid: int) -> bool:
@@ -81,8 +84,9 @@ class ShmTransport(Transport):
         with self._lock:
             hit = self._maps.get(region.shm)
             if hit is None:
-                path = os.path.join(SHM_DIR, region.shm.lstrip("/"))
-                fd = os.open(path, os.O_RDWR)
+                if not _SHM_NAME.match(region.shm):
+                    raise ValueError(f"refusing shared-memory name {region.shm!r}")
+                fd = os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_NOFOLLOW)
                 try:
                     mm = mmap.mmap(fd, region.length)
                 finally:
