@@ -187,3 +187,30 @@ def test_response_with_wrong_id_is_a_protocol_failure(engine):
     assert task.status == S.FAILED and "response id" in task.error
     ls.close()
     th.join(5)
+
+
+def test_slice_on_a_cut_connection_is_retried_on_a_fresh_one():
+    from kvplane.common import metrics
+
+    with TransferEngine(protocol="tcp", slice_size=MB, streams=1) as a, \
+            TransferEngine(protocol="tcp") as b:
+        src = np.random.randint(0, 256, 8 * MB, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        a.register_memory(src)
+        b.register_memory(dst)
+        seg = a.open_segment(b.name)
+        real = b._server._handle
+        cuts = []
+
+        def cut_once(conn, op, rid, addr, length):
+            if op == P.OP_WRITE and len(cuts) == 0 and b._server.frames >= 3:
+                cuts.append(rid)
+                conn.shutdown(socket.SHUT_RDWR)  # the connection dies mid-batch
+                raise OSError("cut")
+            return real(conn, op, rid, addr, length)
+
+        b._server._handle = cut_once
+        retries = metrics.TRANSFER_RETRIES.labels("tcp")._value.get()
+        a.write(seg, src.ctypes.data, dst.ctypes.data, src.nbytes, timeout=10)
+        assert cuts and np.array_equal(src, dst)
+        assert metrics.TRANSFER_RETRIES.labels("tcp")._value.get() == retries + 1
