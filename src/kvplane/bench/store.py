@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvplane.bench.transfer import find_mooncake_python
+from kvplane.bench.transfer import best_of, find_mooncake_python
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_worker.py")
 
@@ -36,6 +36,7 @@ class Options:
     segment_mb: int = 2048
     cap_mb: int = 256
     mooncake_python: str | None = None
+    repeat: int = 1  # run every side this many times, interleaved; keep each cell's best
 
 
 def _free_port() -> int:
@@ -148,7 +149,14 @@ def _worker(py: str, impl: str, label: str, master: str, opt: Options, clients: 
 
 
 def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """Measure every (side, topology, clients); rows carry ``topology``."""
+    """Measure everything ``opt.repeat`` times (interleaved); best row per cell."""
+    runs = [run_once(opt, lambda s, i=i: progress(f"[{i + 1}/{opt.repeat}] {s}"))
+            for i in range(max(1, opt.repeat))]
+    return best_of(runs, ("impl", "topology", "clients", "op", "size", "batch"))
+
+
+def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Measure every (side, topology, clients) once; rows carry ``topology``."""
     rows: list[dict] = []
     mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
     if "mooncake" in opt.sides and mc is None:

@@ -31,6 +31,7 @@ def transfer(
     duration: float = typer.Option(1.0, help="Seconds per cell."),
     impls: str = typer.Option("limits,kvplane-tcp,kvplane-shm,mooncake-tcp", help="Sides to measure."),
     mooncake_python: str = typer.Option(None, help="Python with mooncake installed (default /tmp/mc-venv/bin/python)."),
+    repeat: int = typer.Option(1, help="Run every side N times, interleaved; keep each cell's best (noisy machines)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per row instead of tables."),
     plot: str = typer.Option("transfer_bench.png", help="Where to write the GB/s-vs-block-size plot ('' for none)."),
 ) -> None:
@@ -44,7 +45,7 @@ def transfer(
 
     opt = tb.Options(sizes=_ints(sizes), batches=[int(b) for b in batches.split(",")],
                      ops=ops.split(","), buf_mb=buf_mb, duration=duration,
-                     mooncake_python=mooncake_python, impls=impls.split(","))
+                     mooncake_python=mooncake_python, impls=impls.split(","), repeat=repeat)
     console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console,
                   disable=as_json) as prog:
@@ -94,6 +95,7 @@ def store(
     segment_mb: int = typer.Option(2048, help="Segment size, MiB."),
     cap_mb: int = typer.Option(256, help="Live bytes per client before keys are recycled."),
     mooncake_python: str = typer.Option(None, help="Python with mooncake installed."),
+    repeat: int = typer.Option(1, help="Run everything N times, interleaved; keep each cell's best."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per row."),
     plot: str = typer.Option("store_bench.png", help="PNG of GB/s vs value size ('' for none)."),
 ) -> None:
@@ -105,7 +107,7 @@ def store(
     opt = sb.Options(sizes=_ints(sizes), batch=batch, duration=duration,
                      clients=[int(c) for c in clients.split(",")], sides=sides.split(","),
                      topologies=topologies.split(","), segment_mb=segment_mb, cap_mb=cap_mb,
-                     mooncake_python=mooncake_python)
+                     mooncake_python=mooncake_python, repeat=repeat)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
                   disable=as_json) as prog:
         task = prog.add_task("starting", total=None)
