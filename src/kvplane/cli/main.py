@@ -14,6 +14,7 @@ from kvplane.common import envs, log
 COMMAND_MODULES = [
     "kvplane.cli.metadata",
     "kvplane.cli.store",
+    "kvplane.cli.conductor",
     "kvplane.cli.serve",
     "kvplane.cli.bench",
 ]

@@ -1,0 +1,108 @@
+"""``kvplane conductor``: run the KV cache indexer (ZMQ ingest of vLLM KV events + HTTP API).
+
+Thin: parses flags into a ConductorConfig and runs ConductorServer. No business logic here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from kvplane.common import envs
+from kvplane.common.config import parse_size
+from kvplane.common.errors import InvalidArgument
+
+HELP = """Run the conductor: a global KV cache index fed by vLLM KV events,
+answering Mooncake's tiered prefix queries (POST /query, /query_by_hash) on
+http://HOST:PORT (OpenAPI at /docs).
+
+\b
+Point vLLM at it, way 1 - engines connect to the conductor (one port):
+  kvplane conductor --bind tcp://127.0.0.1:5557
+  PYTHONHASHSEED=0 python -m vllm.entrypoints.openai.api_server \\
+    --model MODEL --enable-prefix-caching \\
+    --prefix-caching-hash-algo sha256 --kv-events-config \\
+    '{"enable_kv_cache_events": true, "publisher": "zmq",
+      "endpoint": "tcp://127.0.0.1:5557", "topic": "kv@e0"}'
+  curl -XPOST localhost:13333/register \\
+    -H 'content-type: application/json' -d '{"instance_id": "e0",
+    "modelname": "MODEL", "block_size": 16, "topic": "kv@e0"}'
+(vLLM connects instead of binding when its endpoint has no '*';
+give every engine its own topic.)
+
+\b
+Way 2 - the conductor connects to each engine (replay heals gaps):
+  --kv-events-config '{"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://*:5557",
+    "replay_endpoint": "tcp://*:5558"}'
+  then register {"endpoint": "tcp://HOST:5557",
+    "replay_endpoint": "tcp://HOST:5558", ...}
+(with data parallelism add "dp_size": N; rank r uses port + r.)
+
+\b
+Hashing: engines need a fixed PYTHONHASHSEED (it seeds vLLM's NONE_HASH)
+and the algorithm of --hash-algo/--hash-seed, or register their own
+"hash_profile": {"algorithm": "sha256_cbor", "python_hash_seed": "0"}.
+A registration whose profile differs from its model's context is refused
+(409); events whose root block hashes do not reproduce are counted and
+logged, shown in /instances ("hash_status": "mismatch"), and turn
+/health "degraded" - never silently zero.
+"""
+
+
+def _load_registrations(path: Path) -> list[dict[str, object]]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+        raise InvalidArgument(f"{path}: expected a JSON object or a list of /register bodies")
+    return data
+
+
+def run(
+    host: str = typer.Option("127.0.0.1", help="HTTP bind address."),
+    port: int = typer.Option(13333, help="HTTP port (Mooncake's default 13333; 0 = any free port)."),
+    token: str = typer.Option(None, help="Shared token HTTP clients must send as "
+                              "'Authorization: Bearer ...' (default: KVPLANE_TOKEN; empty = none)."),
+    bind: list[str] = typer.Option([], help="ZMQ SUB endpoint to bind for engines that connect "
+                                   "their publisher (repeatable), e.g. tcp://127.0.0.1:5557."),
+    hash_algo: str = typer.Option("sha256", help="Default hash algorithm: sha256 | sha256_cbor."),
+    hash_seed: str = typer.Option("0", help="Default PYTHONHASHSEED of the engines ('random' = "
+                                  "unset: only /query_by_hash can match)."),
+    register_file: Path = typer.Option(None, help="JSON file with /register bodies to load at start."),
+    max_batch_bytes: str = typer.Option("16MiB", help="Largest KV event batch accepted."),
+    max_request_bytes: str = typer.Option("8MiB", help="Largest HTTP request body accepted."),
+    replay_timeout: float = typer.Option(2.0, help="Seconds a gap replay may take."),
+) -> None:
+    """Run the conductor (see `kvplane conductor --help`)."""
+    from kvplane.conductor.api import to_registration
+    from kvplane.conductor.config import ConductorConfig
+    from kvplane.conductor.hashing import HashProfile
+    from kvplane.conductor.server import ConductorServer
+
+    try:
+        cfg = ConductorConfig(
+            host=host, port=port, token=envs.get("KVPLANE_TOKEN") if token is None else token,
+            bind=tuple(bind), default_profile=HashProfile(hash_algo, hash_seed),  # type: ignore[arg-type]
+            max_batch_bytes=parse_size(max_batch_bytes),
+            max_request_bytes=parse_size(max_request_bytes), replay_timeout=replay_timeout)
+        regs = [to_registration(d) for d in _load_registrations(register_file)] if register_file else []
+    except (InvalidArgument, OSError, json.JSONDecodeError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    server = ConductorServer(cfg)
+    for reg in regs:
+        server.conductor.register(reg)
+    banner = (f"kvplane conductor on {server.url} (zmq bind: {', '.join(server.zmq_endpoints) or 'none'}; "
+              f"default hash profile {hash_algo} seed {hash_seed!r}: engines need "
+              f"PYTHONHASHSEED={hash_seed} --prefix-caching-hash-algo {hash_algo})")
+    try:
+        server.serve_forever(on_ready=lambda: typer.echo(banner, err=True))
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the SIGINT it handled; the shutdown already happened
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``conductor`` command to the kvplane CLI."""
+    app.command("conductor", help=HELP, no_args_is_help=False)(run)

@@ -1,0 +1,377 @@
+"""The global prefix index: context -> block hash -> holders (instance, DP rank, tier).
+
+Pure: no sockets, no clocks, no threads, no locks (the caller serialises access). Must not
+import ``zmq``, the HTTP stack or any other conductor module except ``events.Tier``.
+
+Layout, chosen to stay lean in memory: a context (tenant, model, LoRA, block size, salt) owns a
+``dict[int, int]`` from the 64-bit event hash to a bitmask of *holder slots*; a slot is one
+(instance, dp_rank, tier) triple, numbered per context. A block held once costs one dict entry
+plus its key (~90-100 bytes measured, see docs/conductor.md); mask values are interned so equal
+holder sets share one int object. Removing a whole holder (``clear``/``drop_instance``) scans the
+context once; those are rare (cache reset, engine restart, unregister).
+
+Query semantics follow Mooncake's conductor: complete blocks only, stop at the first miss. For
+each (instance, rank) a cursor walks the chain while that rank holds the block on GPU (its GPU
+prefix); the same cursor then continues while the instance (any rank) or a *shared* holder (the
+kvplane store) has the block on CPU, then on DISK. So GPU <= CPU <= DISK are cumulative prefix
+lengths; ``longest`` is the DISK cursor; instance values are the max over its ranks and ``dp``
+gives each rank's GPU prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvplane.conductor.events import Tier
+
+_INTERN_LIMIT = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class ContextKey:
+    """The namespace a hash lives in; blocks of different contexts never match.
+
+    Attributes:
+        tenant: tenant id (Mooncake's ``tenant_id``; ``"default"``).
+        model: served model name.
+        lora: LoRA adapter name, ``""`` for the base model.
+        block_size: tokens per block.
+        salt: operator-level namespace salt (Mooncake's ``additionalsalt``).
+    """
+
+    tenant: str = "default"
+    model: str = ""
+    lora: str = ""
+    block_size: int = 16
+    salt: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One place a block can live: an instance's DP rank, on one tier."""
+
+    instance: str
+    dp_rank: int
+    tier: Tier
+
+
+@dataclass(slots=True)
+class Match:
+    """Longest matched prefix of one instance, in blocks (cumulative GPU <= CPU <= DISK).
+
+    Attributes:
+        longest: the longest prefix reusable from any tier (== ``disk``).
+        gpu: longest prefix on one of the instance's DP ranks' device cache.
+        cpu: longest prefix reachable by continuing through host-memory tiers.
+        disk: longest prefix reachable by continuing through disk tiers.
+        dp: per DP rank, its GPU prefix.
+    """
+
+    longest: int = 0
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+    dp: dict[int, int] = field(default_factory=dict)
+
+
+class _Cursor:
+    __slots__ = ("instance", "rank", "g", "c", "d", "cpu_vis", "disk_vis")
+
+    def __init__(self, instance: str, rank: int, cpu_vis: int, disk_vis: int) -> None:
+        self.instance, self.rank = instance, rank
+        self.g = self.c = self.d = 0
+        self.cpu_vis, self.disk_vis = cpu_vis, disk_vis
+
+
+class _Context:
+    """One context's blocks and holder slots."""
+
+    __slots__ = ("blocks", "slots", "holders", "counts", "free")
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, int] = {}
+        self.slots: dict[Holder, int] = {}
+        self.holders: list[Holder | None] = []
+        self.counts: list[int] = []
+        self.free: list[int] = []
+
+    def slot(self, holder: Holder) -> int:
+        """The bit of ``holder``, allocating (or reusing a freed) one on first use."""
+        bit = self.slots.get(holder)
+        if bit is None:
+            bit = self.free.pop() if self.free else len(self.holders)
+            if bit == len(self.holders):
+                self.holders.append(holder)
+                self.counts.append(0)
+            else:
+                self.holders[bit] = holder
+            self.slots[holder] = bit
+        return bit
+
+
+class PrefixIndex:
+    """Block hash -> holders, per context. Not thread-safe: callers hold one lock around it."""
+
+    def __init__(self) -> None:
+        self._ctx: dict[ContextKey, _Context] = {}
+        self._intern: dict[int, int] = {}
+
+    def _m(self, mask: int) -> int:
+        got = self._intern.get(mask)
+        if got is None:
+            if len(self._intern) >= _INTERN_LIMIT:
+                self._intern.clear()
+            self._intern[mask] = got = mask
+        return got
+
+    def store(self, ctx: ContextKey, holder: Holder, hashes: Iterable[int]) -> int:
+        """Record that ``holder`` has every block in ``hashes``.
+
+        Returns:
+            How many (block, holder) entries were new.
+        """
+        c = self._ctx.get(ctx)
+        if c is None:
+            c = self._ctx[ctx] = _Context()
+        bit = c.slot(holder)
+        b = 1 << bit
+        blocks, new = c.blocks, 0
+        for h in hashes:
+            m = blocks.get(h, 0)
+            if not m & b:
+                blocks[h] = self._m(m | b)
+                new += 1
+        c.counts[bit] += new
+        return new
+
+    def remove(self, ctx: ContextKey, holder: Holder, hashes: Iterable[int]) -> int:
+        """Forget ``holder`` for each block in ``hashes`` (unknown ones are ignored).
+
+        Returns:
+            How many entries were removed.
+        """
+        c = self._ctx.get(ctx)
+        bit = None if c is None else c.slots.get(holder)
+        if c is None or bit is None:
+            return 0
+        b, blocks, gone = 1 << bit, c.blocks, 0
+        for h in hashes:
+            m = blocks.get(h, 0)
+            if m & b:
+                rest = m & ~b
+                if rest:
+                    blocks[h] = self._m(rest)
+                else:
+                    del blocks[h]
+                gone += 1
+        c.counts[bit] -= gone
+        return gone
+
+    def clear(self, ctx: ContextKey | None, instance: str, dp_rank: int | None = None,
+              tiers: Collection[Tier] | None = None, release: bool = False) -> int:
+        """Forget every block an instance holds (optionally one rank, some tiers).
+
+        Args:
+            ctx: the context, or None for every context.
+            instance: the instance id.
+            dp_rank: only this rank (None = all ranks).
+            tiers: only these tiers (None = all).
+            release: also free the holder slots (use when the instance is unregistered).
+
+        Returns:
+            How many entries were removed.
+        """
+        total = 0
+        for key in ([ctx] if ctx is not None else list(self._ctx)):
+            c = self._ctx.get(key)
+            if c is None:
+                continue
+            chosen = [h for h in c.slots if h.instance == instance
+                      and (dp_rank is None or h.dp_rank == dp_rank)
+                      and (tiers is None or h.tier in tiers)]
+            total += self._drop_slots(c, chosen, release)
+            if not c.slots and not c.blocks:
+                del self._ctx[key]
+        return total
+
+    def _drop_slots(self, c: _Context, chosen: list[Holder], release: bool) -> int:
+        bits = [c.slots[h] for h in chosen]
+        mask = sum(1 << b for b in bits)
+        removed = sum(c.counts[b] for b in bits)
+        if removed:
+            keep = ~mask
+            for h, m in list(c.blocks.items()):
+                if m & mask:
+                    rest = m & keep
+                    if rest:
+                        c.blocks[h] = self._m(rest)
+                    else:
+                        del c.blocks[h]
+        for h, b in zip(chosen, bits):
+            c.counts[b] = 0
+            if release:
+                del c.slots[h]
+                c.holders[b] = None
+                c.free.append(b)
+        return removed
+
+    def drop_instance(self, instance: str) -> int:
+        """Forget an instance everywhere and release its slots. Returns entries removed."""
+        return self.clear(None, instance, release=True)
+
+    def match(self, ctx: ContextKey, hashes: Iterable[int],
+              instances: Mapping[str, Collection[int]] | None = None,
+              shared: Collection[str] = ()) -> dict[str, Match]:
+        """Longest matched prefix per instance and tier for a chain of block hashes.
+
+        This is the query primitive (also for offline schedulers/simulators): ``hashes`` may be
+        a lazy iterator; it is consumed only until every cursor has stopped.
+
+        Args:
+            ctx: the context to look in.
+            hashes: 64-bit event hashes of consecutive complete blocks, from the root.
+            instances: instance id -> its DP ranks to report (None = every non-shared
+                instance holding anything in ``ctx``, with the ranks seen).
+            shared: instances whose CPU/DISK holdings count for every instance (a shared
+                KV pool such as the kvplane store); they are not reported themselves.
+
+        Returns:
+            Instance id -> :class:`Match` (in blocks). Instances with no hit get zeros.
+        """
+        c = self._ctx.get(ctx)
+        if instances is None:
+            instances = self._instances_of(c, shared)
+        if c is None:
+            return {i: Match(dp={r: 0 for r in ranks}) for i, ranks in instances.items()}
+        cursors, gpu_alive, by_bit, cpu_stage = self._cursors(c, instances, shared)
+        self._walk(c.blocks, iter(hashes), gpu_alive, by_bit, cpu_stage)
+        return _summarise(cursors, instances)
+
+    def _instances_of(self, c: _Context | None, shared: Collection[str]) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {}
+        for h in (c.slots if c is not None else ()):
+            if h.instance not in shared:
+                out.setdefault(h.instance, set()).add(h.dp_rank)
+        return out
+
+    def _cursors(self, c: _Context, instances: Mapping[str, Collection[int]],
+                 shared: Collection[str]) -> tuple[list[_Cursor], int, dict[int, _Cursor], list[_Cursor]]:
+        tier_masks: dict[str, list[int]] = {}  # instance -> [gpu, cpu, disk] bit masks
+        for h, bit in c.slots.items():
+            tier_masks.setdefault(h.instance, [0, 0, 0])[h.tier] |= 1 << bit
+        shared_cpu = shared_disk = 0
+        for inst in shared:
+            tm = tier_masks.get(inst)
+            if tm is not None:
+                shared_cpu, shared_disk = shared_cpu | tm[Tier.CPU], shared_disk | tm[Tier.DISK]
+        cursors: list[_Cursor] = []
+        by_bit: dict[int, _Cursor] = {}
+        cpu_stage: list[_Cursor] = []
+        gpu_alive = 0
+        for inst, ranks in instances.items():
+            tm = tier_masks.get(inst, [0, 0, 0])
+            cpu, disk = shared_cpu | tm[Tier.CPU], shared_disk | tm[Tier.DISK]
+            for r in ranks:
+                cur = _Cursor(inst, r, cpu, disk)
+                cur.g = cur.c = cur.d = -1
+                cursors.append(cur)
+                bit = c.slots.get(Holder(inst, r, Tier.GPU))
+                if bit is None:
+                    cur.g = 0
+                    cpu_stage.append(cur)
+                else:
+                    by_bit[bit] = cur
+                    gpu_alive |= 1 << bit
+        return cursors, gpu_alive, by_bit, cpu_stage
+
+    @staticmethod
+    def _walk(blocks: dict[int, int], it: Iterable[int], gpu_alive: int,
+              by_bit: dict[int, _Cursor], cpu_stage: list[_Cursor]) -> None:
+        """Advance all cursors block by block, setting each one's g/c/d where it stops."""
+        disk_stage: list[_Cursor] = []
+        if not (gpu_alive or cpu_stage):
+            return
+        get, i = blocks.get, -1
+        for i, h in enumerate(it):
+            m = get(h, 0)
+            keep = gpu_alive & m
+            if keep == gpu_alive and not cpu_stage and not disk_stage:
+                continue  # fast path: every running cursor is still on GPU
+            dropped, gpu_alive = gpu_alive ^ keep, keep
+            while dropped:
+                low = dropped & -dropped
+                dropped ^= low
+                cur = by_bit[low.bit_length() - 1]
+                cur.g = i
+                cpu_stage.append(cur)
+            if cpu_stage:
+                still = [cur for cur in cpu_stage if m & cur.cpu_vis]
+                if len(still) != len(cpu_stage):
+                    for cur in cpu_stage:
+                        if not m & cur.cpu_vis:
+                            cur.c = i
+                            disk_stage.append(cur)
+                    cpu_stage = still
+            if disk_stage:
+                still = [cur for cur in disk_stage if m & cur.disk_vis]
+                for cur in disk_stage:
+                    if not m & cur.disk_vis:
+                        cur.d = i
+                disk_stage = still
+            if not (gpu_alive or cpu_stage or disk_stage):
+                return
+        i += 1  # the chain ended (after i blocks) with cursors still running
+        while gpu_alive:
+            low = gpu_alive & -gpu_alive
+            gpu_alive ^= low
+            by_bit[low.bit_length() - 1].g = i
+            cpu_stage.append(by_bit[low.bit_length() - 1])
+        for cur in cpu_stage:
+            cur.c = i
+            disk_stage.append(cur)
+        for cur in disk_stage:
+            cur.d = i
+
+    def contexts(self) -> list[ContextKey]:
+        """Contexts that hold at least one holder slot."""
+        return list(self._ctx)
+
+    def holders(self, ctx: ContextKey, block_hash: int) -> list[Holder]:
+        """Who holds one block (for inspection and tests)."""
+        c = self._ctx.get(ctx)
+        m = 0 if c is None else c.blocks.get(block_hash, 0)
+        out = []
+        while m:
+            low = m & -m
+            m ^= low
+            h = c.holders[low.bit_length() - 1]  # type: ignore[union-attr]
+            if h is not None:
+                out.append(h)
+        return out
+
+    def held_by(self, ctx: ContextKey, holder: Holder) -> int:
+        """How many blocks one holder has in ``ctx``."""
+        c = self._ctx.get(ctx)
+        bit = None if c is None else c.slots.get(holder)
+        return 0 if bit is None else c.counts[bit]  # type: ignore[union-attr]
+
+    def stats(self) -> dict[str, int]:
+        """Sizes: contexts, distinct blocks, (block, holder) entries, holder slots."""
+        return {
+            "contexts": len(self._ctx),
+            "blocks": sum(len(c.blocks) for c in self._ctx.values()),
+            "entries": sum(sum(c.counts) for c in self._ctx.values()),
+            "holders": sum(len(c.slots) for c in self._ctx.values()),
+        }
+
+
+def _summarise(cursors: list[_Cursor], instances: Mapping[str, Collection[int]]) -> dict[str, Match]:
+    out = {inst: Match() for inst in instances}
+    for cur in cursors:
+        g, c, d = cur.g, cur.c, cur.d
+        m = out[cur.instance]
+        m.dp[cur.rank] = g
+        m.gpu, m.cpu, m.disk = max(m.gpu, g), max(m.cpu, c), max(m.disk, d)
+        m.longest = m.disk
+    return out

@@ -1,0 +1,118 @@
+"""Process wiring: Conductor + ZMQ ingest thread + HTTP server; the only module that binds.
+
+``ConductorServer`` is a context manager. ``start()`` serves HTTP from a named daemon thread
+(tests, embedding); ``serve_forever()`` serves from the calling thread with signal handling (CLI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+import uvicorn
+
+from kvplane.common.errors import Timeout, Unavailable
+from kvplane.conductor.api import create_app
+from kvplane.conductor.config import ConductorConfig
+from kvplane.conductor.ingest import EventIngestor
+from kvplane.conductor.service import Conductor
+
+log = logging.getLogger(__name__)
+
+
+class ConductorServer:
+    """Runs one conductor: index, ingest, HTTP API.
+
+    Args:
+        config: settings; ``port=0`` picks a free port (read :attr:`port` / :attr:`url`).
+    """
+
+    def __init__(self, config: ConductorConfig | None = None) -> None:
+        self.config = config or ConductorConfig()
+        self.conductor = Conductor(self.config)
+        self.ingestor = EventIngestor(self.conductor, self.config.bind)
+        self.app = create_app(self.conductor)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._sock.bind((self.config.host, self.config.port))
+        except OSError as exc:
+            self._sock.close()
+            self.ingestor.close()
+            raise Unavailable(f"cannot bind {self.config.host}:{self.config.port}: {exc}") from exc
+        self.port: int = self._sock.getsockname()[1]
+        self._ready = threading.Event()
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                                     access_log=False))
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """Base URL of the HTTP API."""
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def zmq_endpoints(self) -> list[str]:
+        """The bound SUB endpoints engines may connect their publishers to."""
+        return list(self.ingestor.endpoints)
+
+    async def _serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
+        try:
+            while not self._server.started and not task.done():
+                await asyncio.sleep(0.01)  # uvicorn exposes readiness only as a flag
+        finally:
+            self._ready.set()
+        if on_ready is not None and self._server.started:
+            on_ready()
+        await task
+
+    def start(self, timeout: float = 10.0) -> "ConductorServer":
+        """Start ingest and serve HTTP from a daemon thread; return once it accepts requests.
+
+        Raises:
+            Timeout: if the HTTP server is not up within ``timeout`` seconds.
+        """
+        self.ingestor.start(timeout)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()),
+                                        name="kvplane-conductor-http", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout) or not self._server.started:
+            self.close()
+            raise Timeout(f"conductor HTTP server not up within {timeout}s")
+        return self
+
+    def serve_forever(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Serve in the calling thread until SIGINT/SIGTERM, then shut down.
+
+        Args:
+            on_ready: called once the HTTP server accepts connections.
+        """
+        self.ingestor.start()
+        log.info("conductor listening on %s (zmq bind: %s)", self.url, self.zmq_endpoints or "none")
+        try:
+            asyncio.run(self._serve(on_ready))
+        finally:
+            self.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop HTTP and ingest (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.ingestor.close(timeout)
+        self._sock.close()
+
+    def __enter__(self) -> "ConductorServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

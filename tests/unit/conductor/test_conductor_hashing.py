@@ -1,0 +1,126 @@
+"""vLLM block hashing against the golden vectors of shared/reference/conductor.md §1.4."""
+
+import hashlib
+import pickle
+
+import pytest
+
+from kvplane.common.errors import InvalidArgument
+from kvplane.conductor.hashing import HashProfile, cbor_canonical, low64, to_event_hash
+
+pytestmark = pytest.mark.timeout(10)
+
+TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]
+GOLDEN = {
+    "sha256": ("1973e23848344dc43a988a9b478663803cfffe1243480253f9a3cf004b14aa7c",
+               [("762b2e7e", "23bae91d", 10362225831949560093),
+                ("9e62b5a7", "2a2b036b", 12472515041799373675)]),
+    "sha256_cbor": ("4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e",
+                    [("c9d58ba6", "8ef071cb", 2164874634404590027),
+                     ("24125b23", "154ab2d6", 17270480062156288726)]),
+}
+
+
+@pytest.mark.parametrize("algo", sorted(GOLDEN))
+def test_golden_vectors(algo):
+    none_hex, blocks = GOLDEN[algo]
+    p = HashProfile(algo, "0")
+    assert p.none_hash.hex() == none_hex
+    digests = list(p.digests(TOKENS, 4))
+    assert len(digests) == 2
+    for d, (head, tail, event_int) in zip(digests, blocks):
+        assert d.hex().startswith(head) and d.hex().endswith(tail)
+        assert low64(d) == event_int
+    assert list(p.event_hashes(TOKENS, 4)) == [b[2] for b in blocks]
+
+
+def test_extra_keys_golden_lora_and_salt():
+    p = HashProfile("sha256", "0")
+    assert list(p.event_hashes(TOKENS[:4], 4, extra_keys=[("adapter-A", "tenant-salt")])) == [602575766154556200]
+    # the same keys built from a LoRA name (every block) and a cache salt (first block only)
+    assert list(p.event_hashes(TOKENS[:4], 4, lora_name="adapter-A", cache_salt="tenant-salt")) == [602575766154556200]
+
+
+def test_salt_only_first_block_lora_every_block():
+    p = HashProfile()
+    plain = list(p.digests(TOKENS, 4))
+    salted = list(p.digests(TOKENS, 4, cache_salt="s"))
+    assert salted[0] != plain[0]
+    # block 1 differs only through its parent; recompute it from the salted parent with no extras
+    assert salted[1] == p.hash_block(salted[0], TOKENS[4:], None)
+    lora = list(p.digests(TOKENS, 4, lora_name="L"))
+    assert lora[1] == p.hash_block(lora[0], TOKENS[4:], ("L",))
+
+
+def test_chain_uses_full_digest_not_projection():
+    p = HashProfile()
+    d0, d1 = p.digests(TOKENS, 4)
+    wrong = p.hash_block(low64(d0).to_bytes(8, "big"), TOKENS[4:])
+    assert wrong != d1 and p.hash_block(d0, TOKENS[4:]) == d1
+
+
+def test_partial_block_ignored_and_lazy():
+    p = HashProfile()
+    assert len(list(p.digests(TOKENS + [9, 10, 11], 4))) == 2
+    it = p.digests(list(range(4000)), 4)
+    first = next(it)  # lazy: one block hashed, generator still open
+    assert first == p.hash_block(None, [0, 1, 2, 3])
+
+
+def test_seed_changes_root():
+    assert HashProfile("sha256", "0").none_hash != HashProfile("sha256", "1").none_hash
+    assert HashProfile("sha256", "0").none_hash == hashlib.sha256(pickle.dumps("0", protocol=5)).digest()
+    assert not HashProfile(seed="random").reproducible
+
+
+def test_profile_validation():
+    with pytest.raises(InvalidArgument):
+        HashProfile("xxhash")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        HashProfile(seed=0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        list(HashProfile().digests([1], 0))
+
+
+def test_cbor_canonical_encodings():
+    assert cbor_canonical(0) == b"\x00"
+    assert cbor_canonical(23) == b"\x17"
+    assert cbor_canonical(24) == b"\x18\x18"
+    assert cbor_canonical(1000) == b"\x19\x03\xe8"
+    assert cbor_canonical(1_000_000) == b"\x1a\x00\x0f\x42\x40"
+    assert cbor_canonical(2**32) == b"\x1b\x00\x00\x00\x01\x00\x00\x00\x00"
+    assert cbor_canonical(-1) == b"\x20" and cbor_canonical(-500) == b"\x39\x01\xf3"
+    assert cbor_canonical(None) == b"\xf6" and cbor_canonical(True) == b"\xf5"
+    assert cbor_canonical("a") == b"\x61a" and cbor_canonical(b"\x01") == b"\x41\x01"
+    assert cbor_canonical((1, [2, 3])) == b"\x82\x01\x82\x02\x03"
+    with pytest.raises(InvalidArgument):
+        cbor_canonical(1.5)
+    with pytest.raises(InvalidArgument):
+        cbor_canonical(2**64)
+
+
+def test_event_hash_normalisation():
+    assert to_event_hash(5) == 5
+    assert to_event_hash(-1) == 2**64 - 1
+    digest = bytes(range(32))
+    assert to_event_hash(digest) == int.from_bytes(digest[-8:], "big")
+
+
+@pytest.mark.parametrize("block", [(1, 2, 3), (0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1),
+                                   (2**32, 5), (-1, 5), (True, 1), ()])
+def test_cbor_token_fast_path_matches_generic_encoder(block):
+    from kvplane.conductor.hashing import _sha256_cbor
+    obj = (b"\x07" * 32, block, ("lora", ("mm", 3)))
+    assert _sha256_cbor(obj) == hashlib.sha256(cbor_canonical(obj)).digest()
+
+
+def test_tagged_strategy_matches_vllm_032_extra_keys():
+    # vLLM 0.32 hashes ("lora", name, path) on every block and ("cache_salt", salt) on block 0
+    p = HashProfile(strategy="vllm_v1_tagged")
+    got = list(p.digests(TOKENS, 4, lora_name="A", lora_path="/p", cache_salt="s"))
+    assert got[0] == p.hash_block(None, TOKENS[:4], (("lora", "A", "/p"), ("cache_salt", "s")))
+    assert got[1] == p.hash_block(got[0], TOKENS[4:], (("lora", "A", "/p"),))
+    untagged = list(HashProfile().digests(TOKENS, 4, lora_name="A", cache_salt="s"))
+    assert got[0] != untagged[0]
+    # without LoRA or salt both strategies agree (and match the golden vectors)
+    assert list(p.event_hashes(TOKENS, 4)) == [10362225831949560093, 12472515041799373675]
