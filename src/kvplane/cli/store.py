@@ -35,6 +35,7 @@ def master(
     high_watermark: float = typer.Option(0.90, help="Used ratio that starts eviction."),
     evict_ratio: float = typer.Option(0.05, help="Share of capacity one eviction pass frees."),
     allocation_strategy: str = typer.Option("random", help="random | free_ratio_first"),
+    kv_events_port: int = typer.Option(None, help="Publish BlockStored/BlockRemoved (vLLM format, medium CPU) on this ZMQ port (0 = any); register the store with the conductor as type kvplane."),
     token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
     ready_file: str = typer.Option(None, help="Write the bound ports here as JSON once ready."),
 ) -> None:
@@ -50,9 +51,11 @@ def master(
     cfg = MasterConfig(lease_ttl=lease_ttl, client_ttl=client_ttl, high_watermark=high_watermark,
                        evict_ratio=evict_ratio, allocation_strategy=allocation_strategy)  # type: ignore[arg-type]
     meta = serve_in_thread(host, metadata_port, tok) if metadata_port is not None else None
-    srv = MasterServer(cfg, host, port, admin_port, tok)
+    srv = MasterServer(cfg, host, port, admin_port, tok, kv_events_port=kv_events_port)
     _announce({"master": f"{host}:{srv.port}", "admin_port": srv.http.port if srv.http else None,
-               "metadata": f"http://{host}:{meta.port}/metadata" if meta else None}, ready_file)
+               "metadata": f"http://{host}:{meta.port}/metadata" if meta else None,
+               "kv_events": srv.events.endpoint if srv.events else None,
+               "kv_events_replay": srv.events.replay_endpoint if srv.events else None}, ready_file)
     _wait_for_signal()
     srv.close()
     if meta:

@@ -19,6 +19,7 @@ from kvplane.common import metrics
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store.master.config import MasterConfig
+from kvplane.store.master.events import StoreEvents
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import (
     CodesRep, KeysReq, MountReq, PingRep, PingReq, PutStartReq, RegexReq, RemoveReq, ResultsRep,
@@ -52,8 +53,12 @@ class MasterServer:
 
     def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0,
                  admin_port: int | None = 0, token: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 kv_events_port: int | None = None) -> None:
         self.state = MasterState(config)
+        self.events: StoreEvents | None = None
+        if kv_events_port is not None:
+            self.events = StoreEvents(host, kv_events_port)
         self.clock = clock
         self.lock = threading.Lock()
         self.rpc = RpcServer(host, port, token)
@@ -84,8 +89,18 @@ class MasterServer:
         def handler(req: Any) -> Any:
             counter.inc()
             with self.lock:
-                return fn(req)
+                try:
+                    return fn(req)
+                finally:
+                    self._flush_changes()
         return handler
+
+    def _flush_changes(self) -> None:
+        """Publish (or, with events off, drop) what the last call changed. Under the lock."""
+        if self.state.changes:
+            if self.events is not None:
+                self.events.publish(self.state.changes)
+            self.state.changes = []
 
     def _mount(self, req: MountReq) -> int:
         self.state.mount(req.client_id, req.segments, self.clock())
@@ -167,6 +182,7 @@ class MasterServer:
             if n:
                 EVICTED.inc(n)
                 klog.event("evicted", count=n)
+            self._flush_changes()
             segs = self.state.segments.values()
             KEYS.set(len(self.state.objects))
             ALLOCATED.set(sum(s.alloc.used for s in segs))
@@ -228,6 +244,9 @@ class MasterServer:
             self.http.close()
             self.http = None
         self._timer.join(2)
+        if self.events is not None:
+            self.events.close()
+            self.events = None
 
     def __enter__(self) -> "MasterServer":
         return self

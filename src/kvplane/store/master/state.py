@@ -64,6 +64,7 @@ class MasterState:
         self.view_version = 1
         self.evicted = 0
         self.alloc_failures = 0
+        self.changes: list[tuple[str, str]] = []  # ("stored"|"removed", key), drained by the server
 
     # -- clients and segments ----------------------------------------------------------------
     def mount(self, client_id: str, segs: list[SegmentInfo], now: float) -> None:
@@ -103,6 +104,8 @@ class MasterState:
                 obj.replicas = keep
                 if not keep:
                     del self.objects[key]
+                    if obj.complete:
+                        self.changes.append(("removed", key))
                     lost += 1
         return lost
 
@@ -163,6 +166,7 @@ class MasterState:
             return ObjectNotFound.code
         if not obj.complete:
             obj.complete = True
+            self.changes.append(("stored", key))
             if obj.soft_pin_ttl:
                 obj.soft_pin_until = now + obj.soft_pin_ttl
             self.objects.move_to_end(key)
@@ -282,6 +286,8 @@ class MasterState:
     def _drop(self, key: str, obj: Obj, now: float) -> None:
         """Forget an object; space under a live lease is freed only once the lease ends."""
         self.objects.pop(key, None)
+        if obj.complete:
+            self.changes.append(("removed", key))
         for seg, off in obj.replicas:
             if seg not in self.segments:
                 continue
