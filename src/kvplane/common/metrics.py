@@ -19,7 +19,7 @@ from prometheus_client import (
 
 __all__ = [
     "CONTENT_TYPE_LATEST", "Counter", "Gauge", "Histogram", "asgi_app", "render", "serve",
-    "TRANSFER_BYTES", "TRANSFER_REQUESTS", "TRANSFER_RETRIES", "SERVER_FRAMES",
+    "TRANSFER_BYTES", "TRANSFER_REQUESTS", "TRANSFER_RETRIES", "TRANSFER_FAILOVERS", "SERVER_FRAMES",
     "SERVER_REJECTED", "SERVER_CONNECTIONS", "METADATA_OPS",
 ]
 
@@ -31,6 +31,10 @@ TRANSFER_REQUESTS = Counter(
 )
 TRANSFER_RETRIES = Counter(
     "kvplane_transfer_retries_total", "Slices retried on a fresh connection", ["transport"]
+)
+TRANSFER_FAILOVERS = Counter(
+    "kvplane_transfer_failovers_total", "Slices re-run on TCP after a same-host transport failed",
+    ["transport"]
 )
 SERVER_FRAMES = Counter("kvplane_transfer_server_frames_total", "Frames served", ["op"])
 SERVER_REJECTED = Counter(

@@ -281,7 +281,8 @@ class TransferEngine:
                                 str(exc))
                 task.code = exc.code
                 continue
-            key = (req.target, t.name, region.addr if t.capabilities.same_host_only else 0)
+            key = (req.target, t.name, region.addr if t.capabilities.same_host_only else 0,
+                   req.transport is None and self.config.protocol == "auto")
             group = groups.get(key)
             if group is None:
                 group = groups[key] = (t, route, [])
@@ -296,13 +297,24 @@ class TransferEngine:
         items = list(groups.values())
         if not items:
             return
-        first = items[0] if inline else None
-        futs = [self._exec.submit(_guarded, t, route, slices, deadline)
-                for (t, route, slices) in (items[1:] if inline else items)]
+        keys = list(groups)
+        fallbacks = [self._fallback(k, groups[k]) for k in keys]
+        first = 0 if inline else None
+        futs = [self._exec.submit(_guarded, *items[i], deadline, fallbacks[i])
+                for i in range(len(items)) if i != first]
         if first is not None:
-            _guarded(*first, deadline)
+            _guarded(*items[first], deadline, fallbacks[first])
         for f in futs:
             f.result()
+
+    def _fallback(self, key: tuple[Any, ...], group: tuple[Transport, Route, list[Slice]]
+                  ) -> Transport | None:
+        """TCP, for a same-host transport chosen under protocol "auto" (TENT-style failover)."""
+        t, route, _ = group
+        tcp = self.transports["tcp"]
+        if key[3] and t.capabilities.same_host_only and t.name != "local" and tcp.can_reach(route):
+            return tcp
+        return None
 
     # -- batch API (Mooncake's shape) -------------------------------------------------------
     def allocate_batch(self, capacity: int) -> int:
@@ -440,15 +452,49 @@ class TransferEngine:
         self.close()
 
 
-def _guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline) -> None:
-    """Run a transport; a bug in it fails its unfinished requests instead of leaving them
-    PENDING forever."""
+class _Shadow:
+    """Stands in for a slice so a failure can be retried elsewhere before it is reported."""
+
+    __slots__ = ("orig", "op", "local", "remote", "length", "status", "error", "task")
+
+    def __init__(self, s: Slice) -> None:
+        self.orig, self.op, self.local, self.remote, self.length = s, s.op, s.local, s.remote, s.length
+        self.task = s.task
+        self.status: TransferStatus | None = None
+        self.error = ""
+
+    def done(self, status: TransferStatus, error: str = "") -> None:
+        self.status, self.error = status, error
+
+
+def _guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline,
+             fallback: Transport | None = None) -> None:
+    """Run a transport, failing over to ``fallback`` for slices it FAILED (not timed out).
+
+    A bug in a transport fails its unfinished requests instead of leaving them PENDING forever.
+    """
+    if fallback is not None:
+        shadows = [_Shadow(s) for s in slices]
+        _guarded(t, route, shadows, deadline)  # type: ignore[arg-type]
+        retry = [sh.orig for sh in shadows if sh.status == S.FAILED and not deadline.expired()]
+        for sh in shadows:
+            if sh.status != S.FAILED or deadline.expired():
+                sh.orig.done(sh.status or S.FAILED, sh.error)
+        if retry:
+            metrics.TRANSFER_FAILOVERS.labels(t.name).inc(len(retry))
+            log.info("%d slice(s) failed on %s; failing over to %s", len(retry), t.name,
+                     fallback.name)
+            _guarded(fallback, route, retry, deadline)
+        return
     try:
         t.run(route, slices, deadline)
     except Exception as exc:
         log.exception("transport %s failed", t.name)
         for s in slices:
-            if not s.task.status.done:
+            if isinstance(s, _Shadow):
+                if s.status is None:
+                    s.done(S.FAILED, f"internal error in {t.name}: {exc}")
+            elif not s.task.status.done:
                 s.task.batch.fail(s.task, S.FAILED, f"internal error in {t.name}: {exc}")
 
 

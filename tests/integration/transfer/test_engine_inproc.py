@@ -198,3 +198,28 @@ def test_a_crashing_transport_fails_requests_instead_of_hanging():
                         timeout=5)
         assert st == [S.FAILED]
 
+
+
+def test_failed_same_host_slices_fail_over_to_tcp():
+    from kvplane.common import metrics
+
+    a, b = pair(protocol="auto")
+    with a, b:
+        buf = b.allocate_managed_buffer(2 * MB)
+        src = np.random.randint(0, 256, 2 * MB, dtype=np.uint8)
+        a.register_memory(src)
+        seg = a.open_segment(b.name)
+
+        def broken(route, slices, deadline):
+            for s in slices:
+                s.done(S.FAILED, "mapping vanished")
+
+        a.transports["shm"].run = broken
+        before = metrics.TRANSFER_FAILOVERS.labels("shm")._value.get()
+        a.write(seg, src.ctypes.data, buf.addr, 2 * MB)
+        assert np.array_equal(buf.array, src)
+        assert metrics.TRANSFER_FAILOVERS.labels("shm")._value.get() == before + 1
+        # forcing shm means no failover: the failure is reported
+        st = a.transfer([TransferRequest(OpCode.WRITE, src.ctypes.data, seg, buf.addr, MB,
+                                         transport="shm")])
+        assert st == [S.FAILED]
