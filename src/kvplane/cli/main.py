@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "kvplane.cli.metadata",
     "kvplane.cli.store",
     "kvplane.cli.conductor",
+    "kvplane.cli.simulate",
     "kvplane.cli.serve",
     "kvplane.cli.bench",
 ]
