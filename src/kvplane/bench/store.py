@@ -161,6 +161,14 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
     if "mooncake" in opt.sides and mc is None:
         progress("mooncake not installed: skipped (see shared/peers/mooncake)")
+    if "local" in opt.topologies:
+        from kvplane.bench import limits
+
+        for size in opt.sizes:  # the machine's limit for a same-host get: one memcpy
+            progress(f"memcpy {size}")
+            rows.append(dict(impl="memcpy", topology="local", clients=1, op="get", size=size,
+                             batch=1, p50_us=float("nan"), p99_us=float("nan"), verified=True,
+                             **limits.memcpy(size, max(size, 256 << 20), opt.duration)))
     for topo in opt.topologies:
         remote = topo == "remote"
         for clients in opt.clients if remote else [1]:
@@ -198,10 +206,13 @@ def ratios(rows: list[dict]) -> list[dict]:
             continue
         key = (r["topology"], r["clients"], r["op"], r["size"], r["batch"])
         mc, rd = idx.get(("mooncake", *key)), idx.get(("redis", *key))
+        cp = idx.get(("memcpy", "local", 1, "get", r["size"], 1)) if r["topology"] == "local" \
+            and r["op"] == "get" and r["batch"] == 1 else None
         out.append(dict(side=r["impl"], topology=r["topology"], clients=r["clients"], op=r["op"],
                         size=r["size"], batch=r["batch"], gb_s=r["gb_s"], ops_s=r["ops_s"],
                         vs_mooncake=r["gb_s"] / mc["gb_s"] if mc else None,
-                        vs_redis=r["gb_s"] / rd["gb_s"] if rd else None))
+                        vs_redis=r["gb_s"] / rd["gb_s"] if rd else None,
+                        vs_memcpy=r["gb_s"] / cp["gb_s"] if cp else None))
     return out
 
 

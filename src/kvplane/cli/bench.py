@@ -130,10 +130,10 @@ def store(
                   str(r["batch"]), f"{r['ops_s']:.0f}", f"{r['gb_s']:.3f}", f"{r['p50_us']:.0f}",
                   f"{r['p99_us']:.0f}")
     out.print(t)
-    rt = Table(title="ratios (GB/s): kvplane / Mooncake, kvplane / Redis")
-    for c in ("side", "topology", "clients", "op", "size", "batch", "vs mooncake", "vs redis"):
+    rt = Table(title="ratios (GB/s): kvplane / Mooncake, / Redis, / memcpy (local get)")
+    for c in ("side", "topology", "clients", "op", "size", "batch", "vs mooncake", "vs redis", "vs memcpy"):
         rt.add_column(c)
     for r in rr:
         rt.add_row(r["side"], r["topology"], str(r["clients"]), r["op"], str(r["size"]),
-                   str(r["batch"]), _fmt(r["vs_mooncake"]), _fmt(r["vs_redis"]))
+                   str(r["batch"]), _fmt(r["vs_mooncake"]), _fmt(r["vs_redis"]), _fmt(r["vs_memcpy"]))
     out.print(rt)

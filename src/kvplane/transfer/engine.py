@@ -153,9 +153,12 @@ class TransferEngine:
             os.close(region.fd)
         self._changed()
 
-    def allocate_managed_buffer(self, length: int) -> ManagedBuffer:
-        """Shared-memory backed, registered memory that same-host peers map directly."""
-        buf = ManagedBuffer(length)
+    def allocate_managed_buffer(self, length: int, populate: bool = False) -> ManagedBuffer:
+        """Shared-memory backed, registered memory that same-host peers map directly.
+
+        ``populate`` faults every page in now (segments contributed to a pool do this so a put
+        never pays the first-touch cost)."""
+        buf = ManagedBuffer(length, populate)
         self.memory.add(Region(buf.addr, length, view_at(buf.addr, length), kind="shm",
                                shm=buf.name, keep=buf))
         self._managed[buf.addr] = buf

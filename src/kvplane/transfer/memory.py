@@ -84,6 +84,7 @@ def address_of(obj: Any) -> tuple[int, int, Any]:
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvplane-"
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
 
 def sweep_stale_shm() -> int:
@@ -128,7 +129,7 @@ class ManagedBuffer:
         array: a uint8 numpy view of the memory.
     """
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, populate: bool = False) -> None:
         if length <= 0:
             raise InvalidArgument("managed buffer length must be > 0")
         self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
@@ -144,6 +145,11 @@ class ManagedBuffer:
             os.close(fd)
         self.length = length
         self.array = np.frombuffer(self._mmap, dtype=np.uint8, count=length)
+        if populate:  # fault every page in now, not on the first write into it
+            try:
+                self._mmap.madvise(_MADV_POPULATE_WRITE)
+            except OSError:  # kernels before 5.14: touch one byte per page
+                self.array[::mmap.PAGESIZE] = 0
         self.addr = int(self.array.ctypes.data)
 
     def close(self) -> None:

@@ -62,7 +62,7 @@ class StoreClient:
         self.staging = Staging(self.engine, cfg.local_buffer_size)
         self.remounts = 0
         if cfg.global_segment_size > 0:
-            buf = self.engine.allocate_managed_buffer(cfg.global_segment_size)
+            buf = self.engine.allocate_managed_buffer(cfg.global_segment_size, populate=True)
             self._segments = [SegmentInfo(self.engine.name, buf.addr, cfg.global_segment_size,
                                           cfg.client_id, self.engine.name, self.engine.host_id)]
         self.mount()
