@@ -23,7 +23,12 @@ def test_store_benchmark_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in out.stdout.splitlines()]
     cells = [r for r in rows if not r.get("ratio")]
-    assert {r["impl"] for r in cells} == set(sides.split(","))
+    assert {r["impl"] for r in cells} == set(sides.split(",")) | {"memcpy"}
     assert all(r["verified"] and r["ops_s"] > 0 for r in cells)
-    assert {(r["op"], r["batch"]) for r in cells} == {("put", 1), ("get", 1), ("put", 4), ("get", 4)}
+    stores = [r for r in cells if r["impl"] != "memcpy"]
+    assert {(r["op"], r["batch"]) for r in stores} == {("put", 1), ("get", 1), ("put", 4), ("get", 4)}
+    assert {r["topology"] for r in stores} == {"remote", "local"}
+    local_get = [r for r in rows if r.get("ratio") and r["topology"] == "local" and r["op"] == "get"
+                 and r["batch"] == 1]
+    assert local_get and all(r["vs_memcpy"] > 0 for r in local_get)
     assert plot.stat().st_size > 1000
