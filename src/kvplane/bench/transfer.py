@@ -132,26 +132,35 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """GB/s vs block size, one line per (impl, op, batch)."""
+    """GB/s vs block size: one panel per direction; colour = side, dashed = batched calls;
+    the machine's limits (raw socket, memcpy) in grey on both panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    series: dict[str, list[tuple[int, float]]] = {}
-    for r in rows:
-        name = f"{r['impl']} {r['op']}" + (f" x{r['batch']}" if r["batch"] > 1 else "")
-        series.setdefault(name, []).append((r["size"], r["gb_s"]))
-    for name, pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("block size (bytes)")
-    ax.set_ylabel("GB/s")
-    ax.set_title("kvplane transfer engine vs Mooncake vs machine limits")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    colors = {"kvplane-tcp": "tab:blue", "kvplane-shm": "tab:green", "mooncake-tcp": "tab:red",
+              "raw-socket": "0.35", "memcpy": "0.65"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, op in zip(axes, ("write", "read")):
+        series: dict[tuple[str, bool], list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["op"] in (op, "copy", "stream"):
+                series.setdefault((r["impl"], r["batch"] > 1), []).append((r["size"], r["gb_s"]))
+        for (impl, batched), pts in sorted(series.items()):
+            pts.sort()
+            limit = impl in ("raw-socket", "memcpy")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4,
+                    color=colors.get(impl, "tab:purple"), linestyle=":" if limit else
+                    ("--" if batched else "-"),
+                    label=impl if limit else f"{impl} {'batch' if batched else 'single'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (bytes)")
+        ax.set_title(f"{op}")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("kvplane transfer engine vs Mooncake TCP vs the machine's limits")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
