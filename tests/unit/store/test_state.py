@@ -94,9 +94,20 @@ def test_force_remove_of_leased_object_defers_its_space():
     put(st, "k", size=MB)
     st.get_replicas("k", 1.0)
     assert st.remove("k", True, 2.0) == 0
-    assert st.put_start("x", MB, ReplicateConfig(), 3.0).code == NoAvailableHandle.code
-    st.reclaim(11.5)  # the reader's lease is over: now the space can be reused
-    assert st.put_start("x", MB, ReplicateConfig(), 12.0).code == 0
+    assert st.graveyard and st.used_ratio() == 1.0  # held for the reader...
+    st.reclaim(11.5)  # ...until its lease is over
+    assert not st.graveyard and st.used_ratio() == 0.0
+
+
+def test_force_removed_space_is_reused_early_only_when_the_pool_is_full():
+    st = state(n_segs=1, lease_ttl=10.0)
+    put(st, "k", size=MB // 2)
+    st.get_replicas("k", 1.0)
+    assert st.remove("k", True, 2.0) == 0
+    assert st.put_start("a", MB // 2, ReplicateConfig(), 3.0).code == 0  # free space first
+    assert len(st.graveyard) == 1
+    assert st.put_start("b", MB // 2, ReplicateConfig(), 3.0).code == 0  # pool full: graveyard
+    assert not st.graveyard
 
 
 def test_eviction_from_high_watermark_skips_leased_pinned_and_unfinished():

@@ -313,7 +313,7 @@ class MasterState:
 
     def _place(self, size: int, cfg: ReplicateConfig, now: float,
                local: frozenset[str]) -> list[tuple[str, int]]:
-        for attempt in (0, 1):
+        for attempt in range(3):
             got: list[tuple[str, int]] = []
             for name in self._candidates(cfg, local):
                 off = self.segments[name].alloc.allocate(size)
@@ -324,7 +324,16 @@ class MasterState:
             if got:  # best effort: at least one replica
                 return got
             self.alloc_failures += 1
-            if attempt == 0 and not self.evict(now, need=size * cfg.replica_num):
+            if attempt == 0:
+                self.evict(now, need=size * cfg.replica_num)
+            elif attempt == 1 and self.graveyard:
+                # Out of room: reuse space of force-removed objects before their leases end.
+                # ``force`` accepted that a reader still inside its lease may see new bytes.
+                for _, seg, off in self.graveyard:
+                    if seg in self.segments:
+                        self.segments[seg].alloc.free(off)
+                self.graveyard = []
+            else:
                 break
         raise NoAvailableHandle(
             f"no segment has {size} free bytes; consider mounting more segments or lowering "
