@@ -1,0 +1,29 @@
+"""Smoke-run benchmarks/collectives.py with tiny sizes: it must run both backends and the kill test."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "collectives.py"
+
+
+def test_bench_collectives_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("bench_collectives", _PATH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--sizes", "4KiB", "--ranks", "2", "--iters", "2", "--warmup", "1",
+                    "--recovery-size", "4KiB", "--recovery-timeout", "2", "--rounds", "1"])
+    [row] = out["allreduce"]
+    assert row["ranks"] == 2 and row["bytes"] == 4096
+    assert row["gloo_s"] > 0 and row["kvplane_s"] > 0
+    rec = out["recovery"]
+    # kvplane completes the next op over the survivors; gloo must time out and rebuild
+    assert 0 < rec["kvplane_s"] < 1.0
+    assert rec["gloo_rebuild_s"] > rec["kvplane_s"]
+    assert "kv/gloo" in capsys.readouterr().out
