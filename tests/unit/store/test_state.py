@@ -198,3 +198,15 @@ def test_bad_keys_and_sizes():
     assert st.put_start("k", 0, ReplicateConfig(), 0.0).code < 0
     assert st.put_start("k", 10, ReplicateConfig(replica_num=0), 0.0).code < 0
     assert st.put_start("k", 10 * MB, ReplicateConfig(), 0.0).code == NoAvailableHandle.code
+
+
+def test_space_held_for_readers_does_not_evict_live_objects():
+    st = state(n_segs=1, seg_size=100 * 1024, high_watermark=0.5, lease_ttl=10.0)
+    for i in range(4):
+        put(st, f"old{i}", size=20 * 1024 - 64, now=0.0)
+    st.get_replicas("old0", 1.0)
+    st.get_replicas("old1", 1.0)
+    st.remove_all(True, 2.0)  # two leased ones go to the graveyard (40 % of the pool)
+    put(st, "live", size=20 * 1024 - 64, now=3.0)
+    assert st.used_ratio() > 0.5  # over the watermark counting held space
+    assert st.evict(3.5) == 0 and "live" in st.objects  # only 20 % is live: nothing to evict

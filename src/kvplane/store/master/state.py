@@ -61,6 +61,7 @@ class MasterState:
         self.segments: dict[str, Segment] = {}
         self.clients: dict[str, Client] = {}
         self.graveyard: list[tuple[float, str, int]] = []  # (free_after, segment, offset)
+        self._held: dict[tuple[str, int], int] = {}  # graveyard block -> bytes
         self.view_version = 1
         self.evicted = 0
         self.alloc_failures = 0
@@ -96,6 +97,7 @@ class MasterState:
         if client:
             client.segments.discard(name)
         self.graveyard = [g for g in self.graveyard if g[1] != name]
+        self._held = {k: v for k, v in self._held.items() if k[0] != name}
         lost = 0
         for key in list(self.objects):
             obj = self.objects[key]
@@ -233,6 +235,7 @@ class MasterState:
         due = [g for g in self.graveyard if g[0] <= now]
         self.graveyard = [g for g in self.graveyard if g[0] > now]
         for _, seg, off in due:
+            self._held.pop((seg, off), None)
             if seg in self.segments:
                 self.segments[seg].alloc.free(off)
         stale = [k for k, o in self.objects.items()
@@ -240,6 +243,10 @@ class MasterState:
         for k in stale:
             self._drop(k, self.objects[k], now)
         return len(due) + len(stale)
+
+    def objects_size_of(self, grave: tuple[float, str, int]) -> int:
+        """Bytes held by one graveyard entry."""
+        return self._held.get((grave[1], grave[2]), 0)
 
     def used_ratio(self) -> float:
         cap = sum(s.alloc.capacity for s in self.segments.values())
@@ -255,7 +262,10 @@ class MasterState:
         if not cap:
             return 0
         used = sum(s.alloc.used for s in self.segments.values())
-        over = used - self.config.high_watermark * cap
+        # space held for readers of removed objects frees itself when their leases end:
+        # it must not push live objects out
+        held = sum(self.objects_size_of(g) for g in self.graveyard)
+        over = used - held - self.config.high_watermark * cap
         target = max(need, over + self.config.evict_ratio * cap if over > 0 else 0)
         if target <= 0:
             return 0
@@ -293,6 +303,7 @@ class MasterState:
                 continue
             if obj.lease_until > now:
                 self.graveyard.append((obj.lease_until, seg, off))
+                self._held[(seg, off)] = obj.size
             else:
                 self.segments[seg].alloc.free(off)
 
@@ -333,6 +344,7 @@ class MasterState:
                     if seg in self.segments:
                         self.segments[seg].alloc.free(off)
                 self.graveyard = []
+                self._held.clear()
             else:
                 break
         raise NoAvailableHandle(
