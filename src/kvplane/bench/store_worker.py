@@ -40,16 +40,20 @@ class StoreImpl:
 
     def put(self, keys: list[str], size: int) -> bool:
         if len(keys) == 1:
-            return self.st.put_from(keys[0], self.tx, size) == 0
-        rs = self.st.batch_put_from(keys, [self.tx + j * size for j in range(len(keys))],
-                                    [size] * len(keys))
+            rs = [self.st.put_from(keys[0], self.tx, size)]
+        else:
+            rs = self.st.batch_put_from(keys, [self.tx + j * size for j in range(len(keys))],
+                                        [size] * len(keys))
+        self.last = rs
         return all(r == 0 for r in rs)
 
     def get(self, keys: list[str], size: int) -> bool:
         if len(keys) == 1:
-            return self.st.get_into(keys[0], self.rx, size) == size
-        rs = self.st.batch_get_into(keys, [self.rx + j * size for j in range(len(keys))],
-                                    [size] * len(keys))
+            rs = [self.st.get_into(keys[0], self.rx, size)]
+        else:
+            rs = self.st.batch_get_into(keys, [self.rx + j * size for j in range(len(keys))],
+                                        [size] * len(keys))
+        self.last = rs
         return all(r == size for r in rs)
 
     def remove(self, keys: list[str]) -> None:
@@ -98,6 +102,19 @@ class RedisImpl:
         self.r.close()
 
 
+class _Op:
+    """impl.put/get for one size; remembers the last return codes for error messages."""
+
+    def __init__(self, impl, op: str, size: int) -> None:  # type: ignore[no-untyped-def]
+        self.fn, self.size, self.impl = getattr(impl, op), size, impl
+
+    def __call__(self, keys: list[str]) -> bool:
+        return bool(self.fn(keys, self.size))
+
+    def last_codes(self) -> list:  # type: ignore[type-arg]
+        return sorted(set(map(str, getattr(self.impl, "last", []))))
+
+
 def _pct(v: list[int], q: float) -> float:
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))] / 1e3 if v else float("nan")
 
@@ -112,7 +129,7 @@ def _phase(fn, keys_for, duration: float, min_calls: int):  # type: ignore[no-un
             break
         x = time.perf_counter_ns()
         if not fn(keys):
-            raise RuntimeError(f"operation failed on {keys[0]}")
+            raise RuntimeError(f"operation failed on {keys[0]} (call {i}): codes {fn.last_codes()}")
         lat.append(time.perf_counter_ns() - x)
         i += 1
     return lat, time.perf_counter() - t0
@@ -137,12 +154,13 @@ def client(cid: int, a: argparse.Namespace, barrier, q) -> None:  # type: ignore
                     live.extend(keys)
                     return keys if len(live) <= cap else None
 
-                lat, el = _phase(lambda ks: impl.put(ks, size), put_keys, a.duration, a.min_calls)
+                put_fn = _Op(impl, "put", size)
+                lat, el = _phase(put_fn, put_keys, a.duration, a.min_calls)
                 q.put(dict(op="put", size=size, batch=k, calls=len(lat), elapsed=el, lat=lat, cid=cid))
                 live = live[:len(lat) * k]
                 n = len(live) // k
                 barrier.wait(120)
-                lat, el = _phase(lambda ks: impl.get(ks, size),
+                lat, el = _phase(_Op(impl, "get", size),
                                  lambda i: live[(i % n) * k:(i % n + 1) * k], a.duration, a.min_calls)
                 ok = bool(np.array_equal(rx[(k - 1) * size:k * size], tx[(k - 1) * size:k * size]))
                 q.put(dict(op="get", size=size, batch=k, calls=len(lat), elapsed=el, lat=lat,
