@@ -335,16 +335,17 @@ class MasterState:
             if got:  # best effort: at least one replica
                 return got
             self.alloc_failures += 1
-            if attempt == 0:
-                self.evict(now, need=size * cfg.replica_num)
-            elif attempt == 1 and self.graveyard:
-                # Out of room: reuse space of force-removed objects before their leases end.
-                # ``force`` accepted that a reader still inside its lease may see new bytes.
+            if attempt == 0 and self.graveyard:
+                # Out of room: first reuse the space of force-removed objects whose read leases
+                # have not ended (``force`` accepted that such a reader may see new bytes, and
+                # Mooncake frees it at once), before evicting anything still live.
                 for _, seg, off in self.graveyard:
                     if seg in self.segments:
                         self.segments[seg].alloc.free(off)
                 self.graveyard = []
                 self._held.clear()
+            elif attempt <= 1:
+                self.evict(now, need=size * cfg.replica_num)
             else:
                 break
         raise NoAvailableHandle(
