@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         lp = loc.ctypes.data
         if te.register_memory(lp, nbytes) != 0:
             raise RuntimeError("register_memory failed")
-        te.transfer_sync_write(ep, lp, raddr, 4096)  # connect + warm up, not measured
+        # connect and warm up both directions (not measured): first calls pay one-time costs
+        for op in ("write", "read"):
+            measure(te, ep, lp, raddr, nbytes, 4096, 1, op, min(0.3, a.duration), 1)
         for size in (int(s) for s in a.sizes.split(",")):
             for op in a.ops.split(","):
                 for b in (int(x) for x in a.batches.split(",")):
