@@ -25,6 +25,7 @@ import msgspec
 
 from kvplane.common import wire
 from kvplane.common.listener import Listener
+from kvplane.common.sockets import recv_exact, recv_spin, set_io_timeout
 from kvplane.common.errors import (
     InvalidArgument, KVPlaneError, ProtocolError, Timeout, Unauthorized, Unavailable, from_code,
 )
@@ -33,36 +34,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Handler = Callable[[Any], Any]
 _LEN = struct.Struct("<I")
-_TIMEVAL = struct.Struct("ll")
-
-
-def _set_timeout(sock: socket.socket, seconds: float) -> None:
-    sec = max(seconds, 1e-3)
-    tv = _TIMEVAL.pack(int(sec), int((sec % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    try:
-        while got < n:
-            k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
-            if k == 0:
-                raise Unavailable("connection closed")
-            got += k
-    except BlockingIOError as exc:
-        raise TimeoutError("rpc receive timed out") from exc
-    return buf
-
-
-def _recv_frame(sock: socket.socket, limit: int) -> bytearray:
-    (n,) = _LEN.unpack(_recv_exact(sock, 4))
+def _recv_frame(sock: socket.socket, limit: int, spin: bool = True) -> bytearray:
+    head = memoryview(bytearray(4))
+    got = recv_spin(sock, head) if spin else 0
+    if spin and got == 0:
+        raise Unavailable("connection closed")
+    recv_exact(sock, head[got:])
+    (n,) = _LEN.unpack(head)
     if n > limit:
         raise ProtocolError(f"frame of {n} bytes exceeds {limit}")
-    return _recv_exact(sock, n)
+    body = bytearray(n)
+    recv_exact(sock, memoryview(body))
+    return body
 
 
 def _send_frame(sock: socket.socket, payload: bytes) -> None:
@@ -186,7 +169,7 @@ class RpcClient:
             s.settimeout(None)
             self._sock, self._armed = s, -1.0
         if timeout != self._armed:
-            _set_timeout(self._sock, timeout)
+            set_io_timeout(self._sock, timeout)
             self._armed = timeout
         return self._sock
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import socket
 import struct
 
-from kvplane.common.errors import ProtocolError, Unavailable
+from kvplane.common.errors import ProtocolError
+from kvplane.common.sockets import recv_exact, recv_spin, set_io_timeout  # noqa: F401 (re-exported)
 
 MAGIC = 0x4C50564B  # "KVPL"
 RESP_MAGIC = 0x5250564B  # "KVPR"
@@ -39,39 +40,6 @@ def pack_req(op: int, rid: int, addr: int, length: int) -> bytes:
 def pack_resp(status: int, rid: int, length: int) -> bytes:
     """Encode a response header."""
     return RESP.pack(RESP_MAGIC, status, rid, length)
-
-
-_TIMEVAL = struct.Struct("ll")
-
-
-def set_io_timeout(sock: socket.socket, seconds: float) -> None:
-    """Kernel-side send/receive timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket.
-
-    Unlike ``settimeout`` this adds no poll() before every call: a blocked call fails with
-    EAGAIN after ``seconds``, which the helpers here raise as ``TimeoutError``.
-    """
-    sec = max(seconds, 1e-3)
-    tv = _TIMEVAL.pack(int(sec), int((sec % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``.
-
-    Raises:
-        Unavailable: the peer closed the connection.
-        TimeoutError: the kernel timeout expired with bytes still missing.
-    """
-    got, n = 0, len(view)
-    try:
-        while got < n:
-            k = sock.recv_into(view[got:] if got else view, 0, socket.MSG_WAITALL)
-            if k == 0:
-                raise Unavailable("connection closed by peer")
-            got += k
-    except BlockingIOError as exc:
-        raise TimeoutError("receive timed out") from exc
 
 
 def send_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:

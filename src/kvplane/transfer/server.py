@@ -78,8 +78,8 @@ class DataServer:
         try:
             while not self._listener.closed.is_set():
                 try:
-                    got = conn.recv_into(hview)
-                except BlockingIOError:
+                    got = P.recv_spin(conn, hview)
+                except TimeoutError:
                     continue  # idle pooled connection: keep it
                 if got == 0:
                     return

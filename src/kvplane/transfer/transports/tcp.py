@@ -75,7 +75,11 @@ class Conn:
 
     def read_resp(self, expect: int) -> tuple[int, int]:
         """Receive a response header for request ``expect``; returns (status, length)."""
-        P.recv_exact(self.sock, self._hview)
+        got = P.recv_spin(self.sock, self._hview)
+        if got == 0:
+            raise Unavailable("connection closed by peer")
+        if got < P.RESP.size:
+            P.recv_exact(self.sock, self._hview[got:])
         magic, status, rid, length = P.RESP.unpack(self._hdr)
         P.check_resp_magic(magic)
         if rid != expect:
