@@ -12,6 +12,7 @@ import hmac
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 
 from kvplane.common import metrics
@@ -23,6 +24,7 @@ from kvplane.transfer.memory import MemoryTable, Region
 log = logging.getLogger(__name__)
 
 PAYLOAD_TIMEOUT = 30.0  # once a header arrived, its payload must follow within this
+SERVER_SPIN = 100e-6  # busy-poll for the next frame of a peer in a tight loop
 _DRAIN = 1 << 20
 
 
@@ -75,12 +77,16 @@ class DataServer:
         authed = not self._token
         conn.settimeout(None)
         P.set_io_timeout(conn, PAYLOAD_TIMEOUT)
+        quick, done_at = False, time.perf_counter()
         try:
             while not self._listener.closed.is_set():
+                # Busy-poll only for a peer that came back quickly last time (a tight loop);
+                # otherwise sleep, so idle connections never steal CPU from busy ones.
                 try:
-                    got = P.recv_spin(conn, hview)
+                    got = P.recv_spin(conn, hview, SERVER_SPIN if quick else 0.0)
                 except TimeoutError:
                     continue  # idle pooled connection: keep it
+                quick = time.perf_counter() - done_at < SERVER_SPIN
                 if got == 0:
                     return
                 if got < P.REQ.size:
@@ -91,6 +97,7 @@ class DataServer:
                 if not authed and op != P.OP_HELLO:
                     raise _Reject("unauthenticated")
                 authed = self._handle(conn, op, rid, addr, length) or authed
+                done_at = time.perf_counter()
         except _Reject as exc:
             self._count_reject(exc.reason)
             log.warning("closing data connection: %s", exc)
