@@ -93,7 +93,7 @@ class RpcServer:
         try:
             while not self._listener.closed.is_set():
                 try:
-                    data = _recv_frame(conn, self._max)
+                    data = _recv_frame(conn, self._max, spin=False)
                 except ProtocolError:
                     self.malformed += 1
                     return
