@@ -125,12 +125,14 @@ class TransferEngine:
                 log.debug("metadata check failed: %s", exc)
 
     # -- memory ----------------------------------------------------------------------------
-    def register_memory(self, obj: Any, length: int | None = None) -> Region:
+    def register_memory(self, obj: Any, length: int | None = None, publish: bool = True) -> Region:
         """Register a buffer (numpy, bytearray, mmap, torch CPU tensor) or a raw address.
 
         Args:
             obj: the buffer, or an int address (then ``length`` is required).
             length: bytes, for a raw address.
+            publish: update the published descriptor; False for memory used only as a local
+                source or destination (staging), which saves a metadata write per call.
 
         Raises:
             Conflict: overlaps a registered region.
@@ -143,15 +145,17 @@ class TransferEngine:
         else:
             addr, n, keep = address_of(obj)
         region = self.memory.add(Region(addr, n, view_at(addr, n), keep=keep))
-        self._changed()
+        if publish:
+            self._changed()
         return region
 
-    def unregister_memory(self, addr: int) -> None:
+    def unregister_memory(self, addr: int, publish: bool = True) -> None:
         """Unregister the region starting at ``addr``. Raises NotFound."""
         region = self.memory.remove(addr)
         if region.fd >= 0:
             os.close(region.fd)
-        self._changed()
+        if publish:
+            self._changed()
 
     def allocate_managed_buffer(self, length: int, populate: bool = False) -> ManagedBuffer:
         """Shared-memory backed, registered memory that same-host peers map directly.

@@ -38,8 +38,8 @@ class Staging:
                     self._alloc.free(off)  # type: ignore[union-attr]
             return
         tmp = np.empty(max(n, 1), np.uint8)
-        region = self._te.register_memory(tmp)
+        region = self._te.register_memory(tmp, publish=False)  # local-only: no metadata write
         try:
             yield region.addr, tmp[:n]
         finally:
-            self._te.unregister_memory(region.addr)
+            self._te.unregister_memory(region.addr, publish=False)
