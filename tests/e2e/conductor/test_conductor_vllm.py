@@ -7,17 +7,14 @@ Needs the venv made by .ci/setup-10-vllm-venv.sh (interpreter at $KVPLANE_VLLM_P
 import json
 import os
 import pathlib
-import selectors
-import subprocess
-import time
 
 import httpx
 import pytest
 
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.server import ConductorServer
+from kvplane.integrations.vllm.harness import VLLM_PYTHON, Driver, vllm_env
 
-VLLM_PYTHON = os.environ.get("KVPLANE_VLLM_PYTHON", "/opt/kvplane-vllm-venv/bin/python")
 DRIVER = pathlib.Path(__file__).with_name("vllm_driver.py")
 pytestmark = [
     pytest.mark.e2e,
@@ -30,53 +27,11 @@ BS = 32
 PROMPT = [(i * 37 + 11) % 1000 for i in range(100)]  # 3 complete blocks of 32 + 4 tokens
 
 
-class Driver:
-    """The vLLM engine subprocess, spoken to one JSON line at a time."""
-
-    def __init__(self, tmp: pathlib.Path, endpoint: str, topic: str) -> None:
-        self.log = open(tmp / "vllm.log", "w")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-        env.update(PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS="2")
-        cfg = json.dumps({"model_dir": str(tmp / "model"), "endpoint": endpoint, "topic": topic})
-        self.proc = subprocess.Popen([VLLM_PYTHON, str(DRIVER), cfg], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.proc.stdout, selectors.EVENT_READ)
-
-    def expect(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            if self.sel.select(left):
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith(prefix):
-                    return line[len(prefix):].strip()
-        tail = pathlib.Path(self.log.name).read_text()[-3000:]
-        raise AssertionError(f"vLLM driver: no {prefix!r} within {timeout}s; log tail:\n{tail}")
-
-    def call(self, timeout: float, **cmd) -> object:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.expect("DONE ", timeout))
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
-            self.proc.stdin.close()
-            self.proc.stdout.close()
-            self.sel.close()
-            self.log.close()
+def start_driver(tmp: pathlib.Path, endpoint: str, topic: str) -> Driver:
+    """The vLLM engine subprocess (vllm_driver.py), through the shared harness."""
+    cfg = json.dumps({"model_dir": str(tmp / "model"), "endpoint": endpoint, "topic": topic})
+    return Driver(tmp / "vllm.log", {}, env=vllm_env(OMP_NUM_THREADS="2"),
+                  argv=[str(DRIVER), cfg])
 
 
 def test_vllm_events_drive_conductor_queries(tmp_path):
@@ -89,7 +44,7 @@ def test_vllm_events_drive_conductor_queries(tmp_path):
                                                           "python_hash_seed": "0"}})
         assert r.status_code == 200, r.text
         stream = srv.conductor.stream("default", "vllm-0", 0)
-        driver = Driver(tmp_path, endpoint, "kv@vllm-0")
+        driver = start_driver(tmp_path, endpoint, "kv@vllm-0")
         try:
             driver.expect("READY", 200)
             query = {"model": "tiny", "token_ids": PROMPT, "block_size": BS}

@@ -56,10 +56,13 @@ class Driver:
     """One offline vLLM engine in a subprocess, spoken to one JSON line at a time."""
 
     def __init__(self, log_path: pathlib.Path, cfg: dict[str, Any],
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, argv: list[str] | None = None) -> None:
+        """``argv`` replaces the default driver program (any script that speaks the same
+        READY / DONE line protocol); ``cfg`` is then unused."""
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([VLLM_PYTHON, *DRIVER, "serve", json.dumps(cfg)],
+        args = argv if argv is not None else [*DRIVER, "serve", json.dumps(cfg)]
+        self.proc = subprocess.Popen([VLLM_PYTHON, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env or vllm_env())
         self.sel = selectors.DefaultSelector()
