@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -16,6 +17,25 @@ def _ints(text: str) -> list[int]:
     from kvplane.common.config import parse_size
 
     return [parse_size(x) for x in text.split(",") if x]
+
+
+def _measure(bench: Any, opt: Any, plot: str, as_json: bool) -> tuple[list[dict], list[dict]]:
+    """Run a bench module (``run``/``ratios``/``plot``) with a spinner; print JSON if asked."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
+                  disable=as_json) as prog:
+        task = prog.add_task("starting", total=None)
+        rows = bench.run(opt, progress=lambda s: prog.update(task, description=s))
+    ratio_rows = bench.ratios(rows)
+    if plot:
+        bench.plot(rows, plot)
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        for r in ratio_rows:
+            print(json.dumps({"ratio": True, **r}))
+    return rows, ratio_rows
 
 
 def _fmt(v: float | None, unit: str = "") -> str:
@@ -39,26 +59,13 @@ def transfer(
 
     Every side runs the same two-process loop; ratios are printed at the end.
     """
-    from rich.progress import Progress, SpinnerColumn, TextColumn
-
     from kvplane.bench import transfer as tb
 
     opt = tb.Options(sizes=_ints(sizes), batches=[int(b) for b in batches.split(",")],
                      ops=ops.split(","), buf_mb=buf_mb, duration=duration,
                      mooncake_python=mooncake_python, impls=impls.split(","), repeat=repeat)
-    console = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console,
-                  disable=as_json) as prog:
-        task = prog.add_task("starting", total=None)
-        rows = tb.run(opt, progress=lambda s: prog.update(task, description=s))
-    ratio_rows = tb.ratios(rows)
-    if plot:
-        tb.plot(rows, plot)
+    rows, ratio_rows = _measure(tb, opt, plot, as_json)
     if as_json:
-        for r in rows:
-            print(json.dumps(r))
-        for r in ratio_rows:
-            print(json.dumps({"ratio": True, **r}))
         return
     out = Console()
     t = Table(title="measured")
@@ -100,26 +107,14 @@ def store(
     plot: str = typer.Option("store_bench.png", help="PNG of GB/s vs value size ('' for none)."),
 ) -> None:
     """Store: kvplane (tcp and shared memory) vs real Mooncake store vs Redis 7, one run."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn
-
     from kvplane.bench import store as sb
 
     opt = sb.Options(sizes=_ints(sizes), batch=batch, duration=duration,
                      clients=[int(c) for c in clients.split(",")], sides=sides.split(","),
                      topologies=topologies.split(","), segment_mb=segment_mb, cap_mb=cap_mb,
                      mooncake_python=mooncake_python, repeat=repeat)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
-                  disable=as_json) as prog:
-        task = prog.add_task("starting", total=None)
-        rows = sb.run(opt, progress=lambda s: prog.update(task, description=s))
-    rr = sb.ratios(rows)
-    if plot:
-        sb.plot(rows, plot)
+    rows, rr = _measure(sb, opt, plot, as_json)
     if as_json:
-        for r in rows:
-            print(json.dumps(r))
-        for r in rr:
-            print(json.dumps({"ratio": True, **r}))
         return
     out = Console()
     t = Table(title="measured (objects/s, GB/s, per-call latency)")
