@@ -3,7 +3,7 @@
 Topologies: ``remote`` (the segment lives in another process: ``kvplane segment`` /
 ``mooncake_client``; clients contribute nothing) and ``local`` (the client contributes its own
 segment). kvplane runs with protocol ``tcp`` (bytes over TCP even on one host, like Mooncake
-here) and ``auto`` (shared memory on one host). Every side runs ``store_worker``'s loop.
+here) and ``auto`` (shared memory on one host). Every side runs ``store_loop``'s loop.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvplane.bench.transfer import best_of, find_mooncake_python
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py")
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from kvplane.common import metrics as common_metrics
 from kvplane.common.errors import (Conflict, InvalidArgument, KVPlaneError, NotFound,
                                    ProtocolError, Unauthorized)
-from kvplane.conductor import metrics as m
+from kvplane.conductor import instruments as m
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import Conductor, QueryRequest, Registration
 

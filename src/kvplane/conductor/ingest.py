@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvplane.common.errors import ProtocolError
-from kvplane.conductor import metrics as m
+from kvplane.conductor import instruments as m
 from kvplane.conductor.events import EventBatch, decode_batch, decode_seq
 from kvplane.conductor.service import Conductor, Stream
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from kvplane.common import log as kvlog
 from kvplane.common.errors import Conflict, InvalidArgument, NotFound, ProtocolError
-from kvplane.conductor import metrics as m
+from kvplane.conductor import instruments as m
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
                                       Tier, extra_keys_of, tier_of, tokens_of)

@@ -23,5 +23,5 @@ def spawn_segment(master: str, size: str = "32MiB", *args: str) -> Proc:
 
 
 def spawn_worker(master: str, *args: str) -> Proc:
-    """A store client process answering JSON commands (see kvplane.testing.store_worker)."""
-    return Proc([sys.executable, "-m", "kvplane.testing.store_worker", "--master", master, *args])
+    """A store client process answering JSON commands (see kvplane.testing.store_client_proc)."""
+    return Proc([sys.executable, "-m", "kvplane.testing.store_client_proc", "--master", master, *args])

@@ -16,7 +16,7 @@ from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, PutStartReq, ReplicateConfig, ResultsRep
 from kvplane.testing.services import wait_until
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
-from kvplane.testing.store_worker import value_of
+from kvplane.testing.store_client_proc import value_of
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 KB = 1024

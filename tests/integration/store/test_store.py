@@ -10,7 +10,7 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import ReplicateConfig
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
-from kvplane.testing.store_worker import value_of
+from kvplane.testing.store_client_proc import value_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 MB = 1 << 20

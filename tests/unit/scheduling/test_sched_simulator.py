@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from kvplane.conductor.scheduling.config import ClusterConfig, ModelConfig, PolicyConfig, SimConfig
-from kvplane.conductor.scheduling.metrics import summarize
+from kvplane.conductor.scheduling.outcomes import summarize
 from kvplane.conductor.scheduling.simulator import Simulator, simulate
 from kvplane.conductor.scheduling.timemodel import TimeModel
 from kvplane.conductor.scheduling.view import Request

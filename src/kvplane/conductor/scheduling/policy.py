@@ -77,8 +77,8 @@ for _name, _path in [
     ("prefix", "kvplane.conductor.scheduling.baselines:PrefixPolicy"),
     ("sglang", "kvplane.conductor.scheduling.baselines:SglangPolicy"),
     ("llmd", "kvplane.conductor.scheduling.baselines:LlmdPolicy"),
-    ("mooncake", "kvplane.conductor.scheduling.mooncake:MooncakePolicy"),
-    ("mooncake-local", "kvplane.conductor.scheduling.mooncake:MooncakeLocalPolicy"),
+    ("mooncake", "kvplane.conductor.scheduling.kvcentric:KVCentricPolicy"),
+    ("mooncake-local", "kvplane.conductor.scheduling.kvcentric:KVCentricLocalPolicy"),
 ]:
     POLICIES.register(_name, _path)
 

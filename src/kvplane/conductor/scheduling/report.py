@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from kvplane.common.errors import InvalidArgument
 from kvplane.conductor.scheduling.config import SimConfig
-from kvplane.conductor.scheduling.metrics import Outcome, capacity, summarize
+from kvplane.conductor.scheduling.outcomes import Outcome, capacity, summarize
 from kvplane.conductor.scheduling.simulator import SimResult, Simulator
 from kvplane.conductor.scheduling.trace import turns
 from kvplane.conductor.scheduling.view import Request

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvplane.conductor.indexer import PrefixIndex
 from kvplane.conductor.scheduling.cache import InstanceCache, PoolCache, walk
 from kvplane.conductor.scheduling.config import SimConfig
-from kvplane.conductor.scheduling.metrics import Outcome, tbt
+from kvplane.conductor.scheduling.outcomes import Outcome, tbt
 from kvplane.conductor.scheduling.policy import SchedulingPolicy, create_policy
 from kvplane.conductor.scheduling.prefix import POOL, IndexPrefixes
 from kvplane.conductor.scheduling.timemodel import TimeModel

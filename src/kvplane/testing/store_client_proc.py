@@ -2,7 +2,7 @@
 
 Values are derived from their keys (``value_of``), so any process can verify any object.
 
-    python -m kvplane.testing.store_worker --master HOST:PORT [--protocol tcp] [--segment-mb 0]
+    python -m kvplane.testing.store_client_proc --master HOST:PORT [--protocol tcp] [--segment-mb 0]
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class PrefillEstimate:
         return self.t_transfer + self.t_queue + self.t_prefill
 
 
-class MooncakePolicy(SchedulingPolicy):
+class KVCentricPolicy(SchedulingPolicy):
     """Global cache-aware scheduling with hot-prefix replication and early rejection."""
 
     name = "mooncake"
@@ -142,7 +142,7 @@ class MooncakePolicy(SchedulingPolicy):
         return batch, kv
 
 
-class MooncakeLocalPolicy(MooncakePolicy):
+class KVCentricLocalPolicy(KVCentricPolicy):
     """The paper's *local* cache-aware scheduling: Algorithm 1 without pulling remote prefixes."""
 
     name = "mooncake-local"

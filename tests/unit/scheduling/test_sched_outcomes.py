@@ -3,7 +3,7 @@
 import pytest
 
 from kvplane.conductor.scheduling.config import SloConfig
-from kvplane.conductor.scheduling.metrics import Outcome, capacity, effective, summarize, tbt
+from kvplane.conductor.scheduling.outcomes import Outcome, capacity, effective, summarize, tbt
 
 pytestmark = pytest.mark.timeout(10)
 SLO = SloConfig()
