@@ -37,30 +37,52 @@ class _Broken(Exception):
 
 
 class Conn:
-    """One data connection to a peer. Used by one thread at a time."""
+    """One data connection to a peer, over a connected blocking socket. One thread at a time.
 
-    def __init__(self, host: str, port: int, token: str, timeout: float) -> None:
-        try:
-            self.sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise Unavailable(f"cannot connect to {host}:{port}: {exc}") from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(None)  # blocking; deadlines are kernel timeouts (set_timeout)
+    Args:
+        sock: the connected socket (blocking; deadlines are kernel timeouts, see set_timeout).
+        peer: (host, port) it is connected to (the pool key).
+    """
+
+    def __init__(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        self.sock = sock
+        self.peer = peer
         self._timeout = -1.0
-        self.peer = (host, port)
         self._rid = 0
         self._hdr = bytearray(P.RESP.size)
         self._hview = memoryview(self._hdr)
         self.alive = True
+
+    @classmethod
+    def open(cls, host: str, port: int, token: str, timeout: float) -> "Conn":
+        """Connect to ``host:port`` and, when ``token`` is set, say HELLO with it.
+
+        Raises:
+            Unavailable: the peer cannot be reached or the handshake failed.
+            Unauthorized: the peer rejected the token.
+        """
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise Unavailable(f"cannot connect to {host}:{port}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # blocking; deadlines are kernel timeouts (set_timeout)
+        conn = cls(sock, (host, port))
         if token:
-            try:
-                self.call(P.OP_HELLO, 0, token.encode(), timeout)
-            except (OSError, ProtocolError) as exc:
-                self.close()
-                raise Unavailable(f"handshake with {host}:{port} failed: {exc}") from exc
-            except BaseException:
-                self.close()
-                raise
+            conn.hello(token, timeout)
+        return conn
+
+    def hello(self, token: str, timeout: float) -> None:
+        """Present ``token`` (closes the connection if the handshake fails)."""
+        host, port = self.peer
+        try:
+            self.call(P.OP_HELLO, 0, token.encode(), timeout)
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise Unavailable(f"handshake with {host}:{port} failed: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
 
     def set_timeout(self, deadline: Deadline) -> None:
         """Bound the next socket calls by ``deadline`` (re-armed only when it shrank by 10 %)."""
@@ -190,8 +212,11 @@ class TcpTransport(Transport):
             idle = self._idle.get(peer)
             if idle:
                 return idle.pop()
-        return Conn(peer[0], peer[1], self.ctx.token,
-                    min(self.ctx.connect_timeout, max(deadline.remaining(), 1e-3)))
+        return self._connect(peer, min(self.ctx.connect_timeout, max(deadline.remaining(), 1e-3)))
+
+    def _connect(self, peer: tuple[str, int], timeout: float) -> Conn:
+        """A new connection to ``peer`` (tests override this to hand out fake sockets)."""
+        return Conn.open(peer[0], peer[1], self.ctx.token, timeout)
 
     def _release(self, conn: Conn) -> None:
         if not conn.alive or self._closed:
