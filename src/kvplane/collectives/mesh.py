@@ -180,7 +180,7 @@ class Mesh:
             raise Timeout(f"connect to rank {peer} timed out") from exc
         except OSError as exc:
             raise Unavailable(f"connect to rank {peer} failed: {exc}") from exc
-        self._add(peer, sock)
+        self.attach(peer, sock)
 
     def accept(self, expected: set[int], deadline: float) -> None:
         """Accept HELLO connections until every rank in ``expected`` is connected (blocking).
@@ -209,10 +209,14 @@ class Mesh:
                 sock.close()
                 continue
             _tune(sock)
-            self._add(hdr.src, sock)
+            self.attach(hdr.src, sock)
             pending.discard(hdr.src)
 
-    def _add(self, peer: int, sock: socket.socket) -> None:
+    def attach(self, peer: int, sock: socket.socket) -> None:
+        """Use ``sock``, already connected (and past HELLO), as the connection to ``peer``.
+
+        Replaces any previous connection to ``peer``. Tests wire scripted peers in this way.
+        """
         self.drop(peer)
         sock.setblocking(False)
         self.conns[peer] = _Conn(peer, sock)
