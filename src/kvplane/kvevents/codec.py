@@ -6,13 +6,12 @@ tagged maps or positional arrays (see :mod:`kvplane.kvevents.schema`); a decoder
 per batch and per event, ignores unknown keys and trailing fields, and normalises hashes (u64,
 i64 or raw digest bytes) to the 64-bit event projection.
 
-Pure: no sockets, no clocks (``encode_batch`` reads the wall clock only when ``ts`` is omitted).
-Must not import zmq or any kvplane component except ``common.errors``.
+Pure: no sockets, no clocks (the publisher stamps each batch's wall time). Must not import zmq
+or any kvplane component except ``common.errors``.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -113,10 +112,10 @@ def cleared(encoding: Encoding = "map") -> msgspec.Struct:
 
 
 def encode_batch(events: Sequence[msgspec.Struct], dp_rank: int | None = 0,
-                 ts: float | None = None) -> bytes:
+                 ts: float = 0.0) -> bytes:
     """msgpack-encode a batch exactly as vLLM's publisher does (the batch is an array in both
-    encodings; each event keeps the encoding it was built in)."""
-    batch = WRITE["map"].batch(time.time() if ts is None else ts, list(events), dp_rank)
+    encodings; each event keeps the encoding it was built in). ``ts`` is its wall time."""
+    batch = WRITE["map"].batch(ts, list(events), dp_rank)
     return _ENC.encode(batch)
 
 

@@ -94,7 +94,7 @@ class KVEventPublisher:
         Returns:
             The batch's sequence number.
         """
-        return self.publish_payload(encode_batch(events, self.dp_rank), drop=drop)
+        return self.publish_payload(encode_batch(events, self.dp_rank, time.time()), drop=drop)
 
     def publish_payload(self, payload: bytes, *, drop: bool = False) -> int:
         """Send an already encoded payload with the next sequence number."""
