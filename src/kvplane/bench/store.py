@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvplane.bench.transfer import best_of, find_mooncake_python
+from kvplane.common.extras import pyplot
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py")
 
@@ -218,10 +219,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def plot(rows: list[dict], path: str) -> None:
     """GB/s vs value size per side, one panel per (op, batch), remote topology, 1 client."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [("put", 1), ("get", 1), ("put", 32), ("get", 32)]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4), sharey=False)
