@@ -161,7 +161,7 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     rows: list[dict] = []
     mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
     if "mooncake" in opt.sides and mc is None:
-        progress("mooncake not installed: skipped (see shared/peers/mooncake)")
+        progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
     if "local" in opt.topologies:
         from kvplane.bench import limits
 

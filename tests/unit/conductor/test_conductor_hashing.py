@@ -1,4 +1,4 @@
-"""vLLM block hashing against the golden vectors of shared/reference/conductor.md §1.4."""
+"""vLLM block hashing against the golden vectors of docs/reference.md §R1."""
 
 import hashlib
 import pickle
