@@ -1,6 +1,6 @@
 """Conductor benchmark: ZMQ ingest rate and prefix-query latency, against issue 4's targets.
 
-Ingest: a publisher *process* (kvplane.conductor.fakes, vLLM's wire format, tagged-map events with
+Ingest: a publisher *process* (kvplane.kvevents.publisher, vLLM's wire format, tagged-map events with
 token ids) streams pre-encoded batches to a conductor that connects to it; we time first send ->
 last batch applied, in block events per second.
 
@@ -32,7 +32,7 @@ import tracemalloc
 import httpx
 
 from kvplane.conductor.config import ConductorConfig
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.indexer import ContextKey, Holder, PrefixIndex
 from kvplane.conductor.server import ConductorServer
@@ -44,15 +44,16 @@ TARGET_P99_HTTP_TOKENS_MS = 5.0
 
 PUBLISHER = r"""
 import random, sys
-from kvplane.conductor import fakes
+from kvplane import kvevents
+from kvplane.kvevents.publisher import KVEventPublisher
 n_batches, events, blocks, bs, seed = map(int, sys.argv[1:6])
 rng = random.Random(seed)
 payloads = []
 for b in range(n_batches):
-    evs = [fakes.stored([rng.getrandbits(64) for _ in range(blocks)], [7] * (blocks * bs), bs,
+    evs = [kvevents.stored([rng.getrandbits(64) for _ in range(blocks)], [7] * (blocks * bs), bs,
                         parent=rng.getrandbits(64)) for _ in range(events)]
-    payloads.append(fakes.encode_batch(evs))
-pub = fakes.FakeKVPublisher(buffer_steps=n_batches + 1)
+    payloads.append(kvevents.encode_batch(evs))
+pub = KVEventPublisher(buffer_steps=n_batches + 1)
 print(pub.endpoint, pub.replay_endpoint, flush=True)
 pub.wait_subscribed(30)
 print("subscribed", flush=True)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvplane.bench.transfer import best_of, find_mooncake_python
+from kvplane.common.extras import pyplot
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py")
 
@@ -160,7 +161,7 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     rows: list[dict] = []
     mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
     if "mooncake" in opt.sides and mc is None:
-        progress("mooncake not installed: skipped (see shared/peers/mooncake)")
+        progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
     if "local" in opt.topologies:
         from kvplane.bench import limits
 
@@ -218,10 +219,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def plot(rows: list[dict], path: str) -> None:
     """GB/s vs value size per side, one panel per (op, batch), remote topology, 1 client."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [("put", 1), ("get", 1), ("put", 32), ("get", 32)]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4), sharey=False)

@@ -1,7 +1,7 @@
 """The global prefix index: context -> block hash -> holders (instance, DP rank, tier).
 
 Pure: no sockets, no clocks, no threads, no locks (the caller serialises access). Must not
-import ``zmq``, the HTTP stack or any other conductor module except ``events.Tier``.
+import ``zmq``, the HTTP stack or any other conductor module (``Tier`` comes from kvevents).
 
 Layout, chosen to stay lean in memory: a context (tenant, model, LoRA, block size, salt) owns a
 ``dict[int, int]`` from the 64-bit event hash to a bitmask of *holder slots*; a slot is one
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 
 _INTERN_LIMIT = 1 << 16
 

@@ -27,7 +27,7 @@ import zmq
 
 from kvplane.common.errors import ProtocolError
 from kvplane.conductor import instruments as m
-from kvplane.conductor.events import EventBatch, decode_batch, decode_seq
+from kvplane.kvevents import EventBatch, decode_batch, decode_seq
 from kvplane.conductor.service import Conductor, Stream
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from kvplane.common import log as kvlog
 from kvplane.common.errors import Conflict, InvalidArgument, NotFound, ProtocolError
 from kvplane.conductor import instruments as m
 from kvplane.conductor.config import ConductorConfig
-from kvplane.conductor.events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
+from kvplane.kvevents import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
                                       Tier, extra_keys_of, tier_of, tokens_of)
 from kvplane.conductor.hashing import HashProfile, low64
 from kvplane.conductor.indexer import ContextKey, Holder, Match, PrefixIndex
