@@ -39,6 +39,10 @@ class ScriptedMaster:
         self.replicas: dict[str, list[Replica]] = {}
         self.ended: list[str] = []
         self.revoked: list[str] = []
+        self.end_code = 0  # what put_end answers
+        self.checksums: dict[str, int] = {}
+        self.suspects: list[str] = []
+        self.ttl = 0.0
         for name, fn, typ in (("mount", lambda r: 0, MountReq), ("unmount", lambda r: 0, MountReq),
                               ("ping", lambda r: PingRep("ok", 0), PingReq),
                               ("get_replicas", self.get_replicas, KeysReq),
@@ -48,18 +52,23 @@ class ScriptedMaster:
             self.server.add(name, fn, typ)
 
     def get_replicas(self, req: KeysReq) -> ResultsRep:
-        return ResultsRep([KeyResult(0, self.replicas[k], self.replicas[k][0].size)
+        self.suspects += req.suspects
+        return ResultsRep([KeyResult(0, self.replicas[k], self.replicas[k][0].size, 1,
+                                     self.checksums.get(k, 0))
                            if k in self.replicas else KeyResult(ObjectNotFound.code)
-                           for k in req.keys])
+                           for k in req.keys], self.ttl)
 
     def put_start(self, req: PutStartReq) -> ResultsRep:
         return ResultsRep([KeyResult(0, self.replicas[k], size) for k, size in zip(req.keys, req.sizes)])
 
     def put_end(self, req: PutEndReq) -> CodesRep:
         self.ended += req.keys
-        return CodesRep([0] * len(req.keys))
+        self.checksums.update(zip(req.keys, req.checksums))
+        self.suspects += req.suspects
+        return CodesRep([self.end_code] * len(req.keys))
 
     def put_revoke(self, req: PutEndReq) -> CodesRep:
+        self.suspects += req.suspects
         self.revoked += req.keys
         return CodesRep([0] * len(req.keys))
 

@@ -132,10 +132,16 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
                 todo.pop(i)
             elif not todo[i]:
                 todo.pop(i)
-                out[i] = ChecksumMismatch.code if i in corrupt else TransferFail.code
+                out[i] = _failure(i in corrupt, lease_end)
     for i in todo:  # time ran out with replicas left to try
-        out[i] = LeaseExpired.code if time.monotonic() >= lease_end else TransferFail.code
+        out[i] = _failure(i in corrupt, lease_end)
     return out
+
+
+def _failure(corrupt: bool, lease_end: float) -> int:
+    if corrupt:
+        return ChecksumMismatch.code
+    return LeaseExpired.code if time.monotonic() >= lease_end else TransferFail.code
 
 
 def _verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:

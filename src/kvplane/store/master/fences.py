@@ -28,6 +28,7 @@ class Held:
     size: int
     free_after: float
     gen: int = 0  # nonzero: waiting for the segment to acknowledge fencing this generation
+    readers_only: bool = False  # held for read leases only (may go early when the pool is full)
 
 
 class Quarantine:
@@ -40,9 +41,10 @@ class Quarantine:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, segment: str, offset: int, size: int, free_after: float, gen: int = 0) -> None:
+    def hold(self, segment: str, offset: int, size: int, free_after: float, gen: int = 0,
+             readers_only: bool = False) -> None:
         """Quarantine an allocation until ``free_after`` (and the fence of ``gen``, if set)."""
-        self._held[(segment, offset)] = Held(segment, offset, size, free_after, gen)
+        self._held[(segment, offset)] = Held(segment, offset, size, free_after, gen, readers_only)
         if gen:
             self._fencing.setdefault(segment, {})[gen] = (segment, offset)
 
@@ -73,8 +75,8 @@ class Quarantine:
         return out
 
     def release_leased(self) -> list[tuple[str, int]]:
-        """Remove and return every entry held only for readers (no fence pending)."""
-        out = [k for k, h in self._held.items() if not h.gen]
+        """Remove and return every entry held only for readers (never write windows or fences)."""
+        out = [k for k, h in self._held.items() if h.readers_only]
         for k in out:
             del self._held[k]
         return out
@@ -86,7 +88,7 @@ class Quarantine:
 
     def held_bytes(self, leased_only: bool = False) -> int:
         """Bytes in quarantine (``leased_only``: those held for readers only)."""
-        return sum(h.size for h in self._held.values() if not (leased_only and h.gen))
+        return sum(h.size for h in self._held.values() if h.readers_only or not leased_only)
 
     def pending_fences(self) -> int:
         """Fences not yet acknowledged, over every segment."""

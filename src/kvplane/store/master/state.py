@@ -176,6 +176,10 @@ class MasterState:
             for name in list(self.clients[cid].segments):
                 self.unmount(name)
             del self.clients[cid]
+        if dead:  # their unfinished puts will never end: fence and free them
+            gone = set(dead)
+            for key in [k for k, o in self.objects.items() if not o.complete and o.writer in gone]:
+                self._drop(key, self.objects[key], now)
         return dead
 
     # -- writes ----------------------------------------------------------------------------------
@@ -371,7 +375,7 @@ class MasterState:
             if not obj.complete:
                 self.graveyard.hold(seg, off, obj.size, max(obj.window_until, now), gen)
             elif obj.lease_until > now:
-                self.graveyard.hold(seg, off, obj.size, obj.lease_until)
+                self.graveyard.hold(seg, off, obj.size, obj.lease_until, readers_only=True)
             else:
                 self.segments[seg].alloc.free(off)
 
