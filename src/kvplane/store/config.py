@@ -54,6 +54,6 @@ class StoreConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreConfig":
-        """Defaults, then KVPLANE_TOKEN, then explicit ``overrides``."""
-        base = cls(token=envs.get("KVPLANE_TOKEN"))
+        """Defaults, then KVPLANE_TOKEN and KVPLANE_STORE_CHECKSUM, then explicit ``overrides``."""
+        base = cls(token=envs.get("KVPLANE_TOKEN"), checksum=envs.get("KVPLANE_STORE_CHECKSUM"))
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
