@@ -100,6 +100,7 @@ class StoreClient:
                 acks = self._ping(acks)
                 failures = 0
             except KVPlaneError as exc:
+                acks = []  # the master sends its fences again until they are acknowledged
                 failures += 1
                 if failures in (1, 3) or failures % 30 == 0:
                     log.warning("heartbeat to master %s failed (%d): %s",

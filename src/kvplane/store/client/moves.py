@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvplane.common.deadline import Deadline
+from kvplane.common.errors import KVPlaneError
 from kvplane.store.checksum import digest
 from kvplane.store.errors import ChecksumMismatch, InvalidParams, LeaseExpired, TransferFail
 from kvplane.store.types import KeyResult, Replica
@@ -81,7 +82,7 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
     for i, (_, rep, op, addr, size) in enumerate(moves):
         try:
             h = client._handle(rep.segment, deadline)
-        except Exception:  # noqa: BLE001 - unreachable segment: that move fails
+        except KVPlaneError:  # unreachable segment (or no time left to look it up): that move fails
             failed.add(rep.segment)
             continue
         batch.append(TransferRequest(op, addr, h, rep.addr, size, gen=rep.gen))

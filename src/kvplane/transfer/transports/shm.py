@@ -74,15 +74,17 @@ def _addr_of(view: memoryview) -> int:
 class _Owner:
     """The process that owns a mapping, watched through a pidfd (exit makes it readable)."""
 
-    __slots__ = ("fd", "_poll")
+    __slots__ = ("fd", "_poll", "_lock")
 
     def __init__(self, pid: int) -> None:
         self.fd = os.pidfd_open(pid)  # raises ProcessLookupError when it is gone
         self._poll = select.poll()
         self._poll.register(self.fd, select.POLLIN)
+        self._lock = threading.Lock()  # a poll object takes one caller at a time
 
     def alive(self) -> bool:
-        return not self._poll.poll(0)
+        with self._lock:
+            return not self._poll.poll(0)
 
     def close(self) -> None:
         try:
@@ -159,13 +161,15 @@ class ShmTransport(Transport):
 
     def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
         region = route.region
+        arr = None
         for s in slices:
             if deadline.expired():
                 s.done(TransferStatus.TIMEOUT, "deadline passed")
                 continue
             try:
                 if region.kind == "shm":
-                    arr = self._mapped(region, route.segment.pid)
+                    if arr is None:  # one liveness check per run, not per slice
+                        arr = self._mapped(region, route.segment.pid)
                     off = s.remote - region.addr
                     remote = arr[off:off + s.length]
                     local = np.frombuffer(s.local, dtype=np.uint8)

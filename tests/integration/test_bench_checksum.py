@@ -1,0 +1,21 @@
+"""Smoke-run benchmarks/checksum.py with tiny sizes: every candidate reports a sane number."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_checksum_benchmark_smoke():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/checksum.py"), "--sizes", "4096",
+                          "--seconds", "0.03", "--json"], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    assert {r["candidate"] for r in rows} >= {"xxh3-64", "zlib.crc32", "memcpy (scale)"}
+    assert all(r["gb_s"] > 0 for r in rows)
+    assert [r["vs_xxh3"] for r in rows if r["candidate"] == "xxh3-64"] == [1.0]
