@@ -222,8 +222,8 @@ def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | N
     if cell.side.startswith("kvplane"):
         master = _kvplane(svc, remote, opt.segment_mb)
         protocol = "tcp" if cell.side.startswith("kvplane-tcp") else "auto"
-        # "-nocsum" sides: the same client with store checksums off (their cost, side by side)
-        env = {"KVPLANE_STORE_CHECKSUM": "0"} if cell.side.endswith("-nocsum") else None
+        # "-csum" sides: the same client with store checksums on (their cost, side by side)
+        env = {"KVPLANE_STORE_CHECKSUM": "1" if cell.side.endswith("-csum") else "0"}
         return _worker(sys.executable, "kvplane", cell.side, master, opt, cell.clients, protocol,
                        segment_mb=segment_mb, extra_env=env)
     if cell.side == "mooncake":

@@ -29,7 +29,8 @@ class StoreConfig:
         lease_ttl: read lease assumed when the master does not say (masters say: the client
             always uses the master's own TTL).
         checksum: compute an xxh3-64 checksum of every put and check it on every get; a
-            mismatch fails over to another replica and is never returned as a success.
+            mismatch fails over to another replica and is never returned as a success. Off by
+            default: it cost more than 10 % on 1 MiB gets (docs/benchmarks.md, "Checksums").
         client_id: unique id of this client (fresh by default).
     """
 
@@ -43,7 +44,7 @@ class StoreConfig:
     timeout: float = 5.0
     heartbeat_interval: float = 1.0
     lease_ttl: float = 10.0
-    checksum: bool = True
+    checksum: bool = False
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 Values are derived from their keys (``value_of``), so any process can verify any object.
 
     python -m kvplane.testing.store_client_proc --master HOST:PORT [--protocol tcp] [--segment-mb 0]
-        [--timeout 5] [--no-checksum]
+        [--timeout 5] [--checksum | --no-checksum]
 """
 
 from __future__ import annotations
@@ -145,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocol", default="auto")
     ap.add_argument("--segment-mb", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=5.0)
-    ap.add_argument("--no-checksum", action="store_true")
+    ap.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=False,
+                    help="store checksums (off by default, as in StoreConfig)")
     a = ap.parse_args(argv)
     c = StoreClient(StoreConfig(master=a.master, protocol=a.protocol, timeout=a.timeout,
                                 global_segment_size=a.segment_mb << 20, local_buffer_size=16 << 20,
-                                checksum=not a.no_checksum))
+                                checksum=a.checksum))
     print(json.dumps({"segment": c.segment_name}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

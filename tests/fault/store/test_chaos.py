@@ -1,5 +1,6 @@
 """Chaos (issue 15): master + 3 segments + 2 clients (tcp and shared memory), replicas=2,
-checksummed values; one segment stalls for (timeout + 2 s), then another is killed with -9.
+values any process can verify (``value_of``; the tcp client also with store checksums on, the
+shared-memory one with the defaults); one segment stalls for (timeout + 2 s), then another is killed with -9.
 
 What must hold: no wrong bytes, no acknowledged object lost, every object back to 2 replicas
 within 30 s of the kill, no call past its deadline (+ MARGIN). The schedule is timed (a stall
@@ -43,8 +44,8 @@ def test_stall_one_segment_kill_another_lose_nothing():
     with spawn_master("--client-ttl", "10") as m:
         addr, admin = m.info["master"], m.info["admin_port"]
         segs = [spawn_segment(addr, "64MiB") for _ in range(3)]
-        workers = [spawn_worker(addr, "--protocol", "tcp", "--timeout", str(TIMEOUT)),
-                   spawn_worker(addr, "--timeout", str(TIMEOUT))]  # auto: shared memory
+        workers = [spawn_worker(addr, "--protocol", "tcp", "--timeout", str(TIMEOUT), "--checksum"),
+                   spawn_worker(addr, "--timeout", str(TIMEOUT))]  # auto: shared memory, defaults
         try:
             for i, w in enumerate(workers):
                 w.popen.stdin.write(json.dumps({"op": "churn", "seconds": RUN, "prefix": f"c{i}",

@@ -54,8 +54,13 @@ def test_a_read_never_outlives_the_masters_lease(cluster):
     assert pool.fabric.waits and max(pool.fabric.waits) <= 0.5  # stopped waiting at lease end
 
 
+def with_checksums(client):
+    client.config = type(client.config)(**{**client.config.__dict__, "checksum": True})
+
+
 def test_a_corrupt_replica_fails_over_and_all_corrupt_raises(cluster):
     client, master, pool, plan = cluster
+    with_checksums(client)
     master.replicas["k"] = [pool.replica("seg-a"), pool.replica("seg-b")]
     master.checksums["k"] = digest(VALUE)
     plan.corrupt(peer="seg-a", op="read")
@@ -66,8 +71,12 @@ def test_a_corrupt_replica_fails_over_and_all_corrupt_raises(cluster):
         client.get("k")
 
 
-def test_put_sends_the_checksum_of_its_bytes(cluster):
+def test_checksums_are_off_by_default_and_a_put_sends_the_checksum_when_on(cluster):
     client, master, pool, plan = cluster
+    master.replicas["k0"] = [pool.replica("seg-a", b"\0" * len(VALUE))]
+    client.put("k0", VALUE)
+    assert master.checksums["k0"] == 0
+    with_checksums(client)
     master.replicas["k"] = [pool.replica("seg-a", b"\0" * len(VALUE))]
     client.put("k", VALUE)
     assert master.checksums["k"] == digest(VALUE)

@@ -142,7 +142,8 @@ class StoreClient:
 
     def _call(self, method: str, req: Any, typ: type, deadline: Deadline) -> Any:
         """A master RPC bounded by what is left of the call's deadline."""
-        return self.rpc.call(method, req, typ, timeout=deadline.check(f"store {method}"))
+        return self.rpc.call(method, req, typ,
+                             timeout=moves.coarse(deadline.check(f"store {method}")))
 
     # -- zero-copy batch primitives ---------------------------------------------------------------
     def batch_put_from(self, keys: list[str], addrs: list[int], sizes: list[int],

@@ -17,6 +17,7 @@ Imports the transfer engine and store types; never binds sockets itself.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -65,6 +66,15 @@ class Suspects:
         return until is not None and until > time.monotonic()
 
 
+GRAIN = 0.05  # timeouts handed to sockets are rounded down to this
+
+
+def coarse(seconds: float) -> float:
+    """``seconds`` rounded down to ``GRAIN`` (above 0.2 s), so consecutive calls hand the same
+    timeout to sockets that re-arm their kernel timeouts only when it changes."""
+    return seconds if seconds < 0.2 else math.floor(seconds / GRAIN) * GRAIN
+
+
 def ordered(client: "StoreClient", replicas: list[Replica]) -> list[Replica]:
     """Healthy first, then same host first; otherwise the master's order (suspects last)."""
     mine = client.engine.host_id
@@ -88,7 +98,7 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
         batch.append(TransferRequest(op, addr, h, rep.addr, size, gen=rep.gen))
         where.append(i)
     if batch and deadline.remaining() > 0:
-        for i, st in zip(where, client.engine.transfer(batch, deadline.remaining())):
+        for i, st in zip(where, client.engine.transfer(batch, coarse(deadline.remaining()))):
             out[i] = st == OK
     for i in where:
         if not out[i]:
@@ -142,7 +152,8 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
 def _failure(corrupt: bool, lease_end: float) -> int:
     if corrupt:
         return ChecksumMismatch.code
-    return LeaseExpired.code if time.monotonic() >= lease_end else TransferFail.code
+    # the lease ran out (to within the rounding of the last attempt's timeout)
+    return LeaseExpired.code if time.monotonic() >= lease_end - GRAIN else TransferFail.code
 
 
 def _verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:
