@@ -48,6 +48,17 @@ def metric(admin_port, name):
     return None
 
 
+def polled(read, good, timeout):
+    """Poll ``read()`` until ``good(value)`` or ``timeout``; returns the last value (the caller
+    asserts on it, after the checks that matter more)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = read()
+        if good(value) or time.monotonic() > end:
+            return value
+        time.sleep(0.05)
+
+
 def replicas_of(admin_port, key):
     got = httpx.get(f"http://127.0.0.1:{admin_port}/query_key", params={"key": key})
     return [r["segment"] for r in got.json()["data"]] if got.status_code == 200 else []
@@ -68,18 +79,22 @@ def test_a_write_queued_in_a_stalled_segment_never_lands_on_reused_space():
             a.signal(signal.SIGSTOP)
             try:
                 assert ask(tcp, op="put", keys=["stale"], size=512 * KB, preferred=seg_a) != [0]
-                quarantined = metric(admin, "master_pending_fences") or 0
+                quarantined = polled(lambda: metric(admin, "master_pending_fences") or 0,
+                                     lambda v: v >= 1, 3)  # the gauge is refreshed every 0.1 s
                 assert ask(shm, op="put", keys=["fresh"], size=512 * KB, preferred=seg_a) == [0]
             finally:
                 a.signal(signal.SIGCONT)
-            assert ask(tcp, op="check", keys=warm) == {k: "ok" for k in warm}  # A serves again
+            wait_until(lambda: ask(tcp, op="check", keys=warm) == {k: "ok" for k in warm}, 20,
+                       "segment A serving tcp again")  # so the queued WRITE was handled
             assert ask(shm, op="check", keys={"fresh": 512 * KB}) == {"fresh": "ok"}
             # the segment acknowledges the fence; then its space is reused
             wait_until(lambda: metric(admin, "master_pending_fences") == 0, 15, "fence ack")
             wait_until(lambda: metric(admin, "master_suspected_segments") == 0, 15, "trusted again")
             more = [f"more-{i}" for i in range(8)]
-            ask(shm, op="put", keys=more, size=64 * KB, preferred=seg_a)
-            got = ask(shm, op="check", keys={"fresh": 512 * KB, **{k: 64 * KB for k in more}})
+            codes = ask(shm, op="put", keys=more, size=64 * KB, preferred=seg_a)
+            stored = [k for k, code in zip(more, codes) if code == 0]
+            assert stored  # A's space (the stale put's included) is in use again
+            got = ask(shm, op="check", keys={"fresh": 512 * KB, **{k: 64 * KB for k in stored}})
             assert set(got.values()) == {"ok"}, got
             assert quarantined >= 1  # the revoked put's space waited for the segment's fence
 
@@ -134,7 +149,8 @@ def test_objects_that_lost_a_replica_get_it_back():
                 victim.kill()
                 wait_until(lambda: all(len(replicas_of(admin, k)) == 2 for k in hit), 30,
                            "every object back to 2 replicas")
-                assert metric(admin, "master_under_replicated_keys") == 0
+                wait_until(lambda: metric(admin, "master_under_replicated_keys") == 0, 5,
+                           "the gauge to agree")  # refreshed every 0.1 s
                 for k in hit:
                     assert np.array_equal(np.frombuffer(c.get(k), np.uint8), value_of(k, 16 * KB))
 
