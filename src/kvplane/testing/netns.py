@@ -98,8 +98,12 @@ def sweep_stale() -> int:
             _kill_ns_pids(ns)
             _ip("netns", "del", ns, check=False)
             tags.add(m.group(2))
-    for tag in tags:
-        _ip("link", "del", f"kb{tag}", check=False)
+    links = _ip("-o", "link", check=False).stdout.splitlines()
+    for tag in tags:  # namespace teardown is asynchronous: delete the bridge-side ends now
+        for ln in links:
+            name = ln.split(":")[1].strip().split("@")[0] if ln.count(":") > 1 else ""
+            if name.startswith((f"kv{tag}", f"kb{tag}")):
+                _ip("link", "del", name, check=False)
     return len(tags)
 
 
