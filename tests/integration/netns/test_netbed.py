@@ -118,5 +118,6 @@ def test_sweep_removes_a_bed_whose_creator_was_killed(netbed):
     finally:
         child.kill()
         child.wait(10)
+        child.stdout.close()
     sweep_stale()
     assert leftovers(tag) == []
