@@ -8,6 +8,9 @@ Two strategies, measured against each other in ``benchmarks/p2p.py``:
 - ``least-loaded``: holder first. Take the holder with the fewest uploads in flight, then a
   random missing chunk it has.
 
+A third, ``publisher``, is the baseline they are measured against: every receiver fetches from
+the publisher alone, with no limit on its uploads.
+
 Either way a holder never serves more than ``max_uploads`` fetches at once, and at equal load a
 replica is preferred over the publisher ("gold"), as Mooncake's P2P store does, to keep the
 publisher's link for chunks nobody else has. Pure: no I/O, threads or clocks; randomness
@@ -21,7 +24,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from kvplane.common.errors import InvalidArgument
 
-STRATEGIES = ("rarest", "least-loaded")
+STRATEGIES = ("rarest", "least-loaded", "publisher")
 Assignment = tuple[int, str, int]  # (chunk, holder, remote address)
 
 
@@ -36,7 +39,7 @@ def choose(missing: Sequence[int], holders: Sequence[Mapping[str, int]], load: d
         holders: per chunk, holder -> address of that chunk in the holder's memory.
         load: holder -> fetches it serves now; updated in place for the returned picks.
         want: most fetches to return.
-        strategy: ``rarest`` or ``least-loaded``.
+        strategy: ``rarest``, ``least-loaded`` or ``publisher``.
         gold: the publishers (used last at equal load).
         usable: holders that may be chosen (None: all).
         banned: (chunk, holder) pairs this receiver must not use again.
@@ -49,6 +52,8 @@ def choose(missing: Sequence[int], holders: Sequence[Mapping[str, int]], load: d
     if strategy not in STRATEGIES:
         raise InvalidArgument(f"strategy {strategy!r}: choose one of {STRATEGIES}")
     rng = rng or random.Random(0)
+    if strategy == "publisher":
+        usable, max_uploads = set(gold) & set(usable if usable is not None else gold), 1 << 30
     ban = set(banned)
 
     def ok(c: int, h: str) -> bool:
@@ -57,7 +62,7 @@ def choose(missing: Sequence[int], holders: Sequence[Mapping[str, int]], load: d
     def rank(h: str) -> tuple[int, bool, float]:
         return load.get(h, 0), h in gold, rng.random()
 
-    if strategy == "rarest":
+    if strategy in ("rarest", "publisher"):
         return _rarest(missing, holders, load, want, ok, rank, max_uploads, rng)
     return _least_loaded(missing, holders, load, want, ok, rank, max_uploads, rng)
 
