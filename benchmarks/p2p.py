@@ -76,6 +76,20 @@ def cores_busy(a: tuple[float, float], b: tuple[float, float]) -> float:
     return (b[0] - a[0]) / total * (os.cpu_count() or 1) if total > 0 else 0.0
 
 
+def proc_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by ``pids`` and by this process (the tracker)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = sum(os.times()[:2])
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def hash_speeds() -> dict[str, float]:
     """GB/s of candidate chunk hashes on one 4 MiB chunk (xxh3 only if xxhash is installed)."""
     buf = os.urandom(4 << 20)
@@ -113,20 +127,21 @@ def node(host: Host, url: str, a: argparse.Namespace) -> Proc:
 
 
 def run_swarm(bed: NetBed, url: str, n: int, strategy: str, sha: str,
-              a: argparse.Namespace) -> dict[str, Any]:
+              a: argparse.Namespace, pub: Proc) -> dict[str, Any]:
     procs = [node(bed[f"r{i}"], url, a) for i in range(1, n + 1)]
+    pids = [p.pid for p in procs + [pub]]
     try:
-        c0, t0 = cpu_sample(), time.perf_counter()
+        c0, own0, t0 = cpu_sample(), proc_cpu(pids), time.perf_counter()
         outs = ask_all(procs, {"op": "get", "name": "payload", "timeout": a.timeout,
                                "strategy": strategy}, a.timeout + 30)
-        secs, c1 = time.perf_counter() - t0, cpu_sample()
+        secs, c1, own1 = time.perf_counter() - t0, cpu_sample(), proc_cpu(pids)
     finally:
         for p in procs:
             p.stop()
     bad = [o for o in outs if o.get("sha") != sha]
     if bad:
         raise RuntimeError(f"{strategy}: wrong or failed receivers: {bad[:2]}")
-    return {"seconds": secs, "cpu_cores": cores_busy(c0, c1)}
+    return {"seconds": secs, "cpu_cores": cores_busy(c0, c1), "own_cores": (own1 - own0) / secs}
 
 
 def run_gloo(bed: NetBed, n: int, sha: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -155,6 +170,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--size", type=parse_size, default=parse_size("1GiB"))
     ap.add_argument("--receivers", default="1,2,4,8")
     ap.add_argument("--mbit", type=float, default=400.0, help="link cap of every host, Mbit/s")
+    ap.add_argument("--mtu", type=int, default=9000, help="link MTU (9000: jumbo frames)")
     ap.add_argument("--chunk-size", type=parse_size, default=parse_size("4MiB"))
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--methods", default="p2p,single,gloo")
@@ -172,7 +188,12 @@ def measure(a: argparse.Namespace) -> list[dict[str, Any]]:
     from kvplane.transfer.metadata_server import serve_in_thread
 
     rows: list[dict[str, Any]] = []
-    with NetBed(["pub"] + [f"r{i}" for i in range(1, max(a.counts) + 1)]) as bed:
+    c0 = cpu_sample()
+    time.sleep(1.0)  # the box's load before we start (other tenants), to subtract by eye
+    base = cores_busy(c0, cpu_sample())
+    print(f"  box CPU busy before the runs: {base:.2f} of {os.cpu_count()} cores", flush=True)
+    rows.append({"method": "baseline-cpu", "receivers": 0, "seconds": 0.0, "cpu_cores": base})
+    with NetBed(["pub"] + [f"r{i}" for i in range(1, max(a.counts) + 1)], mtu=a.mtu) as bed:
         for h in bed:
             bed.cap(h.name, a.mbit)
         srv = serve_in_thread(bed.gateway, 0, TOKEN, plugins=[mount])
@@ -190,10 +211,11 @@ def measure(a: argparse.Namespace) -> list[dict[str, Any]]:
                         res = run_gloo(bed, n, sha, a)
                     else:
                         strategy = {"p2p": "rarest", "single": "publisher"}.get(how, how)
-                        res = run_swarm(bed, url, n, strategy, sha, a)
+                        res = run_swarm(bed, url, n, strategy, sha, a, pub)
                     rows.append({"method": label, "receivers": n, **res})
-                    print(f"  {label:>17} x{n}: {res['seconds']:.2f} s  "
-                          f"(box CPU {res['cpu_cores']:.2f} cores busy)", flush=True)
+                    own = f", our processes {res['own_cores']:.2f}" if "own_cores" in res else ""
+                    print(f"  {label:>17} x{n}: {res['seconds']:.2f} s  (CPU cores busy: whole box "
+                          f"{res['cpu_cores']:.2f}{own})", flush=True)
         finally:
             pub.stop()
             srv.close()
