@@ -296,9 +296,9 @@ class TrackerState:
         if why not in FAIL_REASONS:
             raise InvalidArgument(f"failure reason {why!r}: one of {FAIL_REASONS}")
         self._unload(r, c)
-        r.banned.add((c, src))
         v.failures[why] = v.failures.get(why, 0) + 1
         if why == "corrupt":  # its bytes for this chunk are wrong: nobody may use them
+            r.banned.add((c, src))
             v.holders[c].pop(src, None)
         elif src in self.holders:  # dead or stalled: unused until it heartbeats again
             self.holders[src].suspect_since = now
