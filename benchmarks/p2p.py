@@ -128,20 +128,29 @@ def node(host: Host, url: str, a: argparse.Namespace) -> Proc:
 
 def run_swarm(bed: NetBed, url: str, n: int, strategy: str, sha: str,
               a: argparse.Namespace, pub: Proc) -> dict[str, Any]:
+    from kvplane.p2p import TrackerClient
+
     procs = [node(bed[f"r{i}"], url, a) for i in range(1, n + 1)]
     pids = [p.pid for p in procs + [pub]]
+    tracker = TrackerClient(url, TOKEN)
+    st0 = tracker.status("payload")
     try:
         c0, own0, t0 = cpu_sample(), proc_cpu(pids), time.perf_counter()
         outs = ask_all(procs, {"op": "get", "name": "payload", "timeout": a.timeout,
                                "strategy": strategy}, a.timeout + 30)
         secs, c1, own1 = time.perf_counter() - t0, cpu_sample(), proc_cpu(pids)
+        st1 = tracker.status("payload")
     finally:
+        tracker.close()
         for p in procs:
             p.stop()
+    gold = st1["gold"]
+    sent = st1["served"].get(gold, 0) - st0["served"].get(gold, 0)
     bad = [o for o in outs if o.get("sha") != sha]
     if bad:
         raise RuntimeError(f"{strategy}: wrong or failed receivers: {bad[:2]}")
-    return {"seconds": secs, "cpu_cores": cores_busy(c0, c1), "own_cores": (own1 - own0) / secs}
+    return {"seconds": secs, "cpu_cores": cores_busy(c0, c1), "own_cores": (own1 - own0) / secs,
+            "publisher_sent": sent / len(st1["holders_per_chunk"])}
 
 
 def run_gloo(bed: NetBed, n: int, sha: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -213,7 +222,8 @@ def measure(a: argparse.Namespace) -> list[dict[str, Any]]:
                         strategy = {"p2p": "rarest", "single": "publisher"}.get(how, how)
                         res = run_swarm(bed, url, n, strategy, sha, a, pub)
                     rows.append({"method": label, "receivers": n, **res})
-                    own = f", our processes {res['own_cores']:.2f}" if "own_cores" in res else ""
+                    own = (f", our processes {res['own_cores']:.2f}; publisher sent "
+                           f"{res['publisher_sent']:.2f}x the payload") if "own_cores" in res else ""
                     print(f"  {label:>17} x{n}: {res['seconds']:.2f} s  (CPU cores busy: whole box "
                           f"{res['cpu_cores']:.2f}{own})", flush=True)
         finally:

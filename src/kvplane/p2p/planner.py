@@ -31,7 +31,8 @@ Assignment = tuple[int, str, int]  # (chunk, holder, remote address)
 def choose(missing: Sequence[int], holders: Sequence[Mapping[str, int]], load: dict[str, int],
            want: int, *, strategy: str = "rarest", gold: Collection[str] = (),
            usable: Collection[str] | None = None, banned: Collection[tuple[int, str]] = (),
-           max_uploads: int = 4, rng: random.Random | None = None) -> list[Assignment]:
+           max_uploads: int = 4, pending: Mapping[int, int] | None = None,
+           rng: random.Random | None = None) -> list[Assignment]:
     """Pick up to ``want`` (chunk, holder, address) fetches.
 
     Args:
@@ -44,6 +45,8 @@ def choose(missing: Sequence[int], holders: Sequence[Mapping[str, int]], load: d
         usable: holders that may be chosen (None: all).
         banned: (chunk, holder) pairs this receiver must not use again.
         max_uploads: most fetches one holder serves at once.
+        pending: chunk -> fetches of it in flight to other receivers (they count toward its
+            rarity: a chunk already on its way somewhere is not the rarest).
         rng: tie-breaker.
 
     Raises:
@@ -63,12 +66,13 @@ def choose(missing: Sequence[int], holders: Sequence[Mapping[str, int]], load: d
         return load.get(h, 0), h in gold, rng.random()
 
     if strategy in ("rarest", "publisher"):
-        return _rarest(missing, holders, load, want, ok, rank, max_uploads, rng)
+        return _rarest(missing, holders, load, want, ok, rank, max_uploads, pending or {}, rng)
     return _least_loaded(missing, holders, load, want, ok, rank, max_uploads, rng)
 
 
-def _rarest(missing, holders, load, want, ok, rank, max_uploads, rng):  # type: ignore[no-untyped-def]
-    order = sorted(missing, key=lambda c: (sum(ok(c, h) for h in holders[c]), rng.random()))
+def _rarest(missing, holders, load, want, ok, rank, max_uploads, pending, rng):  # type: ignore[no-untyped-def]
+    order = sorted(missing, key=lambda c: (sum(ok(c, h) for h in holders[c]) + pending.get(c, 0),
+                                           rng.random()))
     out: list[Assignment] = []
     for c in order:
         if len(out) >= want:

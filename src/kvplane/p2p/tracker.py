@@ -179,9 +179,13 @@ class TrackerState:
         if want > 0 and missing:
             load = {h: s.load for h, s in self.holders.items()}
             usable = {h for h, s in self.holders.items() if s.suspect_since is None and h != reader}
+            pending: dict[int, int] = {}
+            for other in v.readers.values():
+                for c in other.inflight:
+                    pending[c] = pending.get(c, 0) + 1
             assign = planner.choose(missing, v.holders, load, want, strategy=strategy,
                                     gold=(v.gold,), usable=usable, banned=r.banned,
-                                    max_uploads=self.max_uploads, rng=self._rng)
+                                    max_uploads=self.max_uploads, pending=pending, rng=self._rng)
             for c, h, _ in assign:
                 r.inflight[c] = h
                 self.holders[h].load += 1

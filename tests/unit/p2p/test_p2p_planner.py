@@ -60,3 +60,9 @@ def test_unknown_strategy_and_unavailable_chunks():
     with pytest.raises(InvalidArgument):
         choose([0], [{"g": 0}], {}, 1, strategy="random")
     assert unavailable([0, 1], [{"g": 0}, {"dead": 0}], alive={"g"}) == [1]
+
+
+def test_a_chunk_already_on_its_way_elsewhere_is_not_the_rarest():
+    holders = [{"g": 0}, {"g": 4}]
+    out = choose([0, 1], holders, {}, 1, gold={"g"}, pending={0: 1}, rng=rng())
+    assert out == [(1, "g", 4)]
