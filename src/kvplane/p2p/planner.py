@@ -20,15 +20,18 @@ comes from the caller's seeded ``random.Random``.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from kvplane.common.errors import InvalidArgument
 
 STRATEGIES = ("rarest", "least-loaded", "publisher")
 Assignment = tuple[int, str, int]  # (chunk, holder, remote address)
+Holders = Sequence[Mapping[str, int]]
+Usable = Callable[[int, str], bool]
+Rank = Callable[[str], tuple[int, bool, float]]
 
 
-def choose(missing: Sequence[int], holders: Sequence[Mapping[str, int]], load: dict[str, int],
+def choose(missing: Sequence[int], holders: Holders, load: dict[str, int],
            want: int, *, strategy: str = "rarest", gold: Collection[str] = (),
            usable: Collection[str] | None = None, banned: Collection[tuple[int, str]] = (),
            max_uploads: int = 4, pending: Mapping[int, int] | None = None,
@@ -70,7 +73,9 @@ def choose(missing: Sequence[int], holders: Sequence[Mapping[str, int]], load: d
     return _least_loaded(missing, holders, load, want, ok, rank, max_uploads, rng)
 
 
-def _rarest(missing, holders, load, want, ok, rank, max_uploads, pending, rng):  # type: ignore[no-untyped-def]
+def _rarest(missing: Sequence[int], holders: Holders, load: dict[str, int], want: int, ok: Usable,
+            rank: Rank, max_uploads: int, pending: Mapping[int, int],
+            rng: random.Random) -> list[Assignment]:
     order = sorted(missing, key=lambda c: (sum(ok(c, h) for h in holders[c]) + pending.get(c, 0),
                                            rng.random()))
     out: list[Assignment] = []
@@ -86,7 +91,9 @@ def _rarest(missing, holders, load, want, ok, rank, max_uploads, pending, rng): 
     return out
 
 
-def _least_loaded(missing, holders, load, want, ok, rank, max_uploads, rng):  # type: ignore[no-untyped-def]
+def _least_loaded(missing: Sequence[int], holders: Holders, load: dict[str, int], want: int,
+                  ok: Usable, rank: Rank, max_uploads: int,
+                  rng: random.Random) -> list[Assignment]:
     left = list(missing)
     rng.shuffle(left)
     by_holder: dict[str, list[int]] = {}
@@ -109,7 +116,7 @@ def _least_loaded(missing, holders, load, want, ok, rank, max_uploads, rng):  # 
     return out
 
 
-def unavailable(missing: Sequence[int], holders: Sequence[Mapping[str, int]],
+def unavailable(missing: Sequence[int], holders: Holders,
                 alive: Collection[str]) -> list[int]:
     """Missing chunks that no live holder has at all (the fetch cannot finish)."""
     return [c for c in missing if not any(h in alive for h in holders[c])]

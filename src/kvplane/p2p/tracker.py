@@ -16,13 +16,15 @@ monotonic). Imports ``kvplane.common`` and ``kvplane.p2p`` pure modules only.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvplane.common.errors import Conflict, InvalidArgument, NotFound
+from kvplane.common.errors import Conflict, InvalidArgument, NoSpace, NotFound
 from kvplane.p2p import planner
 from kvplane.p2p.manifest import Manifest, check_name, validate
 
 FAIL_REASONS = ("corrupt", "unreachable", "timeout")
+MAX_VERSIONS = 10_000  # (name, version) pairs kept at once, retired ones included
 
 
 @dataclass
@@ -102,10 +104,13 @@ class TrackerState:
         name = manifest.name
         if len(addrs) != len(manifest.chunks):
             raise InvalidArgument(f"{len(addrs)} addresses for {len(manifest.chunks)} chunks")
-        latest = self.latest.get(name, 0)
+        versions = self.objects.get(name, {})
+        latest = max(self.latest.get(name, 0), max(versions, default=0))  # removed ones count
         version = manifest.version or latest + 1
         if version <= latest:
             raise Conflict(f"{name} version {version} is not newer than {latest}")
+        if sum(len(vs) for vs in self.objects.values()) >= MAX_VERSIONS:
+            raise NoSpace(f"the tracker keeps {MAX_VERSIONS} versions at most")
         versions = self.objects.setdefault(name, {})
         for v in versions.values():
             v.retired = True
@@ -151,8 +156,8 @@ class TrackerState:
         return v.manifest
 
     def claim(self, name: str, version: int, reader: str, *, now: float,
-              addrs: list[int] | None = None, done: list[tuple[int, str]] = (),  # type: ignore[assignment]
-              failed: list[tuple[int, str, str]] = (), want: int = 0,  # type: ignore[assignment]
+              addrs: list[int] | None = None, done: Sequence[tuple[int, str]] = (),
+              failed: Sequence[tuple[int, str, str]] = (), want: int = 0,
               strategy: str = "rarest") -> Claim:
         """Record ``done``/``failed`` fetches, then pick up to ``want`` new ones.
 

@@ -93,95 +93,72 @@ class Tracker:
 
 
 def mount(app: FastAPI, auth: Callable[[str | None], None], tracker: Tracker | None = None) -> Tracker:
-    """Add the ``/p2p`` routes to ``app``; returns the tracker behind them."""
+    """Add the ``/p2p`` routes to ``app``; returns the tracker behind them.
+
+    Every route authenticates, runs lazy collection, parses its body (POST), calls the state
+    machine with errors mapped to HTTP statuses, and wakes the long-polls when state changed.
+    """
     trk = tracker or Tracker()
     st = trk.state
-    P = wire.PREFIX
+    now = time.monotonic
+
+    async def claim(req: wire.ClaimReq) -> Any:
+        return await trk.claim(req)
+
+    posts: list[tuple[str, type[Any], Callable[[Any], Any], bool]] = [
+        ("publish", wire.PublishReq,
+         lambda r: {"version": st.publish(r.manifest, r.holder, r.addrs, now())}, True),
+        ("open", wire.OpenReq, lambda r: st.open(r.name, r.version, r.reader, now()), False),
+        ("claim", wire.ClaimReq, claim, False),
+        ("close", wire.CloseReq, lambda r: st.close(r.name, r.version, r.reader) or {"status": "ok"},
+         True),
+        ("withdraw", wire.WithdrawReq,
+         lambda r: {"withdrawn": st.withdraw(r.name, r.version, r.holder)}, True),
+        ("heartbeat", wire.HeartbeatReq,
+         lambda r: wire.HeartbeatResp(st.heartbeat(r.holder, r.holdings, now())), True),
+    ]
+    for path, typ, fn, changes in posts:
+        _post(app, trk, auth, path, typ, fn, changes)
     TokenH = Header(None, alias="X-KVPlane-Token")
+    NameQ = Query(..., min_length=1, max_length=256)
 
-    def guard(token: str | None) -> None:
-        auth(token)
-        trk.gc()
-
-    @app.post(f"{P}/publish")
-    async def publish(request: Request, x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        req = await _body(request, wire.PublishReq)
-        try:
-            version = st.publish(req.manifest, req.holder, req.addrs, time.monotonic())
-        except KVPlaneError as exc:
-            raise _fail(exc) from exc
-        trk.changed()
-        return _json({"version": version})
-
-    @app.post(f"{P}/open")
-    async def open_(request: Request, x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        req = await _body(request, wire.OpenReq)
-        try:
-            return _json(st.open(req.name, req.version, req.reader, time.monotonic()))
-        except KVPlaneError as exc:
-            raise _fail(exc) from exc
-
-    @app.post(f"{P}/claim")
-    async def claim(request: Request, x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        req = await _body(request, wire.ClaimReq)
-        try:
-            return _json(await trk.claim(req))
-        except KVPlaneError as exc:
-            raise _fail(exc) from exc
-
-    @app.post(f"{P}/close")
-    async def close(request: Request, x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        req = await _body(request, wire.CloseReq)
-        st.close(req.name, req.version, req.reader)
-        trk.changed()
-        return _json({"status": "ok"})
-
-    @app.post(f"{P}/withdraw")
-    async def withdraw(request: Request, x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        req = await _body(request, wire.WithdrawReq)
-        try:
-            n = st.withdraw(req.name, req.version, req.holder)
-        except KVPlaneError as exc:
-            raise _fail(exc) from exc
-        trk.changed()
-        return _json({"withdrawn": n})
-
-    @app.post(f"{P}/heartbeat")
-    async def heartbeat(request: Request, x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        req = await _body(request, wire.HeartbeatReq)
-        drop = st.heartbeat(req.holder, req.holdings, time.monotonic())
-        trk.changed()
-        return _json(wire.HeartbeatResp(drop))
-
-    @app.get(f"{P}/objects")
+    @app.get(f"{wire.PREFIX}/objects")
     async def ls(prefix: str = Query("", max_length=256), x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        return _json(st.ls(prefix))
+        return await _call(trk, auth, x_token, lambda: st.ls(prefix), False)
 
-    @app.delete(f"{P}/objects")
-    async def rm(name: str = Query(..., min_length=1, max_length=256),
-                 x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        try:
-            st.remove(name)
-        except KVPlaneError as exc:
-            raise _fail(exc) from exc
-        trk.changed()
-        return _json({"status": "ok"})
+    @app.delete(f"{wire.PREFIX}/objects")
+    async def rm(name: str = NameQ, x_token: str | None = TokenH) -> Response:
+        return await _call(trk, auth, x_token, lambda: st.remove(name) or {"status": "ok"}, True)
 
-    @app.get(f"{P}/status")
-    async def status(name: str = Query(..., min_length=1, max_length=256), version: int = 0,
-                     x_token: str | None = TokenH) -> Response:
-        guard(x_token)
-        try:
-            return _json(st.status(name, version))
-        except KVPlaneError as exc:
-            raise _fail(exc) from exc
+    @app.get(f"{wire.PREFIX}/status")
+    async def status(name: str = NameQ, version: int = 0, x_token: str | None = TokenH) -> Response:
+        return await _call(trk, auth, x_token, lambda: st.status(name, version), False)
 
     return trk
+
+
+async def _call(trk: Tracker, auth: Callable[[str | None], None], token: str | None,
+                fn: Callable[[], Any], changes: bool) -> Response:
+    """Authenticate, collect, run ``fn`` (sync or async) with errors mapped, wake waiters."""
+    auth(token)
+    trk.gc()
+    try:
+        out = fn()
+        if asyncio.iscoroutine(out):
+            out = await out
+    except KVPlaneError as exc:
+        raise _fail(exc) from exc
+    if changes:
+        trk.changed()
+    return _json(out)
+
+
+def _post(app: FastAPI, trk: Tracker, auth: Callable[[str | None], None], path: str,
+          typ: type[Any], fn: Callable[[Any], Any], changes: bool) -> None:
+    async def route(request: Request,
+                    x_token: str | None = Header(None, alias="X-KVPlane-Token")) -> Response:
+        auth(x_token)
+        req = await _body(request, typ)
+        return await _call(trk, lambda _: None, None, lambda: fn(req), changes)
+
+    app.add_api_route(f"{wire.PREFIX}/{path}", route, methods=["POST"], name=f"p2p_{path}")

@@ -119,3 +119,11 @@ def test_claim_without_lease_is_not_found():
     st, v = setup()
     with pytest.raises(NotFound):
         st.claim("m", v, "stranger", now=0.0, want=1)
+
+
+def test_publish_after_rm_never_reuses_a_version_still_being_read():
+    st, v1 = setup()
+    st.open("m", v1, "reader", now=0.0)
+    st.remove("m")
+    assert st.publish(manifest(), "pub", [0] * 4, now=1.0) == 2
+    assert st.objects["m"][1].readers  # the leased v1 is untouched
