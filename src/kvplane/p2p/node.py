@@ -404,8 +404,9 @@ class P2PNode:
         for name, version in self.holdings():
             try:
                 self.tracker.withdraw(name, self.name, version)
-            except KVPlaneError:
-                pass
+            except KVPlaneError as exc:  # the tracker drops us after holder_ttl anyway
+                log.debug("withdraw on close failed: %s", exc)
+                break
         self.engine.close()
         self.tracker.close()
 
