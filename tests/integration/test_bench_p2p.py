@@ -7,8 +7,11 @@ import pathlib
 
 import pytest
 
-from kvplane.testing.needs import missing
+from kvplane.testing.needs import missing, need_module
 from kvplane.testing.netns import available
+
+need_module("torch", "pip install torch==2.13.0")  # the gloo broadcast column
+need_module("matplotlib", "pip install 'kvplane[plots]'")
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -19,7 +22,6 @@ def test_bench_p2p_smoke(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     ok, why = available()
     if not ok:
         missing("the network-namespace test bed", why)
-    pytest.importorskip("matplotlib")
     spec = importlib.util.spec_from_file_location("bench_p2p", _PATH)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
