@@ -84,10 +84,12 @@ class TrackerClient:
         return int(self._call("POST", "/withdraw", wire.WithdrawReq(name, holder, version))["withdrawn"])
 
     def heartbeat(self, holder: str, holdings: list[tuple[str, int]],
+                  reading: list[tuple[str, int]] | None = None,
                   timeout: float | None = None) -> list[tuple[str, int]]:
-        """Say ``holder`` is alive; returns the holdings to drop."""
-        resp: wire.HeartbeatResp = self._call("POST", "/heartbeat", wire.HeartbeatReq(holder, holdings),
-                                              wire.HeartbeatResp, timeout=timeout)
+        """Say ``holder`` is alive (and still reading ``reading``); returns holdings to drop."""
+        req = wire.HeartbeatReq(holder, holdings, reading or [])
+        resp: wire.HeartbeatResp = self._call("POST", "/heartbeat", req, wire.HeartbeatResp,
+                                              timeout=timeout)
         return resp.drop
 
     def ls(self, prefix: str = "") -> list[dict[str, Any]]:

@@ -139,6 +139,7 @@ class P2PNode:
         self._regions: dict[int, list[Any]] = {}  # addr -> [length, refs]
         self._holdings: dict[tuple[str, int], Holding] = {}
         self._handles: dict[str, int] = {}
+        self._reading: dict[tuple[str, int], int] = {}  # fetches in progress (leases to renew)
         self._stop = threading.Event()
         self._closed = False
         self._beat = threading.Thread(target=self._beat_loop, daemon=True, name=f"p2p-beat-{self.name}")
@@ -284,8 +285,17 @@ class P2PNode:
             addrs = [views[c.item][0] + c.offset for c in m.chunks]
             plan = FetchPlan(m, self.name, addrs, self.config.parallel,
                              strategy or self.config.strategy, self.config.chunk_timeout)
-            stats = Fetch(self.engine, self.tracker, plan, self._handle, self._forget).run(
-                self.config.timeout if timeout is None else timeout)
+            key = (m.name, m.version)
+            with self._lock:
+                self._reading[key] = self._reading.get(key, 0) + 1
+            try:
+                stats = Fetch(self.engine, self.tracker, plan, self._handle, self._forget).run(
+                    self.config.timeout if timeout is None else timeout)
+            finally:
+                with self._lock:
+                    self._reading[key] -= 1
+                    if not self._reading[key]:
+                        del self._reading[key]
         except BaseException:
             self._abandon(m, regs)
             raise
@@ -376,7 +386,9 @@ class P2PNode:
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat):
             try:
-                drop = self.tracker.heartbeat(self.name, self.holdings(),
+                with self._lock:
+                    reading = list(self._reading)
+                drop = self.tracker.heartbeat(self.name, self.holdings(), reading,
                                               timeout=max(2.0, self.config.heartbeat * 2))
             except KVPlaneError as exc:
                 log.debug("p2p heartbeat failed: %s", exc)

@@ -204,9 +204,14 @@ class TrackerState:
             self._release(v, v.readers.pop(reader))
 
     # -- holders -----------------------------------------------------------------------------
-    def heartbeat(self, holder: str, holdings: list[tuple[str, int]], now: float) -> list[tuple[str, int]]:
-        """A holder is alive; returns the holdings it should drop (versions collected)."""
+    def heartbeat(self, holder: str, holdings: Sequence[tuple[str, int]], now: float,
+                  reading: Sequence[tuple[str, int]] = ()) -> list[tuple[str, int]]:
+        """A node is alive: renew its leases on ``reading``; returns the holdings to drop."""
         self._touch(holder, now)
+        for name, ver in reading:  # a fetch whose chunks are slow keeps its lease
+            r = self.objects.get(name, {}).get(ver)
+            if r is not None and holder in r.readers:
+                r.readers[holder].expires = now + self.lease_ttl
         return [(n, ver) for n, ver in holdings if ver not in self.objects.get(n, {})]
 
     def expire(self, now: float) -> list[tuple[str, int]]:

@@ -115,7 +115,8 @@ def mount(app: FastAPI, auth: Callable[[str | None], None], tracker: Tracker | N
         ("withdraw", wire.WithdrawReq,
          lambda r: {"withdrawn": st.withdraw(r.name, r.version, r.holder)}, True),
         ("heartbeat", wire.HeartbeatReq,
-         lambda r: wire.HeartbeatResp(st.heartbeat(r.holder, r.holdings, now())), True),
+         lambda r: wire.HeartbeatResp(st.heartbeat(r.holder, r.holdings, now(), r.reading)),
+         True),
     ]
     for path, typ, fn, changes in posts:
         _post(app, trk, auth, path, typ, fn, changes)

@@ -58,6 +58,7 @@ class WithdrawReq(msgspec.Struct, frozen=True):
 class HeartbeatReq(msgspec.Struct, frozen=True):
     holder: str
     holdings: list[tuple[str, int]] = msgspec.field(default_factory=list)
+    reading: list[tuple[str, int]] = msgspec.field(default_factory=list)
 
 
 class HeartbeatResp(msgspec.Struct, frozen=True):

@@ -127,3 +127,14 @@ def test_publish_after_rm_never_reuses_a_version_still_being_read():
     st.remove("m")
     assert st.publish(manifest(), "pub", [0] * 4, now=1.0) == 2
     assert st.objects["m"][1].readers  # the leased v1 is untouched
+
+
+def test_heartbeat_of_a_reader_renews_its_lease_while_chunks_are_slow():
+    st, v = setup(lease_ttl=5.0)
+    st.open("m", 0, "r", now=0.0)
+    st.claim("m", v, "r", now=0.0, addrs=[0] * 4, want=2)
+    for t in (4.0, 8.0, 12.0):
+        st.heartbeat("r", [], now=t, reading=[("m", v)])
+        st.heartbeat("pub", [], now=t)
+        st.expire(now=t)
+    assert "r" in st.objects["m"][v].readers and st.holders["pub"].load == 2
