@@ -285,17 +285,7 @@ class P2PNode:
             addrs = [views[c.item][0] + c.offset for c in m.chunks]
             plan = FetchPlan(m, self.name, addrs, self.config.parallel,
                              strategy or self.config.strategy, self.config.chunk_timeout)
-            key = (m.name, m.version)
-            with self._lock:
-                self._reading[key] = self._reading.get(key, 0) + 1
-            try:
-                stats = Fetch(self.engine, self.tracker, plan, self._handle, self._forget).run(
-                    self.config.timeout if timeout is None else timeout)
-            finally:
-                with self._lock:
-                    self._reading[key] -= 1
-                    if not self._reading[key]:
-                        del self._reading[key]
+            stats = self._fetch(plan, self.config.timeout if timeout is None else timeout)
         except BaseException:
             self._abandon(m, regs)
             raise
@@ -306,6 +296,19 @@ class P2PNode:
         else:
             self._abandon(m, regs)
         return GetResult(m, {it.name: views[i][1] for i, it in enumerate(m.items)}, stats)
+
+    def _fetch(self, plan: FetchPlan, timeout: float) -> FetchStats:
+        """Run one fetch; while it runs, heartbeats renew its lease."""
+        key = (plan.manifest.name, plan.manifest.version)
+        with self._lock:
+            self._reading[key] = self._reading.get(key, 0) + 1
+        try:
+            return Fetch(self.engine, self.tracker, plan, self._handle, self._forget).run(timeout)
+        finally:
+            with self._lock:
+                self._reading[key] -= 1
+                if not self._reading[key]:
+                    del self._reading[key]
 
     def _destinations(self, m: mf.Manifest, out: Buffers | None
                       ) -> tuple[list[tuple[int, Any]], list[int], list[Any]]:
