@@ -72,8 +72,11 @@ def test_holder_lost_mid_transfer_costs_only_a_retry(netbed, fault):
             assert out.get("sha") == want["sha"], out
         lost = sum(sum(o["failures"].values()) for o in outs)
         assert lost >= 1, outs  # at least one fetch was cut and redone elsewhere
-        reason = "unreachable" if fault == "kill" else "timeout"
-        assert sum(o["failures"].get(reason, 0) for o in outs) >= 1, outs
+        # a dead peer refuses or resets (unreachable); a stalled or cut-off one lets a transfer
+        # time out, or a fresh connection's handshake fail (either counts)
+        reasons = ("unreachable",) if fault == "kill" else ("timeout", "unreachable")
+        assert sum(o["failures"].get(r, 0) for o in outs for r in reasons) >= 1, outs
+        assert "corrupt" not in str(outs)
         assert all(n >= 5 for n in tracker.status("w")["holders_per_chunk"])  # pub + 4 receivers
         if fault == "kill":  # with no heartbeat, the dead holder stops being offered
             wait_until(lambda: victim not in tracker.status("w")["holders"], 20, "victim dropped")
