@@ -148,14 +148,14 @@ def _progress(total: int, disable: bool) -> Iterator[Callable[[str, int, int], N
 
 def _plots(reports: list[PolicyReport], series: dict[str, dict[int, float]], loads: list[float],
            prefix: str, cluster: str, tier_policy: str) -> None:
-    from kvplane.conductor.scheduling import plots as P
+    from kvplane.conductor.scheduling import plots
 
-    P.ttft_cdf({r.policy: r.ttfts for r in reports}, f"{prefix}ttft_cdf.png",
+    plots.ttft_cdf({r.policy: r.ttfts for r in reports}, f"{prefix}ttft_cdf.png",
                f"TTFT CDF, load ×{loads[0]:g}, {cluster}")
-    P.capacity_bars({r.policy: r.capacity for r in reports}, f"{prefix}capacity.png",
+    plots.capacity_bars({r.policy: r.capacity for r in reports}, f"{prefix}capacity.png",
                     f"Effective capacity ({len(loads)} loads, ×{loads[0]:g}–×{loads[-1]:g})")
     if series:
-        P.hit_by_turn(series, f"{prefix}hit_by_turn.png", f"Hit ratio by turn ({tier_policy})")
+        plots.hit_by_turn(series, f"{prefix}hit_by_turn.png", f"Hit ratio by turn ({tier_policy})")
 
 
 def _table(reports: list[PolicyReport], loads: list[float]) -> None:
