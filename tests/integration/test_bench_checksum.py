@@ -19,3 +19,14 @@ def test_checksum_benchmark_smoke():
     assert {r["candidate"] for r in rows} >= {"xxh3-64", "zlib.crc32", "memcpy (scale)"}
     assert all(r["gb_s"] > 0 for r in rows)
     assert [r["vs_xxh3"] for r in rows if r["candidate"] == "xxh3-64"] == [1.0]
+
+
+@pytest.mark.timeout(120)
+def test_store_checksum_benchmark_smoke():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/store_checksum.py"), "--sizes",
+                          "4096", "--rounds", "2", "--slice", "0.02", "--json"],
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [r["protocol"] for r in rows] == ["tcp", "auto"]
+    assert all(r["off_p50_us"] > 0 and r["on_p50_us"] > 0 and r["gets_on"] > 0 for r in rows)
