@@ -1,4 +1,4 @@
-"""Smoke-run benchmarks/checksum.py with tiny sizes: every candidate reports a sane number."""
+"""Smoke-run the checksum and store A/B benchmarks with tiny sizes: each reports sane numbers."""
 
 import json
 import pathlib
@@ -30,3 +30,14 @@ def test_store_checksum_benchmark_smoke():
     rows = [json.loads(x) for x in out.stdout.splitlines()]
     assert [r["protocol"] for r in rows] == ["tcp", "auto"]
     assert all(r["off_p50_us"] > 0 and r["on_p50_us"] > 0 and r["gets_on"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_store_ab_benchmark_smoke():
+    src = str(ROOT / "src")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/store_ab.py"), "--before", src,
+                          "--after", src, "--cells", "get:4096:tcp", "--rounds", "2", "--slice",
+                          "0.02", "--json"], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = [json.loads(x) for x in out.stdout.splitlines()]
+    assert row["before_p50_us"] > 0 and row["after_p50_us"] > 0 and min(row["calls"]) > 0
