@@ -61,9 +61,18 @@ class Suspects:
             out, self._report = sorted(self._report), set()
         return out
 
+    def any(self) -> bool:
+        """True while some segment is remembered as failed."""
+        return bool(self._until)
+
     def bad(self, segment: str) -> bool:
         until = self._until.get(segment)
-        return until is not None and until > time.monotonic()
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        self._until.pop(segment, None)  # expired: forget it (keeps ``any`` cheap)
+        return False
 
 
 GRAIN = 0.05  # timeouts handed to sockets are rounded down to this
@@ -77,7 +86,11 @@ def coarse(seconds: float) -> float:
 
 def ordered(client: "StoreClient", replicas: list[Replica]) -> list[Replica]:
     """Healthy first, then same host first; otherwise the master's order (suspects last)."""
+    if len(replicas) == 1:
+        return list(replicas)
     mine = client.engine.host_id
+    if not client.suspects.any():
+        return sorted(replicas, key=lambda r: r.host_id != mine)
     return sorted(replicas, key=lambda r: (client.suspects.bad(r.segment), r.host_id != mine))
 
 

@@ -266,7 +266,9 @@ class MasterState:
             return KeyResult(ReplicaNotReady.code)
         obj.lease_until = max(obj.lease_until, now + self.config.lease_ttl)
         self.objects.move_to_end(key)
-        reps = sorted(obj.replicas, key=lambda r: self.segments[r[0]].suspect_since is not None)
+        reps = obj.replicas
+        if len(reps) > 1 and any(self.segments[r[0]].suspect_since is not None for r in reps):
+            reps = sorted(reps, key=lambda r: self.segments[r[0]].suspect_since is not None)
         return KeyResult(0, [self.segments[s].replica(o, obj.size, g) for s, o, g in reps],
                          obj.size, obj.version, obj.checksum)
 
