@@ -20,11 +20,18 @@ def master(
     allocation_strategy: str = typer.Option("random", help="random | free_ratio_first"),
     kv_events_port: int = typer.Option(None, help="Publish BlockStored/BlockRemoved (vLLM format, medium CPU) on this ZMQ port (0 = any); register the store with the conductor as type kvplane."),
     token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    ha: str = typer.Option(None, "--ha", help="High availability: etcd://h1:2379[;h2:2379] (etcd 3.4+). Masters of one cluster elect a leader; clients then use master address etcd://h1:2379;h2:2379[/CLUSTER]."),
+    cluster_id: str = typer.Option(None, "--cluster-id", help="HA cluster id (default KVPLANE_CLUSTER_ID or kvplane)."),
+    advertise: str = typer.Option(None, help="HA: the HOST:PORT clients reach this master at (default --host and the bound port)."),
+    ha_lease_ttl: int = typer.Option(3, help="HA: leader lease in seconds (>= 2); a dead leader is replaced about this long after it died."),
+    recovery_grace: float = typer.Option(3.0, help="Seconds a new leader (or a restarted master) answers misses with 'retry' while segments re-register what they hold."),
     ready_file: str = typer.Option(None, help="Write the bound ports here as JSON once ready."),
 ) -> None:
     """Run the store master: metadata only (placement, leases, eviction, liveness).
 
-    Clients connect with master address HOST:PORT; bytes never pass through the master.
+    Clients connect with master address HOST:PORT, or etcd://... with --ha; bytes never pass
+    through the master. Segments re-register the objects they hold with a restarted master or
+    a new leader.
     """
     from kvplane.store.master.config import MasterConfig
     from kvplane.store.master.server import MasterServer
@@ -32,10 +39,13 @@ def master(
 
     tok = token if token is not None else envs.get("KVPLANE_TOKEN")
     cfg = MasterConfig(lease_ttl=lease_ttl, client_ttl=client_ttl, high_watermark=high_watermark,
-                       evict_ratio=evict_ratio, allocation_strategy=allocation_strategy)  # type: ignore[arg-type]
+                       evict_ratio=evict_ratio, allocation_strategy=allocation_strategy,  # type: ignore[arg-type]
+                       recovery_grace=recovery_grace)
     meta = serve_in_thread(host, metadata_port, tok) if metadata_port is not None else None
-    srv = MasterServer(cfg, host, port, admin_port, tok, kv_events_port=kv_events_port)
+    srv = MasterServer(cfg, host, port, admin_port, tok, kv_events_port=kv_events_port, ha=ha,
+                       cluster=cluster_id, advertise=advertise, lease_ttl=ha_lease_ttl)
     announce({"master": f"{host}:{srv.port}", "admin_port": srv.http.port if srv.http else None,
+              "ha": ha, "cluster": srv.election.where.cluster if srv.election else None,
               "metadata": f"http://{host}:{meta.port}/metadata" if meta else None,
               "kv_events": srv.events.endpoint if srv.events else None,
               "kv_events_replay": srv.events.replay_endpoint if srv.events else None}, ready_file)
@@ -47,7 +57,7 @@ def master(
 
 def segment(
     size: str = typer.Option("4GiB", help="DRAM this process contributes to the pool."),
-    master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address."),
+    master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address: HOST:PORT, or etcd://h1:2379;h2:2379[/CLUSTER] for HA masters."),
     metadata: str = typer.Option("P2PHANDSHAKE", help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
     host: str = typer.Option("127.0.0.1", help="Address the data listener binds and advertises."),
     token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),

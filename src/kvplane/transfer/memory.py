@@ -37,6 +37,7 @@ class Region:
     path: str = ""
     fd: int = -1
     keep: Any = field(default=None, repr=False)
+    fenced: bool = False
 
     @property
     def end(self) -> int:
@@ -45,7 +46,7 @@ class Region:
     def desc(self) -> RegionDesc:
         """The descriptor peers see."""
         return RegionDesc(self.addr, self.length, self.kind, self.shm,
-                          os.path.basename(self.path) if self.path else "")
+                          os.path.basename(self.path) if self.path else "", self.fenced)
 
 
 def view_at(addr: int, length: int) -> memoryview:

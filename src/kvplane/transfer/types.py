@@ -65,7 +65,9 @@ class RegionDesc(msgspec.Struct, frozen=True):
 
     ``kind`` is "mem" (reachable over TCP or same-host CMA), "shm" (POSIX shared memory
     ``shm`` that same-host peers map) or "file" (a file ``path`` under the owner's file root;
-    ``addr`` is then a synthetic base address and offsets map onto the file).
+    ``addr`` is then a synthetic base address and offsets map onto the file). A ``fenced`` shm
+    region publishes its owner's fence floor in its first 8 bytes: same-host writers check a
+    store generation against it, as the owner's listener does for TCP frames.
     """
 
     addr: int
@@ -73,6 +75,7 @@ class RegionDesc(msgspec.Struct, frozen=True):
     kind: str = "mem"
     shm: str = ""
     path: str = ""
+    fenced: bool = False  # its first 8 bytes hold the fence floor (``kvplane.transfer.fence``)
 
 
 class SegmentDesc(msgspec.Struct, frozen=True):

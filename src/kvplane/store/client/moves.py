@@ -23,6 +23,9 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import msgspec
+import numpy as np
+
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.checksum import digest
@@ -175,8 +178,22 @@ def _verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:
     return digest(client.engine.memory.view(addr, result.size)) == result.checksum
 
 
-def checksums(client: "StoreClient", addrs: list[int], sizes: list[int]) -> list[int]:
-    """Per object the checksum of its source bytes (0s with checksums off)."""
-    if not client.config.checksum:
-        return [0] * len(addrs)
-    return [digest(client.engine.memory.view(a, n)) for a, n in zip(addrs, sizes)]
+def put_moves(results: list[KeyResult], ok: list[int], addrs: list[int], sizes: list[int],
+              hbase: int, hview: np.ndarray) -> list[Move]:
+    """The WRITEs of a put: per replica its inventory header (copied into ``hview``, registered
+    at ``hbase``) just in front of the value, then the value itself."""
+    out: list[Move] = []
+    at = 0
+    for i in ok:
+        res = results[i]
+        head = res.header
+        n = len(head)
+        if n:
+            hview[at:at + n] = np.frombuffer(head, np.uint8)
+        for rep in res.replicas:
+            if n:
+                out.append((i, msgspec.structs.replace(rep, addr=rep.addr - n, size=n),
+                            OpCode.WRITE, hbase + at, n))
+            out.append((i, rep, OpCode.WRITE, addrs[i], sizes[i]))
+        at += n
+    return out
