@@ -14,8 +14,13 @@ PINNED = {
                          "Tier", "cleared", "decode_batch", "decode_seq", "encode_batch",
                          "extra_keys_of", "removed", "stored", "tier_of", "to_event_hash",
                          "tokens_of"],
-    "kvplane.compat.mooncake": ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine",
-                                "TransferNotify", "TransferOpcode", "te_code"],
+    "kvplane.compat.mooncake": ["BufferHandle", "Descriptor", "DiskDescriptor",
+                                "MemoryDescriptor", "MooncakeDistributedStore",
+                                "MooncakeHostMemAllocator", "ObjectDataType",
+                                "QueryTaskResponse", "ReplicaDescriptor", "ReplicaStatus",
+                                "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",
+                                "TransferEngine", "TransferNotify", "TransferOpcode",
+                                "bind_to_numa_node", "te_code"],
 }
 
 

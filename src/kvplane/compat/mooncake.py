@@ -319,9 +319,15 @@ class TransferEngine:
             pass
 
 
-__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "te_code"]
+from kvplane.compat.mooncake_store import MooncakeDistributedStore  # noqa: E402
+from kvplane.compat.mooncake_types import (  # noqa: E402
+    BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, MooncakeHostMemAllocator,
+    ObjectDataType, QueryTaskResponse, ReplicaDescriptor, ReplicaStatus, ReplicateConfig,
+    SoftPinAction, TaskStatus, TaskType, bind_to_numa_node,
+)
 
-
-from kvplane.compat.mooncake_store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
-
-__all__ += ["MooncakeDistributedStore", "ReplicateConfig"]
+__all__ = ["BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
+           "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType",
+           "QueryTaskResponse", "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig",
+           "SoftPinAction", "TaskStatus", "TaskType", "TransferEngine", "TransferNotify",
+           "TransferOpcode", "bind_to_numa_node", "te_code"]
