@@ -19,18 +19,23 @@ Imports ``kvplane.store`` only.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
+import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from kvplane.common import envs
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
 
 log = logging.getLogger(__name__)
 
 MIN_SEGMENT_SIZE = 1024
+CLIENT_PORTS = (12300, 14300)  # Mooncake's MC_STORE_CLIENT_MIN/MAX_PORT defaults
+PORT_TRIES = 20
 MAX_SEGMENT_SIZE = 1 << 40
 DEFAULT_SIZE = 16 << 20
 # protocols Mooncake accepts whose hardware is not here: served by TCP
@@ -202,5 +207,15 @@ def open_client(args: SetupArgs, **overrides: Any) -> StoreClient:
         master=args.master_server_addr.removeprefix("tcp://"), metadata=args.metadata_server,
         local_hostname=host, port=port, protocol=protocol_of(args.protocol),
         global_segment_size=args.global_segment_size,
-        local_buffer_size=args.local_buffer_size, **overrides)
-    return StoreClient(cfg)
+        local_buffer_size=args.local_buffer_size,
+        populate=envs.get("KVPLANE_SEGMENT_POPULATE"), **overrides)
+    if port:
+        return StoreClient(cfg)
+    rng = random.Random()
+    for attempt in range(PORT_TRIES):  # Mooncake names an unported client host:<12300-14300>
+        try:
+            return StoreClient(replace(cfg, port=rng.randint(*CLIENT_PORTS)))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")

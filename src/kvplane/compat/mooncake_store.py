@@ -15,6 +15,7 @@ client (``mooncake_dummy``). Import from ``kvplane.compat.mooncake``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -90,7 +91,8 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
             return code_of(exc)
         except OSError as exc:
             log.error("setup failed: %s", exc)
-            return INTERNAL_ERROR
+            # a host:port that is taken: Mooncake cannot create that client either (-600)
+            return INVALID_PARAMS if exc.errno == errno.EADDRINUSE else INTERNAL_ERROR
         self._local_buffer = parsed.local_buffer_size
         self._tenant = parsed.tenant_id
         return OK

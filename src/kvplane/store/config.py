@@ -22,6 +22,8 @@ class StoreConfig:
         protocol: ``auto`` (shared memory on one host, else TCP) or ``tcp`` (TCP even on one host).
         global_segment_size: bytes this client contributes to the pool (0: pure client).
         local_buffer_size: registered staging for the bytes API (put/get of ``bytes``).
+        populate: fault the contributed segment's pages in at start (a put never pays the
+            first touch); False maps them on first use.
         token: shared token for the master and the data listener.
         timeout: seconds for one master RPC or one transfer.
         heartbeat_interval: seconds between pings (Mooncake 1 s).
@@ -36,6 +38,7 @@ class StoreConfig:
     protocol: str = "auto"
     global_segment_size: int = 0
     local_buffer_size: int = 64 << 20
+    populate: bool = True
     token: str = ""
     timeout: float = 10.0
     heartbeat_interval: float = 1.0

@@ -69,7 +69,8 @@ class StoreClient:
             self.rpc = RpcClient(cfg.master, cfg.token, cfg.timeout)
             self.staging = Staging(self.engine, cfg.local_buffer_size)
             if cfg.global_segment_size > 0:
-                buf = self.engine.allocate_managed_buffer(cfg.global_segment_size, populate=True)
+                buf = self.engine.allocate_managed_buffer(cfg.global_segment_size,
+                                                         populate=cfg.populate)
                 self._segments = [SegmentInfo(self.engine.name, buf.addr,
                                               cfg.global_segment_size, cfg.client_id,
                                               self.engine.name, self.engine.host_id)]

@@ -6,16 +6,22 @@ The enum members are also module attributes (``mooncake.store.COMPLETE`` ...), a
 
 from __future__ import annotations
 
+from kvplane.compat.mooncake_buffer_pool import BufferLease, BufferPool, RegisteredBufferPool
+from kvplane.compat.mooncake_tensor import (  # noqa: F401
+    _deserialize_tensor, _serialize_tensor, _tensor_metadata_size,
+)
 from kvplane.compat.mooncake import (
     BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, MooncakeDistributedStore,
-    MooncakeHostMemAllocator, ObjectDataType, QueryTaskResponse, ReplicaDescriptor,
-    ReplicaStatus, ReplicateConfig, SoftPinAction, TaskStatus, TaskType, bind_to_numa_node,
+    MooncakeHostMemAllocator, ObjectDataType, ParallelAxis, QueryTaskResponse, ReadTarget,
+    ReplicaDescriptor, ReplicaStatus, ReplicateConfig, SoftPinAction, TaskStatus, TaskType,
+    TensorParallelism, bind_to_numa_node,
 )
 
-__all__ = ["BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
+__all__ = ["BufferHandle", "BufferLease", "BufferPool", "RegisteredBufferPool", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
            "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType",
-           "QueryTaskResponse", "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig",
-           "SoftPinAction", "TaskStatus", "TaskType", "bind_to_numa_node"]
+           "ParallelAxis", "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor",
+           "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",
+           "TensorParallelism", "bind_to_numa_node"]
 
 for _enum in (ReplicaStatus, TaskStatus, TaskType, ObjectDataType):
     globals().update(_enum.__members__)
