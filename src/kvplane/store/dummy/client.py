@@ -26,7 +26,7 @@ import numpy as np
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.rpc import RpcClient
 from kvplane.store.dummy.types import (
-    AttachReq, GetReq, Hello, KeysOp, LookupRep, PatternReq, PerKey, PutReq, RangeOp, ReserveReq,
+    AttachReq, CommitReq, GetReq, Hello, KeysOp, LookupRep, PatternReq, PerKey, PutReq, RangeOp, ReserveReq,
     SessionReq, TaskOp,
 )
 from kvplane.store.errors import InvalidParams, key_error
@@ -354,11 +354,13 @@ class _RemoteRanges:
         return self.d.rpc.call("reserve", ReserveReq(self.d.session, list(keys), list(sizes), cfg),
                                LookupRep).results
 
-    def commit(self, keys: Sequence[str]) -> list[int]:
-        return self.d.rpc.call("commit", KeysOp(self.d.session, list(keys)), PerKey).codes
+    def commit(self, held: Sequence[tuple[str, KeyResult]]) -> list[int]:
+        return self.d.rpc.call("commit", CommitReq(self.d.session, [k for k, _ in held],
+                                                   [r for _, r in held]), PerKey).codes
 
-    def revoke(self, keys: Sequence[str]) -> list[int]:
-        return self.d.rpc.call("revoke", KeysOp(self.d.session, list(keys)), PerKey).codes
+    def revoke(self, held: Sequence[tuple[str, KeyResult]]) -> list[int]:
+        return self.d.rpc.call("revoke", CommitReq(self.d.session, [k for k, _ in held],
+                                                   [r for _, r in held]), PerKey).codes
 
 
 def _raise(result: Any) -> None:
