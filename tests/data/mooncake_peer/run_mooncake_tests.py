@@ -141,7 +141,7 @@ class Services:
             _wait_port(8080)
         if "client_server" in needs:
             self._spawn("client_server", [*cli, "client-server", "--port", "50052", "--size",
-                                          "4GiB", "--metadata", META], 50052)
+                                          "1GiB", "--metadata", META], 50052)
         if "te_target" in needs:
             target = mc_src / "mooncake-wheel/tests/transfer_engine_target.py"
             self._spawn("te_target", [sys.executable, str(target)], 12345)
