@@ -78,7 +78,10 @@ def test_a_write_queued_in_a_stalled_segment_never_lands_on_reused_space():
                 assert ask(w, op="put", keys=[k], size=4 * KB, preferred=seg_a) == [0]
             a.signal(signal.SIGSTOP)
             try:
-                assert ask(tcp, op="put", keys=["stale"], size=512 * KB, preferred=seg_a) != [0]
+                stale = ask(tcp, op="put", keys=["stale"], size=512 * KB, preferred=seg_a)
+                # the write to A is revoked; under load the client may already have marked A
+                # suspect and placed the retry elsewhere, which is a success off A, never on A
+                assert stale != [0] or seg_a not in replicas_of(admin, "stale"), stale
                 quarantined = polled(lambda: metric(admin, "master_pending_fences") or 0,
                                      lambda v: v >= 1, 3)  # the gauge is refreshed every 0.1 s
                 assert ask(shm, op="put", keys=["fresh"], size=512 * KB, preferred=seg_a) == [0]
