@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvplane.common import envs
+from kvplane.common.auth import client_token
 from kvplane.common.errors import InvalidArgument
 
 
@@ -21,7 +21,10 @@ class StoreConfig:
         protocol: ``auto`` (shared memory on one host, else TCP) or ``tcp`` (TCP even on one host).
         global_segment_size: bytes this client contributes to the pool (0: pure client).
         local_buffer_size: registered staging for the bytes API (put/get of ``bytes``).
-        token: shared token for the master and the data listener.
+        token: token for the master and the data listeners (default: ``KVPLANE_TOKEN``, else
+            the token file; see ``kvplane.common.auth``).
+        peer_tokens: more tokens this client's data listener accepts (the tenant tokens, on a
+            process that contributes a segment to a pool with tenants).
         timeout: seconds for one master RPC or one transfer.
         heartbeat_interval: seconds between pings (Mooncake 1 s).
         lease_ttl: the master's read lease, seconds; a read slower than this fails (LEASE_EXPIRED).
@@ -34,7 +37,8 @@ class StoreConfig:
     protocol: str = "auto"
     global_segment_size: int = 0
     local_buffer_size: int = 64 << 20
-    token: str = ""
+    token: str = field(default_factory=client_token)
+    peer_tokens: tuple[str, ...] = ()
     timeout: float = 10.0
     heartbeat_interval: float = 1.0
     lease_ttl: float = 10.0
@@ -48,6 +52,5 @@ class StoreConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreConfig":
-        """Defaults, then KVPLANE_TOKEN, then explicit ``overrides``."""
-        base = cls(token=envs.get("KVPLANE_TOKEN"))
-        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        """Defaults (the token from KVPLANE_TOKEN or the token file), then ``overrides``."""
+        return replace(cls(), **{k: v for k, v in overrides.items() if v is not None})

@@ -2,17 +2,18 @@
 
 In memory only (like Mooncake's), so engines re-publish when it restarts empty. Also serves
 ``/health``, ``/metrics`` and the OpenAPI spec. Binding happens in :func:`serve_in_thread`
-or the CLI; :func:`create_app` is pure.
+(the CLI uses it too), behind the HTTP guard and token gate of ``kvplane.common.http``: every
+path but ``/health`` needs the token; :func:`create_app` is pure.
 """
 
 from __future__ import annotations
 
-import hmac
 import threading
 
-from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
+from fastapi import FastAPI, HTTPException, Query, Request, Response
 
 from kvplane.common import metrics
+from kvplane.common.auth import token_authenticator
 from kvplane.common.http import ServerThread
 
 MAX_VALUE = 1 << 20  # Mooncake's handshake/metadata limit (MC_HANDSHAKE_MAX_LENGTH)
@@ -22,23 +23,16 @@ MAX_KEYS = 100_000
 _KEYS = metrics.Gauge("kvplane_metadata_keys", "Keys held by the HTTP metadata server")
 
 
-def create_app(token: str = "") -> FastAPI:
-    """Build the app. ``token``: required in ``X-KVPlane-Token`` when non-empty."""
+def create_app() -> FastAPI:
+    """Build the app (no token check: the guard in front of it does that)."""
     app = FastAPI(title="kvplane metadata", version="1",
                   description="Segment metadata store (Mooncake-compatible /metadata API)")
     table: dict[str, bytes] = {}
     lock = threading.Lock()
-
-    def auth(value: str | None) -> None:
-        if token and not hmac.compare_digest((value or "").encode(), token.encode()):
-            raise HTTPException(401, "bad or missing X-KVPlane-Token")
-
     KeyQ = Query(..., min_length=1, max_length=MAX_KEY, description="metadata key")
-    TokenH = Header(None, alias="X-KVPlane-Token")
 
     @app.get("/metadata", responses={404: {"description": "no such key"}})
-    def get_key(key: str = KeyQ, x_token: str | None = TokenH) -> Response:
-        auth(x_token)
+    def get_key(key: str = KeyQ) -> Response:
         with lock:
             value = table.get(key)
         if value is None:
@@ -46,8 +40,7 @@ def create_app(token: str = "") -> FastAPI:
         return Response(value, media_type="application/json")
 
     @app.put("/metadata", responses={413: {"description": "value too large"}})
-    async def put_key(request: Request, key: str = KeyQ, x_token: str | None = TokenH) -> dict[str, str]:
-        auth(x_token)
+    async def put_key(request: Request, key: str = KeyQ) -> dict[str, str]:
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
@@ -61,8 +54,7 @@ def create_app(token: str = "") -> FastAPI:
         return {"status": "ok"}
 
     @app.delete("/metadata")
-    def delete_key(key: str = KeyQ, x_token: str | None = TokenH) -> dict[str, str]:
-        auth(x_token)
+    def delete_key(key: str = KeyQ) -> dict[str, str]:
         with lock:
             found = table.pop(key, None) is not None
             _KEYS.set(len(table))
@@ -79,5 +71,9 @@ def create_app(token: str = "") -> FastAPI:
 
 
 def serve_in_thread(host: str = "127.0.0.1", port: int = 0, token: str = "") -> ServerThread:
-    """Start the metadata server in this process; returns once it accepts connections."""
-    return ServerThread(create_app(token), host, port)
+    """Start the metadata server in this process; returns once it accepts connections.
+
+    ``token``: required on every path but ``/health`` ("" = open: ``--no-auth``).
+    """
+    return ServerThread(create_app(), host, port, authenticate=token_authenticator(token),
+                        name="metadata")

@@ -60,7 +60,7 @@ class StoreClient:
         self.config = cfg
         self.engine = TransferEngine(EngineConfig.from_env(
             host=cfg.local_hostname, metadata=cfg.metadata, protocol=cfg.protocol,
-            token=cfg.token, timeout=cfg.timeout))
+            token=cfg.token, timeout=cfg.timeout, extra_tokens=cfg.peer_tokens or None))
         self.rpc = RpcClient(cfg.master, cfg.token, cfg.timeout)
         self._handles: dict[str, int] = {}
         self._segments: list[SegmentInfo] = []

@@ -1,0 +1,165 @@
+"""Who may do what on the master: tenant key namespaces and segment ownership.
+
+Every RPC runs as the :class:`~kvplane.common.auth.Principal` its connection authenticated as
+(``kvplane.common.rpc.current_principal``). This module wraps the master's handlers:
+
+* **Tenants.** Keys live in one namespace per tenant. The ``default`` tenant (service and admin
+  tokens) keeps its keys as they are; tenant ``T``'s key ``k`` is stored as ``"\\0T\\0k"``, and
+  no key may contain NUL, so namespaces never meet. get/put/exist/size/remove see only the
+  caller's namespace; remove-by-regex and remove-all match the caller's own keys only, against
+  the key as the caller wrote it. Tenants are pure clients: only default-tenant principals
+  mount segments (a segment's process can read whatever is placed in it).
+* **Ownership.** A segment belongs to the client that mounted it (its ``client_id``, which the
+  master never shows to other clients). Only that client or the admin token may unmount it.
+  When the admin unmounts another client's last segment, that client is forgotten, so its next
+  heartbeat is answered ``need_remount`` and it mounts its segment again.
+
+Pure apart from reading the principal: no sockets, no threads, no clocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvplane.common.auth import DEFAULT_TENANT, Principal
+from kvplane.common.errors import InvalidArgument, Unauthorized
+from kvplane.common.rpc import current_principal
+from kvplane.store.errors import InvalidKey
+from kvplane.store.master.state import MasterState
+from kvplane.store.types import MountReq
+
+SEP = "\x00"
+_TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+KEYED = ("put_start", "put_end", "put_revoke", "get_replicas", "exist", "get_size", "remove")
+
+
+def read_tenants(path: str) -> dict[str, str]:
+    """Tenant name -> token from a JSON file ``{"tenants": {"NAME": "TOKEN", ...}}``.
+
+    Raises:
+        InvalidArgument: unreadable, readable by others, malformed, a bad name or a short token.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            if stat.S_IMODE(os.fstat(f.fileno()).st_mode) & 0o077:
+                raise InvalidArgument(f"tenants file {path} is readable by others: chmod 600 it")
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"tenants file {path}: {exc}") from exc
+    table = data.get("tenants") if isinstance(data, dict) else None
+    if not isinstance(table, dict):
+        raise InvalidArgument(f"tenants file {path}: expected {{\"tenants\": {{NAME: TOKEN}}}}")
+    for name, token in table.items():
+        check_tenant(name)
+        if not isinstance(token, str) or len(token) < 16:
+            raise InvalidArgument(f"tenant {name!r}: tokens must be strings of >= 16 characters")
+    return dict(table)
+
+
+def check_tenant(name: str) -> str:
+    """Validate a tenant name (letters, digits, ``_.-``; not ``default``)."""
+    if not isinstance(name, str) or not _TENANT.fullmatch(name) or name == DEFAULT_TENANT:
+        raise InvalidArgument(f"bad tenant name {name!r}: 1-64 of [A-Za-z0-9_.-], not 'default'")
+    return name
+
+
+def scoped(tenant: str, key: str) -> str:
+    """The master's internal key for ``tenant``'s ``key``.
+
+    Raises:
+        InvalidKey: the key contains NUL.
+    """
+    if SEP in key:
+        raise InvalidKey("keys must not contain NUL")
+    return key if tenant == DEFAULT_TENANT else f"{SEP}{tenant}{SEP}{key}"
+
+
+def unscoped(internal: str) -> tuple[str, str]:
+    """(tenant, key) of an internal key."""
+    if internal.startswith(SEP):
+        _, tenant, key = internal.split(SEP, 2)
+        return tenant, key
+    return DEFAULT_TENANT, internal
+
+
+def keys_of(objects: Any, tenant: str) -> Iterator[tuple[str, str]]:
+    """(internal, key) of every object of ``tenant`` in ``objects`` (a key -> object mapping)."""
+    if tenant == DEFAULT_TENANT:
+        return ((k, k) for k in list(objects) if not k.startswith(SEP))
+    prefix = f"{SEP}{tenant}{SEP}"
+    return ((k, k[len(prefix):]) for k in list(objects) if k.startswith(prefix))
+
+
+class Access:
+    """Wraps master handlers with tenant scoping and ownership checks (see module docstring).
+
+    Args:
+        state: the master's state (the caller holds its lock around every wrapped call).
+    """
+
+    def __init__(self, state: MasterState) -> None:
+        self.state = state
+
+    def guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` wrapped for ``method``: keys scoped, mounts and unmounts checked."""
+        if method in KEYED:
+            def keyed(req: Any) -> Any:
+                tenant = current_principal().tenant
+                req.keys = [scoped(tenant, k) for k in req.keys]
+                return fn(req)
+            return keyed
+        if method == "mount":
+            def mount(req: MountReq) -> Any:
+                if req.segments and current_principal().tenant != DEFAULT_TENANT:
+                    raise Unauthorized("tenants cannot mount segments: mount them with the "
+                                       "service token")
+                return fn(req)
+            return mount
+        if method == "unmount":
+            def unmount(req: MountReq) -> Any:
+                orphans = self._check_unmount(req, current_principal())
+                out = fn(req)
+                for cid in orphans:
+                    client = self.state.clients.get(cid)
+                    if client is not None and not client.segments:
+                        del self.state.clients[cid]  # its next ping says need_remount
+                return out
+            return unmount
+        return fn
+
+    def _check_unmount(self, req: MountReq, who: Principal) -> set[str]:
+        """Raise unless ``who`` may unmount every named segment; owners other than the caller."""
+        others = set()
+        for info in req.segments:
+            seg = self.state.segments.get(info.name)
+            if seg is None:
+                continue
+            owner = seg.info.client_id
+            if owner == req.client_id and who.tenant == DEFAULT_TENANT:
+                continue
+            if not who.admin:
+                raise Unauthorized(f"segment {info.name!r} belongs to another client; only its "
+                                   "owner or the admin token may unmount it")
+            others.add(owner)
+        return others
+
+    def remove_regex(self, pattern: str, force: bool, now: float) -> int:
+        """Remove the caller's keys matching ``pattern``; returns how many went."""
+        try:
+            rx = re.compile(pattern)
+        except re.error as exc:
+            raise InvalidArgument(f"bad regex {pattern!r}: {exc}") from exc
+        tenant = current_principal().tenant
+        return sum(1 for internal, key in keys_of(self.state.objects, tenant)
+                   if rx.search(key) and self.state.remove(internal, force, now) == 0)
+
+    def remove_all(self, force: bool, now: float) -> int:
+        """Remove every removable key of the caller's tenant; returns how many went."""
+        tenant = current_principal().tenant
+        return sum(1 for internal, _ in keys_of(self.state.objects, tenant)
+                   if self.state.remove(internal, force, now) == 0)
