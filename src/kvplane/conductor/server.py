@@ -1,5 +1,8 @@
 """Process wiring: Conductor + ZMQ ingest thread + HTTP server; the only module that binds.
 
+The HTTP server runs behind the guard of ``kvplane.common.http`` (connection admission,
+header and body timeouts, the token gate on every path but ``/health``).
+
 ``ConductorServer`` is a context manager. ``start()`` serves HTTP from a named daemon thread
 (tests, embedding); ``serve_forever()`` serves from the calling thread with signal handling (CLI).
 """
@@ -14,7 +17,9 @@ from collections.abc import Callable
 
 import uvicorn
 
+from kvplane.common.auth import token_authenticator
 from kvplane.common.errors import Timeout, Unavailable
+from kvplane.common.http import uvicorn_config
 from kvplane.conductor.api import create_app
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.ingest import EventIngestor
@@ -46,8 +51,8 @@ class ConductorServer:
             raise Unavailable(f"cannot bind {self.config.host}:{self.config.port}: {exc}") from exc
         self.port: int = self._sock.getsockname()[1]
         self._ready = threading.Event()
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
-                                                     access_log=False))
+        self._server = uvicorn.Server(uvicorn_config(
+            self.app, token_authenticator(self.config.token), "conductor", lifespan="on"))
         self._thread: threading.Thread | None = None
         self._closed = False
 
