@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from kvplane.cli.lifecycle import no_auth_option, resolve_token, token_option
+from kvplane.cli.lifecycle import announce, no_auth_option, resolve_token, token_option
 from kvplane.common.config import parse_size
 from kvplane.common.errors import InvalidArgument
 
@@ -103,8 +103,12 @@ def run(
     banner = (f"kvplane conductor on {server.url} (zmq bind: {', '.join(server.zmq_endpoints) or 'none'}; "
               f"default hash profile {hash_algo} seed {hash_seed!r}: engines need "
               f"PYTHONHASHSEED={hash_seed} --prefix-caching-hash-algo {hash_algo})")
+    def ready() -> None:
+        typer.echo(banner, err=True)
+        announce({"conductor": server.url, "zmq_bind": server.zmq_endpoints}, None)
+
     try:
-        server.serve_forever(on_ready=lambda: typer.echo(banner, err=True))
+        server.serve_forever(on_ready=ready)
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the SIGINT it handled; the shutdown already happened
 

@@ -16,6 +16,20 @@ from typing import Any
 import typer
 
 
+def raise_fd_limit(want: int = 65536) -> None:
+    """Raise this process's soft RLIMIT_NOFILE towards ``want`` (never past the hard limit).
+
+    A service that runs out of descriptors cannot accept its own clients; a flood of idle
+    sockets should meet the connection caps first.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def wait_for_signal() -> None:
     """Block until SIGTERM or SIGINT."""
     stop = threading.Event()
@@ -57,10 +71,14 @@ def admin_token_option() -> Any:
 
 
 def resolve_token(token: str | None, no_auth: bool, admin: bool = False) -> str:
-    """The (admin) token this service requires ("" with --no-auth); says where it is on stderr."""
+    """The (admin) token this service requires ("" with --no-auth); says where it is on stderr.
+
+    Also raises the descriptor limit (every service resolves its token once, at start).
+    """
     from kvplane.common.auth import server_token
     from kvplane.common.errors import InvalidArgument
 
+    raise_fd_limit()
     try:
         found = server_token(token, no_auth, admin=admin)
     except InvalidArgument as exc:

@@ -11,7 +11,6 @@ the KV moves between the instances through the kvplane transfer engine, never th
 import contextlib
 import itertools
 import json
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -126,21 +125,17 @@ def pd_proxy(
     ``X-KVPlane-Token``; ``/health`` is open. Prints one JSON line ``{"proxy": URL}`` once
     listening.
     """
-    import uvicorn
+    import asyncio
 
     from kvplane.common.auth import token_authenticator
-    from kvplane.common.http import uvicorn_config
+    from kvplane.common.http import GuardedServer
 
     tok = resolve_token(token, no_auth)
     strip = [u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode]
     app = build_app(strip[0], strip[1], timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn_config(app, token_authenticator(tok), "pd-proxy",
-                                           lifespan="on"))
-    typer.echo(json.dumps({"proxy": f"http://{host}:{sock.getsockname()[1]}"}))
-    server.run(sockets=[sock])
+    server = GuardedServer(app, host, port, token_authenticator(tok), "pd-proxy", lifespan="on")
+    typer.echo(json.dumps({"proxy": f"http://{host}:{server.port}"}))
+    asyncio.run(server.serve())
 
 
 def register(app: typer.Typer) -> None:

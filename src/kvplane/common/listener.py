@@ -10,11 +10,17 @@ connection down.
 
 from __future__ import annotations
 
+import errno
+import logging
 import socket
 import threading
 from collections.abc import Callable
 
-from kvplane.common.guard import Admission, Limits, Ticket
+from kvplane.common.guard import REJECTED, Admission, Limits, PeerLog, Ticket
+
+log = logging.getLogger(__name__)
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+              errno.EPERM, errno.EPROTO}
 
 
 def _shutdown(conn: socket.socket) -> None:
@@ -46,7 +52,9 @@ class Listener:
         self._on_refuse = on_refuse
         self.limits = Limits.from_env(max_connections=max_connections) if limits is None else limits
         self.admission = Admission(self.limits, name)
-        self._lsock = socket.create_server((host, port), backlog=256)
+        self._peer_log = PeerLog(log)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._lsock = socket.create_server((host, port), family=family, backlog=256)
         self.host, self.port = self._lsock.getsockname()[:2]
         self.conns: set[socket.socket] = set()
         self._tickets: dict[socket.socket, Ticket] = {}
@@ -60,8 +68,14 @@ class Listener:
         while not self.closed.is_set():
             try:
                 conn, addr = self._lsock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self.closed.is_set() or exc.errno not in _TRANSIENT:
+                    return
+                # out of file descriptors or memory: back off instead of dying (or spinning)
+                REJECTED.labels(self._name, "accept_" + errno.errorcode.get(exc.errno or 0, "?")).inc()
+                self._peer_log.warn("*", "accept failed (%s); retrying", exc)
+                self.closed.wait(0.05)
+                continue
             ticket = self.admission.admit(str(addr[0]), lambda c=conn: _shutdown(c))
             if ticket is None:
                 conn.close()
