@@ -43,7 +43,7 @@ class Limits:
         max_preauth: unauthenticated connections held at once; past it the oldest is closed.
         max_preauth_per_peer: unauthenticated connections of one peer address.
         handshake_timeout: seconds a new connection has to authenticate.
-        idle_timeout: seconds an authenticated connection may stay idle (0 = forever).
+        idle_timeout: seconds an authenticated connection may stay idle (0 = forever, else >= 2).
         preauth_frame: largest frame read from an unauthenticated peer, bytes.
         request_timeout: seconds an HTTP client has to send a request body once headers arrived.
     """
@@ -59,8 +59,11 @@ class Limits:
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_preauth, self.max_preauth_per_peer) < 1:
             raise InvalidArgument("connection limits must be >= 1")
-        if self.handshake_timeout <= 0 or self.idle_timeout < 0 or self.request_timeout <= 0:
-            raise InvalidArgument("handshake and request timeouts must be > 0, idle >= 0")
+        if self.handshake_timeout <= 0 or self.request_timeout <= 0:
+            raise InvalidArgument("handshake and request timeouts must be > 0")
+        if self.idle_timeout != 0 and self.idle_timeout < 2:
+            # clients check a pooled connection for a server-side close after 1 s idle
+            raise InvalidArgument("idle_timeout must be 0 (never) or >= 2 seconds")
         if self.preauth_frame < 1024:
             raise InvalidArgument("preauth_frame must be >= 1 KiB")
 

@@ -65,12 +65,12 @@ class _Zap(threading.Thread):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)
         self._auth = authenticate
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.peer_log = PeerLog(log)
         self.denied = 0
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             if self._sock.poll(100):
                 self._sock.send_multipart(self._answer(self._sock.recv_multipart()))
         self._sock.close(0)
@@ -91,7 +91,7 @@ class _Zap(threading.Thread):
         return [version, rid, b"200", b"OK", principal.tenant.encode(), b""]
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(2)
 
 

@@ -29,10 +29,8 @@ import httpx
 import psutil
 import pytest
 import zmq
-from fastapi import FastAPI
 
 from kvplane.common.auth import client_token
-from kvplane.common.http import ServerThread
 from kvplane.store import StoreClient
 from kvplane.testing.auth import headers
 from kvplane.testing.hostile import raise_nofile
@@ -229,10 +227,11 @@ def test_conductor_http(http):
 
 
 def test_pd_proxy_http(http):
-    upstream = FastAPI()
-    upstream.get("/v1/models")(lambda: {"object": "list", "data": []})
-    with ServerThread(upstream) as up, \
-            Proc([*CLI, "pd-proxy", "--prefill", up.url, "--decode", up.url, "--port", "0"],
-                 stop_signal=signal.SIGTERM) as px:
-        url = px.info["proxy"]
-        check(attack(int(url.rsplit(":", 1)[1]), "http", http(url + "/v1/models"), px.pid))
+    # the upstream "instance" is any HTTP server in its own process: the proxy relays
+    # GET /v1/models to it (a metadata server answers 404, which the proxy passes on)
+    with Proc([*CLI, "metadata", "--port", "0", "--no-auth"], stop_signal=signal.SIGTERM) as up:
+        base = up.info["metadata"].removesuffix("/metadata")
+        with Proc([*CLI, "pd-proxy", "--prefill", base, "--decode", base, "--port", "0"],
+                  stop_signal=signal.SIGTERM) as px:
+            url = px.info["proxy"]
+            check(attack(int(url.rsplit(":", 1)[1]), "http", http(url + "/v1/models"), px.pid))

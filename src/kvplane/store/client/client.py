@@ -71,7 +71,12 @@ class StoreClient:
             buf = self.engine.allocate_managed_buffer(cfg.global_segment_size, populate=True)
             self._segments = [SegmentInfo(self.engine.name, buf.addr, cfg.global_segment_size,
                                           cfg.client_id, self.engine.name, self.engine.host_id)]
-        self.mount()
+        try:
+            self.mount()
+        except BaseException:  # refused (a tenant mounting a segment) or unreachable
+            self.rpc.close()
+            self.engine.close()
+            raise
         self._hb = threading.Thread(target=self._heartbeat, daemon=True,
                                     name=f"store-heartbeat-{cfg.client_id[:8]}")
         self._hb.start()
