@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -165,3 +166,15 @@ def test_data_port_needs_the_token(pool):
     s.settimeout(5)
     assert s.recv(100) == b""  # closed: DESCRIBE before HELLO
     s.close()
+
+
+def test_pd_proxy_needs_the_token():
+    with Proc([*CLI, "pd-proxy", "--prefill", "http://127.0.0.1:9", "--decode",
+               "http://127.0.0.1:9", "--port", "0"], stop_signal=signal.SIGTERM) as px:
+        url = px.info["proxy"]
+        body = {"model": "m", "prompt": "hi"}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=5).status_code == 401
+        bearer = {"Authorization": f"Bearer {client_token()}"}
+        r = httpx.post(url + "/v1/completions", json=body, headers=bearer, timeout=10)
+        assert r.status_code == 502  # past the gate: the (absent) prefill instance is unreachable
+        assert httpx.get(url + "/health", timeout=5).status_code == 200

@@ -48,12 +48,20 @@ def _infra(request: Request) -> Principal:
 def build(state: MasterState, lock: threading.Lock) -> FastAPI:
     """The admin app over ``state`` (read under ``lock``)."""
     app = FastAPI(title="kvplane master", version="1")
-    TenantQ = Query(None, max_length=64, description="tenant to look in (admin token only)")
 
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {"status": "ok", "role": "leader", "ready": True,
                 "keys": len(state.objects), "segments": len(state.segments)}
+
+    _key_routes(app, state, lock)
+    _segment_routes(app, state, lock)
+    app.mount("/metrics", metrics.asgi_app())
+    return app
+
+
+def _key_routes(app: FastAPI, state: MasterState, lock: threading.Lock) -> None:
+    TenantQ = Query(None, max_length=64, description="tenant to look in (admin token only)")
 
     @app.get("/query_key")
     def query_key(request: Request, key: str = Query(..., max_length=4096),
@@ -84,6 +92,8 @@ def build(state: MasterState, lock: threading.Lock) -> FastAPI:
                     out.append(key)
             return out
 
+
+def _segment_routes(app: FastAPI, state: MasterState, lock: threading.Lock) -> None:
     @app.get("/get_all_segments")
     def all_segments(request: Request) -> list[str]:
         _infra(request)
@@ -103,5 +113,3 @@ def build(state: MasterState, lock: threading.Lock) -> FastAPI:
                     for n, s in state.segments.items()]
 
     app.add_api_route("/get_segments_detail", segments, methods=["GET"])
-    app.mount("/metrics", metrics.asgi_app())
-    return app
