@@ -35,13 +35,14 @@ def serve(
     from kvplane.store.client.client import StoreClient
     from kvplane.store.config import StoreConfig
     from kvplane.store.master.server import MasterServer
+    from kvplane.p2p.tracker_api import mount
     from kvplane.transfer.metadata_server import serve_in_thread
     from kvplane.cli.store import load_tenants
 
     tok = resolve_token(token, no_auth)
     adm = resolve_token(admin_token, no_auth, admin=True)
     tenant_tokens = load_tenants(tenants)
-    meta = serve_in_thread(host, metadata_port, tok)
+    meta = serve_in_thread(host, metadata_port, tok, plugins=[mount])  # also the P2P tracker
     url = f"http://{host}:{meta.port}/metadata"
     master = MasterServer(host=host, port=master_port, admin_port=admin_port, token=tok,
                           tenants=tenant_tokens, admin_token=adm)
@@ -50,6 +51,7 @@ def serve(
                                   local_buffer_size=0, token=tok,
                                   peer_tokens=tuple(tenant_tokens.values())))
     announce({"master": f"{host}:{master.port}", "metadata": url,
+              "p2p_tracker": f"http://{host}:{meta.port}",
               "admin": f"http://{host}:{master.http.port}" if master.http else None,
               "segment": seg.segment_name, "segment_size": parse_size(segment_size)}, ready_file)
     wait_for_signal()
