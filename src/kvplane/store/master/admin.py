@@ -76,7 +76,7 @@ def _key_routes(app: FastAPI, state: MasterState, lock: threading.Lock) -> None:
                 raise HTTPException(404, detail={"error_code": -704})
             data = [{"size_": obj.size, "buffer_address_": state.segments[s].info.base + o,
                      "protocol_": "tcp", "transport_endpoint_": state.segments[s].info.endpoint,
-                     "segment": s} for s, o in obj.replicas]
+                     "segment": s} for s, o, *_ in obj.replicas]
         return {"success": True, "data": data}
 
     @app.get("/get_all_keys")
