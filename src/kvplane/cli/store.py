@@ -83,10 +83,9 @@ def segment(
     ready_file: str = typer.Option(None, help="Write the segment name here as JSON once mounted."),
 ) -> None:
     """Contribute a shared-memory DRAM segment to the pool (Mooncake's mooncake_client role)."""
-    from kvplane.common import metrics
     from kvplane.common.auth import token_authenticator
     from kvplane.common.config import parse_size
-    from kvplane.common.http import ServerThread
+    from kvplane.common.http import ServerThread, metrics_app
     from kvplane.store.client.client import StoreClient
     from kvplane.store.config import StoreConfig
 
@@ -96,7 +95,7 @@ def segment(
                                 peer_tokens=tuple(load_tenants(tenants).values())))
     http = None
     if metrics_port >= 0:
-        http = ServerThread(metrics.asgi_app(), host, metrics_port,
+        http = ServerThread(metrics_app(), host, metrics_port,
                             authenticate=token_authenticator(tok), name="segment-metrics")
     announce({"segment": c.segment_name, "size": parse_size(size),
               "metrics_port": http.port if http else None}, ready_file)

@@ -27,6 +27,22 @@ KEEP_ALIVE = 15  # seconds an idle keep-alive connection is kept
 MAX_AUTHED = 1024  # connections uvicorn serves at once (all of them past authentication)
 
 
+def metrics_app() -> Any:
+    """A standalone metrics app: ``/health`` answers ok, every other path the exposition."""
+    from kvplane.common import metrics
+
+    exposition = metrics.asgi_app()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") == "/health":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"status": "ok"}'})
+            return
+        await exposition(scope, receive, send)
+    return app
+
+
 def guard_app(app: Any, authenticate: Authenticator | None) -> Any:
     """``app`` behind the token gate (when ``authenticate`` is given) and QuietDisconnect."""
     if authenticate is not None:
@@ -167,4 +183,4 @@ class ServerThread:
         self.close()
 
 
-__all__ = ["GuardedH11", "GuardedServer", "ServerThread", "guard_app"]
+__all__ = ["GuardedH11", "GuardedServer", "ServerThread", "guard_app", "metrics_app"]

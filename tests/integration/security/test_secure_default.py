@@ -126,6 +126,8 @@ def test_admin_routes_and_metrics_need_the_token(pool):
     metrics = f"http://127.0.0.1:{seg.info['metrics_port']}/metrics"
     assert httpx.get(metrics, timeout=5).status_code == 401
     assert "kvplane" in httpx.get(metrics, timeout=5, headers=headers()).text
+    health = httpx.get(f"http://127.0.0.1:{seg.info['metrics_port']}/health", timeout=5)
+    assert health.status_code == 200 and "kvplane" not in health.text  # open, and says nothing
 
 
 def _sub(ctx: zmq.Context, endpoint: str, token: str | None) -> zmq.Socket:
