@@ -311,9 +311,9 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def _socket(self, timeout: float, first: int) -> socket.socket:
+    def _socket(self, timeout: float, first: int, now: float) -> socket.socket:
         """The connection, (re)opened if needed; ``first`` is the size of the next frame."""
-        if self._sock is not None and time.monotonic() - self._used > _STALE_AFTER:
+        if self._sock is not None and now - self._used > _STALE_AFTER:
             self._drop_if_closed()
         if self._sock is None:
             try:
@@ -367,10 +367,11 @@ class RpcClient:
         t = self._timeout if timeout is None else timeout
         body = wire.encode(request)
         with self._lock:
+            now = time.monotonic()
             try:
-                sock = self._socket(t, len(body))
+                sock = self._socket(t, len(body), now)
                 rep = self._exchange(sock, t, method, msgspec.Raw(body))
-                self._used = time.monotonic()
+                self._used = now
             except TimeoutError as exc:
                 self._reset()
                 raise Timeout(f"rpc {method} to {self.endpoint} timed out after {t}s") from exc

@@ -110,7 +110,12 @@ class Access:
         if method in KEYED:
             def keyed(req: Any) -> Any:
                 tenant = current_principal().tenant
-                req.keys = [scoped(tenant, k) for k in req.keys]
+                if tenant == DEFAULT_TENANT:  # the common case: keys stay as they are
+                    for k in req.keys:
+                        if SEP in k:
+                            raise InvalidKey("keys must not contain NUL")
+                else:
+                    req.keys = [scoped(tenant, k) for k in req.keys]
                 return fn(req)
             return keyed
         if method == "mount":
