@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvplane.common import envs
 from kvplane.common.auth import client_token
 from kvplane.common.errors import InvalidArgument
 
@@ -18,30 +19,42 @@ class StoreConfig:
         master: master RPC address ``host:port``.
         metadata: transfer-engine metadata: ``P2PHANDSHAKE`` or a backend URL.
         local_hostname: address this client's engine binds and advertises.
+        port: port the engine binds (0: any free one); the segment is named ``host:port``.
         protocol: ``auto`` (shared memory on one host, else TCP) or ``tcp`` (TCP even on one host).
         global_segment_size: bytes this client contributes to the pool (0: pure client).
         local_buffer_size: registered staging for the bytes API (put/get of ``bytes``).
+        populate: fault the contributed segment's pages in at start (a put never pays the
+            first touch); False maps them on first use.
         token: token for the master and the data listeners (default: ``KVPLANE_TOKEN``, else
             the token file; see ``kvplane.common.auth``).
         peer_tokens: more tokens this client's data listener accepts (the tenant tokens, on a
             process that contributes a segment to a pool with tenants).
-        timeout: seconds for one master RPC or one transfer.
+        timeout: seconds for one whole call (master RPCs, every replica attempt, PutEnd): the
+            call's deadline. Keep it well below the master's lease (default 5 s against 10 s),
+            so a read that fails over still ends inside its lease.
         heartbeat_interval: seconds between pings (Mooncake 1 s).
-        lease_ttl: the master's read lease, seconds; a read slower than this fails (LEASE_EXPIRED).
+        lease_ttl: read lease assumed when the master does not say (masters say: the client
+            always uses the master's own TTL).
+        checksum: compute an xxh3-64 checksum of every put and check it on every get; a
+            mismatch fails over to another replica and is never returned as a success. Off by
+            default: it cost more than 10 % on 1 MiB gets (docs/benchmarks.md, "Checksums").
         client_id: unique id of this client (fresh by default).
     """
 
     master: str = "127.0.0.1:50051"
     metadata: str = "P2PHANDSHAKE"
     local_hostname: str = "127.0.0.1"
+    port: int = 0
     protocol: str = "auto"
     global_segment_size: int = 0
     local_buffer_size: int = 64 << 20
+    populate: bool = True
     token: str = field(default_factory=client_token)
     peer_tokens: tuple[str, ...] = ()
-    timeout: float = 10.0
+    timeout: float = 5.0
     heartbeat_interval: float = 1.0
     lease_ttl: float = 10.0
+    checksum: bool = False
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
@@ -52,5 +65,7 @@ class StoreConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreConfig":
-        """Defaults (the token from KVPLANE_TOKEN or the token file), then ``overrides``."""
-        return replace(cls(), **{k: v for k, v in overrides.items() if v is not None})
+        """Defaults (the token from KVPLANE_TOKEN or the token file), then
+        KVPLANE_STORE_CHECKSUM, then explicit ``overrides``."""
+        base = cls(checksum=envs.get("KVPLANE_STORE_CHECKSUM"))
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})

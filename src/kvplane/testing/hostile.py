@@ -32,8 +32,10 @@ def claim_frame(kind: str) -> bytes:
     """The first bytes of a frame that claims 16 MiB, for a listener of ``kind``."""
     if kind == "rpc":
         return struct.pack("<I", CLAIM) + b"\x00" * 1024
-    if kind == "data":  # a WRITE header (magic "KVPL", v1, op 4) with a 16 MiB payload
-        return struct.pack("<IBBHQQQ", 0x4C50564B, 1, 4, 0, 1, 0, CLAIM) + b"\x00" * 1024
+    if kind == "data":  # a WRITE header with a 16 MiB payload
+        from kvplane.transfer import protocol
+
+        return protocol.pack_req(protocol.OP_WRITE, 1, 0, CLAIM) + b"\x00" * 1024
     if kind == "http":
         return (b"PUT /metadata?key=x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n" % CLAIM) + b"x" * 1024
