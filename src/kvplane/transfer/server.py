@@ -124,10 +124,22 @@ class DataServer:
         finally:
             metrics.SERVER_CONNECTIONS.dec()
 
-                said_hello = self._handle(conn, op, rid, addr, length)
-                if not authed and (said_hello or not self._tokens):
-                    authed = True
-                    self._authenticated(conn)
+    def _expired(self, authed: bool, since: float) -> bool:
+        """A receive timed out: True closes an authenticated connection idle too long."""
+        if not authed:
+            raise _Reject("handshake_timeout", "no HELLO within the handshake timeout")
+        idle = self.limits.idle_timeout
+        if idle and time.perf_counter() - since > idle:
+            self._count_reject("idle")
+            return True
+        return False
+
+    def _authenticated(self, conn: socket.socket) -> None:
+        self._listener.authenticated(conn)
+        protocol.set_io_timeout(conn, min(PAYLOAD_TIMEOUT, self.limits.idle_timeout or PAYLOAD_TIMEOUT))
+
+    def _handle(self, conn: socket.socket, op: int, rid: int, addr: int, length: int,
+                gen: int = 0) -> bool:
         counter = self._frames.get(op)
         if counter is not None:
             counter.inc()
