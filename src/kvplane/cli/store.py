@@ -41,7 +41,7 @@ def master(
     admin_token: str = admin_token_option(),
     tenants: str = typer.Option(None, help="JSON file of tenant tokens ({\"tenants\": {NAME: "
                                 "TOKEN}}): each tenant sees only its own keys (default "
-                                "KVPLANE_TENANTS_FILE). The main token is the admin."),
+                                "KVPLANE_TENANTS_FILE). The service token is tenant default."),
     ready_file: str = typer.Option(None, help="Write the bound ports here as JSON once ready."),
 ) -> None:
     """Run the store master: metadata only (placement, leases, eviction, liveness).
@@ -115,7 +115,13 @@ def client_server(
                                     help="Master RPC address."),
     metadata: str = typer.Option("P2PHANDSHAKE", "--metadata", "--metadata-server",
                                  help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
-    token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    token: str = token_option(),
+    no_auth: bool = no_auth_option("the dummy-client RPC port (anyone on this host could put, "
+                                   "get and remove objects through it) and this process's data "
+                                   "port (its segment's memory)"),
+    tenants: str = typer.Option(None, help="The master's tenants file: tenants' clients may then "
+                                "reach this segment's data port (default KVPLANE_TENANTS_FILE). "
+                                "Dummies act with this process's token (tenant default)."),
     ready_file: str = typer.Option(None, help="Write the address and segment here as JSON once up."),
 ) -> None:
     """Serve dummy clients (Mooncake's `mooncake_client`): one real store client that holds a
@@ -126,10 +132,11 @@ def client_server(
     from kvplane.store.config import StoreConfig
     from kvplane.store.dummy.server import ClientServer
 
-    tok = token if token is not None else envs.get("KVPLANE_TOKEN")
+    tok = resolve_token(token, no_auth)
     client = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                                      global_segment_size=parse_size(segment_size),
-                                     local_buffer_size=parse_size(local_buffer_size), token=tok))
+                                     local_buffer_size=parse_size(local_buffer_size), token=tok,
+                                     peer_tokens=tuple(load_tenants(tenants).values())))
     try:
         srv = ClientServer(client, host, port, tok)
     except BaseException:

@@ -1,7 +1,8 @@
 """Hostile peers on every port: junk, oversized claims and idle sockets must not hurt real clients.
 
 Each port of a real deployment (master RPC, admin HTTP, metadata HTTP, KV-event PUB and replay,
-segment data and metrics ports, conductor HTTP, pd-proxy) gets, from a separate attacker
+segment data and metrics ports, conductor HTTP, pd-proxy, the dummy-client RPC port of
+``kvplane client-server``) gets, from a separate attacker
 process (``kvplane.testing.hostile``): 1000 connections with one garbage frame each, 200
 connections each claiming a 16 MiB frame (held open), and 2000 idle sockets (held open).
 Meanwhile a legitimate client keeps calling that port; its p99 must stay under 50 ms and the
@@ -31,11 +32,13 @@ import pytest
 import zmq
 
 from kvplane.common.auth import client_token
+from kvplane.common.rpc import RpcClient
 from kvplane.store import StoreClient
+from kvplane.store.dummy.types import KeysOp, PerKey
 from kvplane.testing.auth import headers
 from kvplane.testing.hostile import raise_nofile
 from kvplane.testing.procs import Proc
-from kvplane.testing.store_procs import CLI, spawn_master, spawn_segment
+from kvplane.testing.store_procs import CLI, spawn_client_server, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 P99_LIMIT = 0.050
@@ -161,6 +164,16 @@ def test_segment_data_port(pool):
     c, seg = pool["client"], pool["seg"]
     port = int(seg.info["segment"].rsplit(":", 1)[1])
     check(attack(port, "data", lambda: c.get("k") and None, seg.pid))
+
+
+def test_client_server_rpc(pool):
+    addr = pool["m"].info["master"]
+    with spawn_client_server(addr, "16MiB") as cs, \
+            RpcClient(cs.info["client_server"], token=client_token(), timeout=10) as rpc:
+        def call() -> None:  # a dummy's exists, answered through the real client's master link
+            assert rpc.call("exists", KeysOp("hostile-test", ["k"]), PerKey).codes == [1]
+        port = int(cs.info["client_server"].rsplit(":", 1)[1])
+        check(attack(port, "rpc", call, cs.pid))
 
 
 def test_segment_metrics_port(pool, http):

@@ -22,11 +22,12 @@ from kvplane.common.auth import ADMIN, Principal, TokenTable, client_token, serv
 from kvplane.common.errors import InvalidArgument, Unauthorized
 from kvplane.common.rpc import RpcClient
 from kvplane.store import StoreClient
+from kvplane.store.dummy.types import SessionReq
 from kvplane.store.types import PingRep, PingReq
 from kvplane.testing.auth import headers
 from kvplane.testing.procs import Proc
 from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import CLI, spawn_master, spawn_segment
+from kvplane.testing.store_procs import CLI, spawn_client_server, spawn_master, spawn_segment
 from kvplane.transfer import protocol
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -99,7 +100,8 @@ def test_no_auth_help_says_what_it_opens():
                        ("segment", ("data port", "/metrics")),
                        ("metadata", ("/metadata", "/metrics")),
                        ("conductor", ("/register", "/query")),
-                       ("pd-proxy", ("/v1/completions",))):
+                       ("pd-proxy", ("/v1/completions",)),
+                       ("client-server", ("dummy-client RPC port", "data port"))):
         out = subprocess.run([*CLI, cmd, "--help"], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "COLUMNS": "200"}).stdout
         flat = " ".join(out.split())
@@ -180,3 +182,15 @@ def test_pd_proxy_needs_the_token():
         r = httpx.post(url + "/v1/completions", json=body, headers=bearer, timeout=10)
         assert r.status_code == 502  # past the gate: the (absent) prefill instance is unreachable
         assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_client_server_needs_the_token(pool):
+    """The dummy-client RPC port (``kvplane client-server``) takes the local token by default."""
+    m, _ = pool
+    with spawn_client_server(m.info["master"], "16MiB") as cs:
+        addr = cs.info["client_server"]
+        for bad in ("", "wrong-token"):
+            with RpcClient(addr, token=bad, timeout=5) as c, pytest.raises(Unauthorized):
+                c.call("sessions", SessionReq("x"), int)
+        with RpcClient(addr, token=client_token(), timeout=5) as c:
+            assert c.call("sessions", SessionReq("x"), int) == 0

@@ -5,10 +5,15 @@ Every RPC runs as the :class:`~kvplane.common.auth.Principal` its connection aut
 
 * **Tenants.** Keys live in one namespace per tenant. The ``default`` tenant (service and admin
   tokens) keeps its keys as they are; tenant ``T``'s key ``k`` is stored as ``"\\0T\\0k"``, and
-  no key may contain NUL, so namespaces never meet. get/put/exist/size/remove see only the
-  caller's namespace; remove-by-regex and remove-all match the caller's own keys only, against
-  the key as the caller wrote it. Tenants are pure clients: only default-tenant principals
-  mount segments (a segment's process can read whatever is placed in it).
+  no key may contain NUL, so namespaces never meet. get/put/upsert/exist/size/remove, replica
+  descriptors and replica clear see only the caller's namespace; remove-by-regex and remove-all
+  match the caller's own keys only, against the key as the caller wrote it. A copy/move task
+  belongs to the tenant whose key it names: another tenant's ``task_start``/``task_done``/
+  ``task_query`` find no such task, and a task's runner (``assigned_client``, a client id) is
+  shown only to that client and the admin. Repair reports (internal keys the master hands to
+  segments) are for default-tenant callers only. ``whoami`` tells a caller its tenant. Tenants
+  are pure clients: only default-tenant principals mount segments (a segment's process can read
+  whatever is placed in it).
 * **Ownership.** A segment belongs to the client that mounted it (its ``client_id``, which the
   master never shows to other clients). Only that client or the admin token may unmount it.
   When the admin unmounts another client's last segment, that client is forgotten, so its next
@@ -24,18 +29,30 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvplane.common.auth import DEFAULT_TENANT, Principal
 from kvplane.common.errors import InvalidArgument, Unauthorized
 from kvplane.common.rpc import current_principal
 from kvplane.store.errors import InvalidKey
 from kvplane.store.master.state import MasterState
+from kvplane.store.replica_types import TaskId, TaskInfo
 from kvplane.store.types import MountReq
+
+if TYPE_CHECKING:
+    from kvplane.store.master.tasks import Tasks
 
 SEP = "\x00"
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-KEYED = ("put_start", "put_end", "put_revoke", "get_replicas", "exist", "get_size", "remove")
+# requests whose ``keys`` are the caller's own keys (scoped to its tenant)
+KEYED = frozenset({"put_start", "put_end", "put_revoke", "get_replicas", "exist", "get_size",
+                   "remove", "replica_descs", "replica_clear"})
+RETURNS_KEYS = frozenset({"replica_clear"})  # of KEYED, those answering with keys
+KEY = frozenset({"task_create"})  # one ``key``
+TASK = frozenset({"task_start", "task_done", "task_query"})  # a task id: the task's tenant only
+NO_TASK = TaskId(0, 0)  # never issued (task ids count from 1)
+# work the master hands to segment processes: internal keys, from default-tenant callers only
+SERVICE_ONLY = frozenset({"repair_done"})
 
 
 def read_tenants(path: str) -> dict[str, str]:
@@ -102,8 +119,9 @@ class Access:
         state: the master's state (the caller holds its lock around every wrapped call).
     """
 
-    def __init__(self, state: MasterState) -> None:
+    def __init__(self, state: MasterState, tasks: "Tasks | None" = None) -> None:
         self.state = state
+        self.tasks = tasks  # the master's copy/move task table (set once it exists)
 
     def guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` wrapped for ``method``: keys scoped, mounts and unmounts checked."""
@@ -114,10 +132,26 @@ class Access:
                     for k in req.keys:
                         if SEP in k:
                             raise InvalidKey("keys must not contain NUL")
-                else:
-                    req.keys = [scoped(tenant, k) for k in req.keys]
-                return fn(req)
+                    return fn(req)
+                req.keys = [scoped(tenant, k) for k in req.keys]
+                out = fn(req)
+                if method in RETURNS_KEYS:  # the caller's own spelling back
+                    out = [unscoped(k)[1] for k in out]
+                return out
             return keyed
+        if method in KEY:
+            def one_key(req: Any) -> Any:
+                req.key = scoped(current_principal().tenant, req.key)
+                return fn(req)
+            return one_key
+        if method in TASK:
+            return self._task_guard(method, fn)
+        if method in SERVICE_ONLY:
+            def service(req: Any) -> Any:
+                if current_principal().tenant != DEFAULT_TENANT:
+                    raise Unauthorized(f"{method} is for the pool's own segment processes")
+                return fn(req)
+            return service
         if method == "mount":
             def mount(req: MountReq) -> Any:
                 if req.segments and current_principal().tenant != DEFAULT_TENANT:
@@ -136,6 +170,23 @@ class Access:
                 return out
             return unmount
         return fn
+
+    def _task_guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Another tenant's task does not exist for the caller; its runner stays hidden."""
+        def task(req: Any) -> Any:
+            who = current_principal()
+            found = self.tasks.tasks.get((req.task.hi, req.task.lo)) if self.tasks else None
+            if found is not None and unscoped(found.key)[0] != who.tenant:
+                req.task = NO_TASK  # answered as TASK_NOT_FOUND, like an unknown id
+            out = fn(req)
+            if isinstance(out, TaskInfo) and not who.admin and out.assigned_client != req.client_id:
+                out.assigned_client = ""  # a client id is an owner's credential (unmount)
+            return out
+        return task
+
+    def whoami(self, _client_id: str) -> str:
+        """The caller's tenant (a client checks that its token selects the tenant it meant)."""
+        return current_principal().tenant
 
     def _check_unmount(self, req: MountReq, who: Principal) -> set[str]:
         """Raise unless ``who`` may unmount every named segment; owners other than the caller."""

@@ -89,10 +89,11 @@ class MasterServer:
             ("get_replicas", self._get_replicas, KeysReq), ("exist", self._exist, KeysReq),
             ("get_size", self._get_size, KeysReq), ("remove", self._remove, RemoveReq),
             ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
-            ("repair_done", self._repair_done, RepairDoneReq),
+            ("repair_done", self._repair_done, RepairDoneReq), ("whoami", self.access.whoami, str),
         ):
             self.add_handler(name, fn, typ)
         self.replicas = ReplicaRpc(self)
+        self.access.tasks = self.replicas.tasks
         self.replicas.install()
         self.rpc.start()
         self._stop = threading.Event()
