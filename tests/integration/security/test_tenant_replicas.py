@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import pytest
 
+from kvplane.common.errors import Unauthorized
 from kvplane.common.rpc import RpcClient
 from kvplane.compat.mooncake import MooncakeDistributedStore
 from kvplane.store import MasterServer, StoreClient
 from kvplane.store.errors import InvalidKey, ObjectNotFound
-from kvplane.store.master.tasks import TASK_NOT_FOUND
 from kvplane.store.client.replica_ops import ReplicaOps
+from kvplane.store.master.tasks import TASK_NOT_FOUND
 from kvplane.store.replica_types import (
     DescRep, ReplicaClearReq, TaskCreateRep, TaskCreateReq, TaskDoneReq, TaskInfo, TaskReq, TaskWork,
 )
-from kvplane.store.types import KeysReq
+from kvplane.store.types import KeysReq, MountReq, PingRep, PingReq
 from kvplane.testing.services import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -131,6 +132,19 @@ def test_a_tenants_copy_task_runs_end_to_end(pool):
     assert {r[0] for r in _internal_replicas(pool, "\x00a\x00c")} == holder | {target}
     assert len(_internal_replicas(pool, "\x00b\x00c")) == 1
     assert a.get("c") == b"copy me" * 100 and b.get("c") == b"not this"
+
+
+def test_a_tenant_cannot_act_as_a_segment_holder(pool):
+    """A tenant that learned a segment owner's client id can neither heartbeat as it (that
+    would acknowledge the segment's fences and take its repair work) nor mount as it."""
+    _, _, (s1, _), a, _, d = pool
+    owner = s1.config.client_id
+    with pytest.raises(Unauthorized):
+        a.rpc.call("ping", PingReq(owner), PingRep)
+    with pytest.raises(Unauthorized):
+        a.rpc.call("mount", MountReq(owner, []), int)
+    assert a.rpc.call("ping", PingReq(a.config.client_id), PingRep).status == "ok"
+    assert d.rpc.call("ping", PingReq(d.config.client_id), PingRep).status == "ok"
 
 
 def _internal_replicas(pool, internal: str) -> list:

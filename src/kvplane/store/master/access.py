@@ -11,7 +11,8 @@ Every RPC runs as the :class:`~kvplane.common.auth.Principal` its connection aut
   belongs to the tenant whose key it names: another tenant's ``task_start``/``task_done``/
   ``task_query`` find no such task, and a task's runner (``assigned_client``, a client id) is
   shown only to that client and the admin. Repair reports (internal keys the master hands to
-  segments) are for default-tenant callers only. ``whoami`` tells a caller its tenant. Tenants
+  segments) are for default-tenant callers only, and a tenant can neither mount nor heartbeat
+  as a client that holds segments. ``whoami`` tells a caller its tenant. Tenants
   are pure clients: only default-tenant principals mount segments (a segment's process can read
   whatever is placed in it).
 * **Ownership.** A segment belongs to the client that mounted it (its ``client_id``, which the
@@ -152,13 +153,12 @@ class Access:
                     raise Unauthorized(f"{method} is for the pool's own segment processes")
                 return fn(req)
             return service
-        if method == "mount":
-            def mount(req: MountReq) -> Any:
-                if req.segments and current_principal().tenant != DEFAULT_TENANT:
-                    raise Unauthorized("tenants cannot mount segments: mount them with the "
-                                       "service token")
+        if method in ("mount", "ping"):
+            def as_client(req: Any) -> Any:
+                if current_principal().tenant != DEFAULT_TENANT:
+                    self._check_tenant_client(req)
                 return fn(req)
-            return mount
+            return as_client
         if method == "unmount":
             def unmount(req: MountReq) -> Any:
                 orphans = self._check_unmount(req, current_principal())
@@ -187,6 +187,15 @@ class Access:
     def whoami(self, _client_id: str) -> str:
         """The caller's tenant (a client checks that its token selects the tenant it meant)."""
         return current_principal().tenant
+
+    def _check_tenant_client(self, req: Any) -> None:
+        """A tenant mounts no segment, and never heartbeats as a client that holds one (that
+        would acknowledge its fences or take its repair work)."""
+        if getattr(req, "segments", None):
+            raise Unauthorized("tenants cannot mount segments: mount them with the service token")
+        client = self.state.clients.get(req.client_id)
+        if client is not None and client.segments:
+            raise Unauthorized("that client id holds segments; a tenant cannot act as it")
 
     def _check_unmount(self, req: MountReq, who: Principal) -> set[str]:
         """Raise unless ``who`` may unmount every named segment; owners other than the caller."""
