@@ -17,6 +17,7 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import ReplicateConfig
+from kvplane.testing.auth import headers
 from kvplane.testing.services import wait_until
 from kvplane.testing.store_client_proc import value_of
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
@@ -42,7 +43,7 @@ def answer(proc, timeout=60):
 
 
 def metric(admin_port, name):
-    for line in httpx.get(f"http://127.0.0.1:{admin_port}/metrics/").text.splitlines():
+    for line in httpx.get(f"http://127.0.0.1:{admin_port}/metrics/", headers=headers()).text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.split()[-1])
     return None
@@ -60,7 +61,8 @@ def polled(read, good, timeout):
 
 
 def replicas_of(admin_port, key):
-    got = httpx.get(f"http://127.0.0.1:{admin_port}/query_key", params={"key": key})
+    got = httpx.get(f"http://127.0.0.1:{admin_port}/query_key", params={"key": key},
+                    headers=headers())
     return [r["segment"] for r in got.json()["data"]] if got.status_code == 200 else []
 
 
