@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
 
 from kvplane.common import envs
 from kvplane.common.config import parse_size
 from kvplane.common.errors import KVPlaneError
+
+if TYPE_CHECKING:
+    from kvplane.conductor.gateway.config import GatewayConfig
 
 HELP = """Run a cache-aware OpenAI gateway in front of vLLM instances.
 
@@ -71,7 +75,6 @@ def run(
 ) -> None:
     """Run the router (see `kvplane router --help`)."""
     from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
-    from kvplane.conductor.gateway.server import GatewayServer, sim_config
     from kvplane.conductor.hashing import HashProfile
 
     try:
@@ -89,11 +92,25 @@ def run(
             read_timeout_s=read_timeout, request_timeout_s=request_timeout,
             health_interval_s=health_interval, health_timeout_s=health_timeout,
             eject_after=eject_after, max_request_bytes=parse_size(max_request_bytes))
+    except KVPlaneError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    serve(cfg)
+
+
+def serve(cfg: GatewayConfig) -> None:
+    """Run a router for ``cfg`` until SIGINT/SIGTERM; print the ready line once listening.
+
+    Raises:
+        typer.BadParameter: an unknown policy or setting, or the port cannot be bound.
+    """
+    from kvplane.conductor.gateway.server import GatewayServer, sim_config
+
+    try:
         sim_config(cfg)  # an unknown policy or setting fails here, before anything binds
         server = GatewayServer(cfg)
     except KVPlaneError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    ready = {"router": server.url, "zmq": server.zmq_endpoints, "policy": policy,
+    ready = {"router": server.url, "zmq": server.zmq_endpoints, "policy": cfg.policy,
              "mode": cfg.mode}
     if cfg.pd:
         ready["proxy"] = server.url  # the ready line `kvplane pd-proxy` always printed
