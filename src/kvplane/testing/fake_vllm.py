@@ -10,15 +10,17 @@ vLLM's wire format, so a router's index learns what each fake holds.
 Faults are attributes set by the test at any time: ``fail_status`` (answer completions with it),
 ``die_after`` (drop the connection after that many streamed events; 0 = before the first),
 ``stall`` (completions wait on :attr:`release`), ``health_status`` / ``health_stall``.
+``router_over_fakes`` starts an in-process router in front of a few of them.
 Test kit, not product.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -192,3 +194,44 @@ class FakeVLLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def words(*ids: int) -> str:
+    """A prompt the fakes' tokenizer maps to ``ids``."""
+    return " ".join(f"t{i}" for i in ids)
+
+
+@contextlib.contextmanager
+def router_over_fakes(n: int = 3, roles: tuple[str, ...] = (), block_size: int = 4,
+                      **config: Any) -> Iterator[tuple[Any, list[FakeVLLM]]]:
+    """``n`` fakes publishing KV events to a started in-process ``GatewayServer``.
+
+    Args:
+        n: number of fakes.
+        roles: ``prefill``/``decode`` per fake (PD mode); empty = colocated.
+        block_size: the fakes' KV block size.
+        config: further :class:`GatewayConfig` fields (policy, reject, token, ...).
+
+    Yields:
+        (the started server, the fakes in backend order).
+    """
+    from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
+    from kvplane.conductor.gateway.server import GatewayServer
+
+    fakes = [FakeVLLM(block_size=block_size) for _ in range(n)]
+    roles = roles or ("both",) * n
+    server = None
+    try:
+        specs = tuple(BackendSpec(f.url, role) for f, role in zip(fakes, roles))  # type: ignore[arg-type]
+        cfg = GatewayConfig(port=0, backends=specs, bind=("tcp://127.0.0.1:0",),
+                            mode="pd" if "prefill" in roles else "colocated", **config)
+        server = GatewayServer(cfg).start()
+        (endpoint,) = server.zmq_endpoints
+        for f, spec in zip(fakes, specs):
+            f.attach(endpoint, spec.topic)
+        yield server, fakes
+    finally:
+        if server is not None:
+            server.close()
+        for f in fakes:
+            f.close()

@@ -9,7 +9,9 @@ import pytest
 from kvplane.conductor.gateway import instruments
 from kvplane.testing.fake_vllm import FakeVLLM
 
-from conftest import BS, cluster, words
+from kvplane.testing.fake_vllm import router_over_fakes as cluster, words
+
+BS = 4  # the fakes' block size: 4n words are n blocks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 PREFIX = list(range(20, 52))  # 8 blocks of 4

@@ -306,7 +306,7 @@ class Gateway:
                     raise Retryable(b, "status", f"HTTP {resp.status_code}: {content[:200]!r}")
                 raise Final(Response(content, resp.status_code,
                                      media_type=resp.headers.get("content-type")))
-            events = sse_events(resp.aiter_raw())
+            events = sse_events(resp.aiter_bytes())
             while True:
                 first = await race(events.__anext__(), gone)
                 if is_data(first):

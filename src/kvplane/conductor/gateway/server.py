@@ -32,7 +32,7 @@ from kvplane.conductor.gateway.pool import BackendPool, GatewayPrefixes
 from kvplane.conductor.gateway.proxy import Gateway
 from kvplane.conductor.ingest import EventIngestor
 from kvplane.conductor.scheduling.config import SimConfig
-from kvplane.conductor.scheduling.policy import SchedulingPolicy, create_policy
+from kvplane.conductor.scheduling.policy import POLICIES, SchedulingPolicy, create_policy
 from kvplane.conductor.scheduling.report import parse_spec
 from kvplane.conductor.scheduling.router import Router
 from kvplane.conductor.scheduling.timemodel import TimeModel
@@ -52,6 +52,7 @@ def sim_config(config: GatewayConfig) -> tuple[str, SimConfig]:
         InvalidArgument: an unknown policy, knob or setting.
     """
     name, knobs = parse_spec(config.policy)
+    POLICIES.load(name)
     cfg = SimConfig().with_overrides({**knobs, **dict(config.settings)})
     policy = cfg.policy
     if not config.reject:
