@@ -158,3 +158,27 @@ def test_pd_prefills_then_decodes_with_the_returned_params(http):
         assert sorted([len(p1.requests), len(p2.requests)]) == [0, 4]
         stream = http.post(server.url + "/v1/completions", json={"prompt": words(1, 2), "stream": True})
         assert stream.text.endswith("data: [DONE]\n\n")
+
+
+def test_backends_discovered_through_the_metadata_service(http):
+    from kvplane.conductor.gateway.config import GatewayConfig
+    from kvplane.conductor.gateway.server import GatewayServer
+    from kvplane.testing.services import wait_until
+    from kvplane.transfer.metadata import MemoryMetadata
+
+    meta = MemoryMetadata("router-discovery-test")
+    with FakeVLLM() as a, FakeVLLM() as b:
+        meta.put("kvplane/router/backends", json.dumps([{"url": a.url}]).encode())
+        cfg = GatewayConfig(port=0, discover="memory://router-discovery-test",
+                            discover_interval_s=0.1, policy="round-robin")
+        with GatewayServer(cfg) as server:
+            assert [x.id for x in server.pool.healthy()] == [a.id]  # read before it served
+            meta.put("kvplane/router/backends", json.dumps([{"url": a.url}, {"url": b.url}]).encode())
+            wait_until(lambda: len(server.pool.healthy()) == 2, 5, "second backend")
+            assert {complete(http, server.url, words(i))[0] for i in range(4)} == {a.id, b.id}
+            meta.put("kvplane/router/backends", json.dumps([{"url": b.url}]).encode())
+            wait_until(lambda: not server.pool.get(a.id).up, 5, "unlisted backend ejected")
+            assert {complete(http, server.url, words(i))[0] for i in range(3)} == {b.id}
+            meta.put("kvplane/router/backends", b"not json")
+            wait_until(lambda: server.pool.discovery_errors > 0, 5, "bad list counted")
+            assert server.pool.get(b.id).up  # a bad list changes nothing
