@@ -170,9 +170,13 @@ class GatewayServer:
     def start(self, timeout: float = 30.0) -> GatewayServer:
         """Start ingest and serve HTTP from a daemon thread; return once it accepts requests.
 
+        Idempotent: a started server is returned as it is (so ``with server.start():`` works).
+
         Raises:
             Timeout: the HTTP server is not up within ``timeout`` seconds.
         """
+        if self._thread is not None:
+            return self
         self.ingestor.start(timeout)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()),
                                         name="kvplane-router-http", daemon=True)
