@@ -7,7 +7,10 @@ prefix cache. The kill -9 test runs last: it kills one instance for good.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
+import sys
 import threading
 import time
 
@@ -137,6 +140,28 @@ def test_streaming_through_the_router_equals_direct_output(servers):
             direct, direct_text, _ = stream_tokens(f"http://{backend}", path, b)  # cached there too
             assert len(via) == b["max_tokens"]
             assert via == direct and via_text == direct_text
+
+
+def test_bench_router_smoke(servers, capsys):
+    """benchmarks/router.py, tiny: 3 policies side by side on these servers, the simulator beside."""
+    bench = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "router.py"
+    spec = importlib.util.spec_from_file_location("bench_router", bench)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_router"] = mod
+    spec.loader.exec_module(mod)
+    argv = ["--requests", "6", "--max-blocks", "6", "--fit-lengths", "32,96", "--fit-reps", "1",
+            "--load", "0.5"]
+    for b in specs(servers):
+        argv += ["--backend", f"{b.url},events={b.events},replay={b.replay}"]
+    rc = mod.main(argv)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = json.loads(out.strip().splitlines()[-1])
+    assert [r["policy"] for r in rows] == ["mooncake", "least-loaded", "round-robin"]
+    for r in rows:
+        assert r["errors"] == 0 and r["ttft_mean_s"] > 0 and r["ttft_p90_s"] >= r["ttft_mean_s"] * 0.5
+        assert 0 <= r["hit_ratio"] <= 1 and r["sim"]["ttft_mean_s"] > 0
+    assert "fit: c0=" in out and "simulated / measured TTFT mean" in out
 
 
 def test_kill9_under_load_retries_ejects_and_recovers(servers):

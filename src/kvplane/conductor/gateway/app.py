@@ -48,7 +48,7 @@ async def _body(request: Request, limit: int) -> dict[str, Any] | JSONResponse:
 
 def create_app(gateway: Gateway) -> FastAPI:
     """Build the router's app around ``gateway`` (token and limits from its config)."""
-    cfg, pool = gateway.config, gateway.pool
+    cfg = gateway.config
     app = FastAPI(title="kvplane router", version="1",
                   description="Cache-aware OpenAI gateway in front of vLLM instances.")
 
@@ -62,6 +62,13 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise HTTPException(401, "missing or wrong token")
 
     guarded = [Depends(auth)]
+    _openai_routes(app, gateway, guarded)
+    _ops_routes(app, gateway, guarded)
+    return app
+
+
+def _openai_routes(app: FastAPI, gateway: Gateway, guarded: list[Any]) -> None:
+    cfg, pool = gateway.config, gateway.pool
 
     async def proxied(request: Request, path: str) -> Response:
         body = await _body(request, cfg.max_request_bytes)
@@ -101,6 +108,10 @@ def create_app(gateway: Gateway) -> FastAPI:
             return JSONResponse(error_body(f"backend {b.id}: {exc}", 502, "upstream_error"), 502)
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
+
+def _ops_routes(app: FastAPI, gateway: Gateway, guarded: list[Any]) -> None:
+    cfg, pool = gateway.config, gateway.pool
+
     @app.get("/backends", dependencies=guarded)
     def backends() -> list[dict[str, Any]]:
         """Every backend: health, the router's and the engine's load, cache counters."""
@@ -132,5 +143,3 @@ def create_app(gateway: Gateway) -> FastAPI:
             instruments.BACKEND_QUEUE.labels(b.id, "in_flight").set(b.in_flight)
         body, ctype = common_metrics.render()
         return Response(body, media_type=ctype)
-
-    return app
