@@ -112,8 +112,9 @@ def _openai_routes(app: FastAPI, gateway: Gateway, guarded: list[Any]) -> None:
 def _ops_routes(app: FastAPI, gateway: Gateway, guarded: list[Any]) -> None:
     cfg, pool = gateway.config, gateway.pool
 
+    # async handlers: they read the pool, which only the event loop changes
     @app.get("/backends", dependencies=guarded)
-    def backends() -> list[dict[str, Any]]:
+    async def backends() -> list[dict[str, Any]]:
         """Every backend: health, the router's and the engine's load, cache counters."""
         prefill, _ = gateway.router.loads()
         queue = {p.instance: (p.queue_s, p.queued) for p in prefill}
@@ -121,7 +122,7 @@ def _ops_routes(app: FastAPI, gateway: Gateway, guarded: list[Any]) -> None:
                  "queued_prefill": queue.get(b.id, (0.0, 0))[1]} for b in pool.backends.values()]
 
     @app.get("/health")
-    def health() -> Response:
+    async def health() -> Response:
         """``ok`` while the backends needed for a request are up (503 ``unavailable`` else)."""
         roles = ("prefill", "decode") if cfg.pd else (None,)
         serving = all(pool.healthy(r) for r in roles)
@@ -133,7 +134,7 @@ def _ops_routes(app: FastAPI, gateway: Gateway, guarded: list[Any]) -> None:
                             200 if serving else 503)
 
     @app.get("/metrics", dependencies=guarded)
-    def metrics() -> Response:
+    async def metrics() -> Response:
         """Prometheus exposition: routed, rejected, hit blocks, per-backend queue, ..."""
         prefill, _ = gateway.router.loads()
         for p in prefill:

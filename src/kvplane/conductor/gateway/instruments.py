@@ -38,5 +38,6 @@ TOKENIZE_SECONDS = Histogram("kvplane_router_tokenize_seconds", "Prompt tokeniza
 TOKENIZE_ERRORS = Counter("kvplane_router_tokenize_errors_total",
                           "Tokenizations that failed (the request was routed cache-blind)")
 ROUTE_SECONDS = Histogram("kvplane_router_route_seconds",
-                          "Routing decision latency (hashing, index match, policy)",
+                          "From a request's arrival to its routing decision (tokenize, hash, "
+                          "index match, policy)",
                           buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1))

@@ -188,7 +188,9 @@ class Gateway:
     def _count(self, d: Decision, req: Request, start: float) -> None:
         instruments.ROUTE_SECONDS.observe(time.perf_counter() - start)
         instruments.PROMPT_BLOCKS.inc(len(req.hash_ids))
-        if d.prefill is not None and req.hash_ids:
+        if d.prefix_blocks:  # the policy looked (mooncake): no second walk of the index
+            instruments.HIT_BLOCKS.inc(d.prefix_blocks)
+        elif d.prefill is not None and req.hash_ids:
             m = self.router.prefixes.match(req.hash_ids).get(d.prefill)
             if m is not None:
                 instruments.HIT_BLOCKS.inc(m.longest)
