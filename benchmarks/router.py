@@ -10,10 +10,11 @@ shrunk to fit CPU prefill times); block hash ``h`` always gives the same block. 
 trace's order and gaps, compressed so that the offered prefill load without any cache is
 ``--load`` of the instances' capacity under the fitted time model.
 
-Time model: before the runs, prompts of several lengths are prefilled on all instances at once
-(the busy-cluster speed, 3 instances sharing the host's cores) and ``T(n) = c0 + k1 n + k2 n^2``
-is fitted by least squares to the median TTFTs (streamed, ``max_tokens=1``); a mostly cached
-prompt then checks the ``T(n, p)`` form. The routers get the fit (``--set
+Time model: before the runs, prompts of several lengths are prefilled on one instance while the
+others idle (``--fit-concurrent``: on all at once) and ``T(n) = c0 + k1 n + k2 n^2`` is fitted by
+least squares to the median TTFTs (streamed, ``max_tokens=1``); a mostly cached prompt then
+checks the ``T(n, p)`` form. The simulator's instances do not share CPUs; these do (3 instances,
+2 cores, other jobs), which the fit on an idle neighbourhood does not see. The routers get the fit (``--set
 model.prefill_fit=c0,k1,k2``), and the simulator runs the same policy objects (built as the router
 builds them: no rejection, no pulls) on 3 prefill instances whose GPU cache is the engines' KV
 capacity in blocks, no DRAM tier, decode on separate instances (so it predicts TTFT only).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import random
 import statistics
@@ -171,13 +173,19 @@ async def ttft(client: httpx.AsyncClient, url: str, text: str, max_tokens: int) 
 
 
 # the fit ------------------------------------------------------------------------------------------
-def fit(urls: list[str], lengths: list[int], reps: int) -> tuple[tuple[float, float, float], list[str]]:
-    """Fit T(n) = c0 + k1 n + k2 n^2 on all instances prefilling at once; check a cached prompt."""
+def fit(urls: list[str], lengths: list[int], reps: int,
+        concurrent: bool) -> tuple[tuple[float, float, float], list[str]]:
+    """Fit T(n) = c0 + k1 n + k2 n^2 to median uncached TTFTs; check a mostly cached prompt.
+
+    By default one instance prefills while the others idle; with ``concurrent`` every instance
+    prefills at once (the speed of a busy cluster whose instances share the host's cores).
+    """
+    targets = urls if concurrent else urls[:1]
 
     async def round_(n: int, seed: int) -> list[float]:
         async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
-            texts = [" ".join(block_words(10**9 + seed * 100 + i, n)) for i in range(len(urls))]
-            got = await asyncio.gather(*(ttft(client, u, t, 1) for u, t in zip(urls, texts)))
+            texts = [" ".join(block_words(10**9 + seed * 100 + i, n)) for i in range(len(targets))]
+            got = await asyncio.gather(*(ttft(client, u, t, 1) for u, t in zip(targets, texts)))
             return [g[0] for g in got]
 
     rows, xs, ys = [], [], []
@@ -214,7 +222,7 @@ def cached_check(url: str, n: int, coef: tuple[float, float, float]) -> str:
     p = n - 32
     want = c0 + k1 * (n - p) + k2 * (n * n - p * p)
     return (f"  check: n={n} with {p} cached: measured {got * 1e3:.1f} ms, T(n, p) predicts "
-            f"{want * 1e3:.1f} ms (single instance, others idle)")
+            f"{want * 1e3:.1f} ms (one instance, the others idle)")
 
 
 # one policy ---------------------------------------------------------------------------------------
@@ -298,7 +306,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", default="mooncake,least-loaded,round-robin")
     p.add_argument("--instances", type=int, default=3)
     p.add_argument("--fit-lengths", default="", help="comma separated (default: 1,4,8,.. blocks)")
-    p.add_argument("--fit-reps", type=int, default=2)
+    p.add_argument("--fit-reps", type=int, default=3)
+    p.add_argument("--fit-concurrent", action="store_true",
+                   help="fit with every instance prefilling at once (default: one at a time)")
     p.add_argument("--model-dir", default=None, help="model to serve (default: a random-weight "
                    f"Llama {MODEL_SPEC} written by the vLLM venv)")
     p.add_argument("--backend", action="append", default=[],
@@ -336,20 +346,22 @@ def report(args: argparse.Namespace, items: list[Item], specs: list[str]) -> int
     lengths = ([int(x) for x in args.fit_lengths.split(",")] if args.fit_lengths
                else sorted({bt, 4 * bt, 8 * bt, 16 * bt, args.max_blocks * bt}))
     reset(urls)
-    coef, fit_rows = fit(urls, lengths, args.fit_reps)
+    coef, fit_rows = fit(urls, lengths, args.fit_reps, args.fit_concurrent)
     reset(urls)
     c0, k1, k2 = coef
     mean_work = statistics.mean(c0 + k1 * it.tokens + k2 * it.tokens ** 2 for it in items)
     span = max(items[-1].arrival_s, 1e-9)
     speed = span * len(urls) * args.load / (len(items) * mean_work)
     kv = kv_capacity_tokens(urls[0])
+    print("load average (1 min) at the start: %.1f on %d CPUs" % (os.getloadavg()[0], os.cpu_count() or 0))
     print(f"workload: {len(items)} requests of multi-turn chains from {pathlib.Path(args.trace).name}, "
           f"{bt} tokens per trace block, prompts {min(i.tokens for i in items)}-"
           f"{max(i.tokens for i in items)} tokens (mean {statistics.mean(i.tokens for i in items):.0f}), "
           f"ideal hit ratio {ideal_hit_ratio(items):.1%}")
     print(f"arrivals: trace span {span:.0f} s compressed x{speed:.1f} to {span / speed:.1f} s "
           f"(offered uncached load {args.load:.2f} of {len(urls)} instances); max_tokens {args.max_tokens}")
-    print("time model (all instances prefilling at once):")
+    print("time model (%s):" % ("all instances prefilling at once" if args.fit_concurrent
+                                 else "one instance prefilling, the others idle"))
     print("\n".join(fit_rows))
     rows = []
     for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
@@ -357,6 +369,7 @@ def report(args: argparse.Namespace, items: list[Item], specs: list[str]) -> int
         sim = simulate(policy, items, speed, coef, len(urls), bt, kv, args.max_tokens)
         rows.append({**real, "sim": sim})
     table(rows)
+    print("load average (1 min) at the end: %.1f on %d CPUs" % (os.getloadavg()[0], os.cpu_count() or 0))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     print(json.dumps(rows))
