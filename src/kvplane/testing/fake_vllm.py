@@ -9,7 +9,9 @@ vLLM's wire format, so a router's index learns what each fake holds.
 
 Faults are attributes set by the test at any time: ``fail_status`` (answer completions with it),
 ``die_after`` (drop the connection after that many streamed events; 0 = before the first),
-``stall`` (completions wait on :attr:`release`), ``health_status`` / ``health_stall``.
+``stall`` (completions wait on :attr:`release`), ``stall_after`` (a stream stops after that many
+events until :attr:`release`), ``token_delay`` (seconds between streamed events),
+``health_status`` / ``health_stall``.
 ``router_over_fakes`` starts an in-process router in front of a few of them.
 Test kit, not product.
 """
@@ -51,6 +53,7 @@ class FakeVLLM:
         self.running = self.waiting = 0
         self.fail_status: int | None = None
         self.die_after: int | None = None
+        self.stall_after: int | None = None
         self.stall = False
         self.release = threading.Event()
         self.health_status = 200
@@ -175,6 +178,8 @@ class FakeVLLM:
         for i, t in enumerate(out):
             if self.die_after is not None and i >= self.die_after:
                 raise ConnectionAbortedError("scripted death mid-stream")
+            while self.stall_after is not None and i >= self.stall_after and not self.release.is_set():
+                await asyncio.sleep(0.02)
             piece = {"delta": {"content": f" t{t}"}} if chat else {"text": f" t{t}"}
             yield b"data: " + json.dumps({"choices": [{"index": 0, **piece}]}).encode() + b"\n\n"
             if self.token_delay:

@@ -136,3 +136,33 @@ def test_no_backend_at_all_is_503_not_a_hang(http):
         assert r.status_code in (502, 503)
         wait_until(lambda: http.get(server.url + "/health").status_code == 503, 5, "unhealthy")
         assert http.post(server.url + "/v1/completions", json={"prompt": words(1)}).status_code == 503
+
+
+def test_ejection_spares_a_stream_that_keeps_producing_and_ends_one_that_stalls(http):
+    with cluster(1) as (server, (fake,)):
+        b = server.pool.get(fake.id)
+        fake.token_delay = 0.1  # 30 tokens over ~3 s: the ejection happens mid-stream
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", stream(http, server.url, words(1), 30)))
+        t.start()
+        wait_until(lambda: len(fake.requests) == 1, 5, "stream started")
+        fake.health_stall = True
+        wait_until(lambda: not b.up, 5, "ejection")
+        t.join(20)
+        r = out["r"]
+        assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+        assert r.text.count('"text"') == 30  # a slow /health is not a dead stream
+        fake.health_stall = False
+        wait_until(lambda: b.up, 5, "re-admission")
+        fake.token_delay, fake.stall_after = 0.0, 2
+        out.clear()
+        t = threading.Thread(target=lambda: out.setdefault("r", stream(http, server.url, words(2), 6)))
+        t.start()
+        wait_until(lambda: len(fake.requests) == 2, 5, "second stream started")
+        start = time.monotonic()
+        fake.health_stall = True  # stalled stream + silent /health: ejected, stream ended
+        t.join(20)
+        assert time.monotonic() - start < 5
+        events = [e for e in out["r"].text.split("\n\n") if e]
+        assert events[:2] == [e for e in events[:2] if '"text"' in e] and len(events) == 4
+        assert '"error"' in events[2] and events[3] == "data: [DONE]"

@@ -113,3 +113,11 @@ async def test_race_returns_the_result_or_raises_when_the_backend_goes():
     assert slow.cancelled()
     with pytest.raises(BackendGone):  # already gone: never waits
         await race(asyncio.sleep(30), gone)
+
+
+async def test_race_grace_lets_a_live_read_finish_after_the_backend_is_gone():
+    gone = asyncio.Event()
+    gone.set()
+    assert await race(asyncio.sleep(0.01, result="token"), gone, grace=2.0) == "token"
+    with pytest.raises(BackendGone):
+        await race(asyncio.sleep(30), gone, grace=0.05)

@@ -21,8 +21,9 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,6 +36,9 @@ from kvplane.conductor.indexer import Match
 from kvplane.conductor.scheduling.prefix import ConductorPrefixes
 from kvplane.conductor.scheduling.router import Router
 from kvplane.conductor.service import Conductor, Registration
+
+if TYPE_CHECKING:
+    from kvplane.transfer.metadata import MetadataBackend
 
 log = logging.getLogger(__name__)
 CONTEXT_MODEL = "default"  # the private index's model name when --model is not given
@@ -267,7 +271,7 @@ class BackendPool:
             log.warning("cannot index KV events of %s: %s", b.id, exc)
 
     # discovery ------------------------------------------------------------------------------------
-    async def discover(self, meta: object) -> int:
+    async def discover(self, meta: MetadataBackend) -> int:
         """Read the backend list from the metadata service; add the new ones.
 
         Backends that leave the list are ejected (not forgotten: their index entries stay until
@@ -275,7 +279,7 @@ class BackendPool:
         """
         try:
             raw = await asyncio.wait_for(asyncio.to_thread(
-                meta.get, self.config.discover_key, self.config.connect_timeout_s),  # type: ignore[attr-defined]
+                meta.get, self.config.discover_key, self.config.connect_timeout_s),
                 self.config.connect_timeout_s * 2)
             records = json.loads(raw) if raw else []
             specs = [BackendSpec.from_dict(r) for r in records]
@@ -298,12 +302,12 @@ class BackendPool:
         return len(specs)
 
     # loops ----------------------------------------------------------------------------------------
-    async def run(self, every: float, step: object, what: str) -> None:
+    async def run(self, every: float, step: Callable[[], Awaitable[object]], what: str) -> None:
         """Call ``await step()`` every ``every`` seconds (start to start) until cancelled."""
         while True:
             start = time.monotonic()
             try:
-                await step()  # type: ignore[operator]
+                await step()
             except Exception:  # a bug in one round must not stop health checking; logged, counted
                 instruments.UPSTREAM_ERRORS.labels("-", f"{what}_loop").inc()
                 log.exception("router %s round failed", what)

@@ -330,13 +330,17 @@ class Gateway:
 
     async def _rest(self, b: Backend, resp: httpx.Response, events: AsyncIterator[bytes],
                     first: bytes, rid: int) -> AsyncIterator[bytes]:
-        """Relay the stream after its first event; a failure becomes an SSE error event."""
+        """Relay the stream after its first event; a failure becomes an SSE error event.
+
+        Ejection ends the stream only if it also stalls: each read after it gets
+        ``health_timeout_s`` to arrive (a slow ``/health`` is not a dead stream).
+        """
         gone = b.gone
         try:
             yield first
             while True:
-                try:
-                    event = await race(events.__anext__(), gone)
+                try:  # after an ejection the stream goes on while tokens keep coming
+                    event = await race(events.__anext__(), gone, self.config.health_timeout_s)
                 except StopAsyncIteration:
                     return
                 yield event

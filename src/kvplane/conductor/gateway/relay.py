@@ -18,25 +18,30 @@ class BackendGone(Exception):
     """The backend was ejected while this call waited on it."""
 
 
-async def race(aw: Awaitable[T], gone: asyncio.Event) -> T:
-    """Await ``aw`` unless ``gone`` fires first (then ``aw`` is cancelled).
+async def race(aw: Awaitable[T], gone: asyncio.Event, grace: float = 0.0) -> T:
+    """Await ``aw`` unless ``gone`` fires first; then give ``aw`` ``grace`` more seconds.
+
+    A backend ejected by its health checks may still be streaming (its ``/health`` was slow, not
+    dead): a read that completes within the grace is returned as usual, so a live stream goes on
+    while every read keeps arriving within ``grace`` of the previous one.
 
     Raises:
-        BackendGone: ``gone`` was set before ``aw`` finished.
+        BackendGone: ``gone`` was set and ``aw`` did not finish within the grace (it is cancelled).
     """
     task = asyncio.ensure_future(aw)
-    if gone.is_set():
-        task.cancel()
-        raise BackendGone()
-    waiter = asyncio.ensure_future(gone.wait())
     try:
-        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not gone.is_set():
+            waiter = asyncio.ensure_future(gone.wait())
+            try:
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        if not task.done() and grace > 0:
+            await asyncio.wait({task}, timeout=grace)
     except asyncio.CancelledError:
         task.cancel()
-        waiter.cancel()
         raise
-    if task in done:
-        waiter.cancel()
+    if task.done():
         return task.result()
     task.cancel()
     raise BackendGone()
