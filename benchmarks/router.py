@@ -11,10 +11,12 @@ trace's order and gaps, compressed so that the offered prefill load without any 
 ``--load`` of the instances' capacity under the fitted time model.
 
 Time model: before the runs, prompts of several lengths are prefilled on one instance while the
-others idle (``--fit-concurrent``: on all at once) and ``T(n) = c0 + k1 n + k2 n^2`` is fitted by
-least squares to the median TTFTs (streamed, ``max_tokens=1``); a mostly cached prompt then
-checks the ``T(n, p)`` form. The simulator's instances do not share CPUs; these do (3 instances,
-2 cores, other jobs), which the fit on an idle neighbourhood does not see. The routers get the fit (``--set
+others idle and ``T(n) = c0 + k1 n + k2 n^2`` is fitted by least squares to the median TTFTs
+(streamed, ``max_tokens=1``); a mostly cached prompt checks the ``T(n, p)`` form. The simulator's
+instances do not share CPUs, these do (3 instances on 2 cores, with whatever else runs there), so
+the longest prompt is then prefilled on every instance at once and the fit is scaled by the
+measured slowdown: that scaled model is what the routers and the simulator get, and what sets the
+arrival rate. The routers get the fit (``--set
 model.prefill_fit=c0,k1,k2``), and the simulator runs the same policy objects (built as the router
 builds them: no rejection, no pulls) on 3 prefill instances whose GPU cache is the engines' KV
 capacity in blocks, no DRAM tier, decode on separate instances (so it predicts TTFT only).
@@ -173,36 +175,45 @@ async def ttft(client: httpx.AsyncClient, url: str, text: str, max_tokens: int) 
 
 
 # the fit ------------------------------------------------------------------------------------------
-def fit(urls: list[str], lengths: list[int], reps: int,
-        concurrent: bool) -> tuple[tuple[float, float, float], list[str]]:
-    """Fit T(n) = c0 + k1 n + k2 n^2 to median uncached TTFTs; check a mostly cached prompt.
+async def _prefill_round(urls: list[str], n: int, seed: int) -> list[float]:
+    """TTFTs of one uncached ``n``-token prompt sent to each of ``urls`` at the same time."""
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+        texts = [" ".join(block_words(10**9 + seed * 100 + i, n)) for i in range(len(urls))]
+        got = await asyncio.gather(*(ttft(client, u, t, 1) for u, t in zip(urls, texts)))
+        return [g[0] for g in got]
 
-    By default one instance prefills while the others idle; with ``concurrent`` every instance
-    prefills at once (the speed of a busy cluster whose instances share the host's cores).
-    """
-    targets = urls if concurrent else urls[:1]
 
-    async def round_(n: int, seed: int) -> list[float]:
-        async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
-            texts = [" ".join(block_words(10**9 + seed * 100 + i, n)) for i in range(len(targets))]
-            got = await asyncio.gather(*(ttft(client, u, t, 1) for u, t in zip(targets, texts)))
-            return [g[0] for g in got]
-
+def fit(urls: list[str], lengths: list[int], reps: int) -> tuple[tuple[float, float, float], list[str]]:
+    """Fit T(n) = c0 + k1 n + k2 n^2 on one instance (others idle), scale it by the slowdown
+    measured with every instance prefilling at once, and check a mostly cached prompt."""
     rows, xs, ys = [], [], []
     for n in lengths:
-        samples = [t for rep in range(reps) for t in asyncio.run(round_(n, n * 10 + rep))]
-        med = statistics.median(samples)
+        samples = [t for rep in range(reps) for t in asyncio.run(_prefill_round(urls[:1], n, n * 10 + rep))]
         xs.append(n)
-        ys.append(med)
-        rows.append(f"  n={n:5d}: median TTFT {med * 1e3:7.1f} ms over {len(samples)} prefills")
+        ys.append(statistics.median(samples))
+        rows.append(f"  n={n:5d}: median TTFT {ys[-1] * 1e3:7.1f} ms over {len(samples)} prefills")
     a = np.array([[1.0, x, x * x] for x in xs])
-    coef = np.linalg.lstsq(a, np.array(ys), rcond=None)[0]
-    c0, k1, k2 = (max(0.0, float(c)) for c in coef)
+    c0, k1, k2 = (max(0.0, float(c)) for c in np.linalg.lstsq(a, np.array(ys), rcond=None)[0])
     pred = [c0 + k1 * x + k2 * x * x for x in xs]
     rows.append("  fit: c0=%.4f s, k1=%.3e s/token, k2=%.3e s/token^2; max error %.0f%%"
                 % (c0, k1, k2, 100 * max(abs(p - y) / y for p, y in zip(pred, ys))))
     rows.append(cached_check(urls[0], max(lengths), (c0, k1, k2)))
-    return (c0, k1, k2), rows
+    factor, line = slowdown(urls, max(lengths), reps)
+    rows.append(line)
+    return (c0 * factor, k1 * factor, k2 * factor), rows
+
+
+def slowdown(urls: list[str], n: int, reps: int) -> tuple[float, str]:
+    """How much slower a prefill is when every instance prefills at once (shared cores)."""
+    alone, together = [], []
+    for rep in range(reps):
+        alone += asyncio.run(_prefill_round(urls[:1], n, 7000 + rep))
+        together += asyncio.run(_prefill_round(urls, n, 8000 + rep))
+    factor = max(1.0, statistics.median(together) / statistics.median(alone))
+    return factor, (f"  slowdown with all {len(urls)} instances prefilling n={n} at once: "
+                    f"x{factor:.2f} (median {statistics.median(together) * 1e3:.0f} ms vs "
+                    f"{statistics.median(alone) * 1e3:.0f} ms alone); the model used below is the "
+                    f"fit times x{factor:.2f}")
 
 
 def cached_check(url: str, n: int, coef: tuple[float, float, float]) -> str:
@@ -307,8 +318,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--instances", type=int, default=3)
     p.add_argument("--fit-lengths", default="", help="comma separated (default: 1,4,8,.. blocks)")
     p.add_argument("--fit-reps", type=int, default=3)
-    p.add_argument("--fit-concurrent", action="store_true",
-                   help="fit with every instance prefilling at once (default: one at a time)")
     p.add_argument("--model-dir", default=None, help="model to serve (default: a random-weight "
                    f"Llama {MODEL_SPEC} written by the vLLM venv)")
     p.add_argument("--backend", action="append", default=[],
@@ -346,7 +355,7 @@ def report(args: argparse.Namespace, items: list[Item], specs: list[str]) -> int
     lengths = ([int(x) for x in args.fit_lengths.split(",")] if args.fit_lengths
                else sorted({bt, 4 * bt, 8 * bt, 16 * bt, args.max_blocks * bt}))
     reset(urls)
-    coef, fit_rows = fit(urls, lengths, args.fit_reps, args.fit_concurrent)
+    coef, fit_rows = fit(urls, lengths, args.fit_reps)
     reset(urls)
     c0, k1, k2 = coef
     mean_work = statistics.mean(c0 + k1 * it.tokens + k2 * it.tokens ** 2 for it in items)
@@ -360,8 +369,7 @@ def report(args: argparse.Namespace, items: list[Item], specs: list[str]) -> int
           f"ideal hit ratio {ideal_hit_ratio(items):.1%}")
     print(f"arrivals: trace span {span:.0f} s compressed x{speed:.1f} to {span / speed:.1f} s "
           f"(offered uncached load {args.load:.2f} of {len(urls)} instances); max_tokens {args.max_tokens}")
-    print("time model (%s):" % ("all instances prefilling at once" if args.fit_concurrent
-                                 else "one instance prefilling, the others idle"))
+    print("time model (fitted on one instance, the others idle):")
     print("\n".join(fit_rows))
     rows = []
     for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:

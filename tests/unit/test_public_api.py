@@ -14,6 +14,7 @@ PINNED = {
                          "Tier", "cleared", "decode_batch", "decode_seq", "encode_batch",
                          "extra_keys_of", "removed", "stored", "tier_of", "to_event_hash",
                          "tokens_of"],
+    "kvplane.conductor.gateway": ["BackendSpec", "GatewayConfig"],
     "kvplane.compat.mooncake": ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine",
                                 "TransferNotify", "TransferOpcode", "te_code"],
 }
