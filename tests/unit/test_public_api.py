@@ -15,6 +15,8 @@ PINNED = {
                          "extra_keys_of", "removed", "stored", "tier_of", "to_event_hash",
                          "tokens_of"],
     "kvplane.conductor.gateway": ["BackendSpec", "GatewayConfig"],
+    "kvplane.p2p": ["Chunk", "GetResult", "Item", "Manifest", "MooncakeP2PStore", "P2PConfig",
+                    "P2PNode", "TrackerClient"],
     "kvplane.compat.mooncake": ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine",
                                 "TransferNotify", "TransferOpcode", "te_code"],
 }
