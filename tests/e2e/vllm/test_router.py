@@ -150,7 +150,7 @@ def test_bench_router_smoke(servers, capsys):
     sys.modules["bench_router"] = mod
     spec.loader.exec_module(mod)
     argv = ["--requests", "6", "--max-blocks", "6", "--fit-lengths", "32,96", "--fit-reps", "1",
-            "--load", "0.5"]
+            "--load", "0.5", "--repeat", "1"]
     for b in specs(servers):
         argv += ["--backend", f"{b.url},events={b.events},replay={b.replay}"]
     rc = mod.main(argv)
