@@ -115,6 +115,8 @@ async def test_colocated_prompt_ids_are_hashed_and_text_is_tokenized_by_a_backen
         route = (await client.post("/route", json={"model": "m", "prompt": "hello there"})).json()
         assert route["prompt_blocks"] == 2
         assert asked == [{"model": "m", "prompt": "hello there", "add_special_tokens": True}]
+        long = (await client.post("/route", json={"prompt": list(range(20001))})).json()
+        assert long["prompt_blocks"] == 10000  # hashed off the event loop, same answer
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template": "T"}
         assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
         assert asked[-1] == {"model": "m", "messages": chat["messages"], "chat_template": "T"}
