@@ -372,6 +372,7 @@ def report(args: argparse.Namespace, items: list[Item], specs: list[str]) -> int
           f"ideal hit ratio {ideal_hit_ratio(items):.1%}")
     print(f"arrivals: trace span {span:.0f} s compressed x{speed:.1f} to {span / speed:.1f} s "
           f"(offered uncached load {args.load:.2f} of {len(urls)} instances); max_tokens {args.max_tokens}")
+    print(f"engine KV capacity: {kv} tokens = {kv // bt} blocks per instance (the simulator's GPU cache)")
     print("time model (fitted on one instance, the others idle):")
     print("\n".join(fit_rows))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
