@@ -25,7 +25,8 @@ from kvplane.testing.vllm_harness import OpenAIServer
 
 from vllm_harness import BS, requires_vllm
 
-pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(600)]  # the first test also starts 3 servers
+# 600 s: the first test's budget also covers starting the 3 servers
+pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(600)]
 WORDS = [w for w in range(20, 1000) if not str(w).startswith("1")]  # 1:1 words in the tiny tokenizer
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
