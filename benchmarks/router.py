@@ -4,8 +4,8 @@ next to the simulator's prediction for the same workload.
 Workload: whole multi-turn conversations of a Mooncake-format trace (default: the bundled sample),
 earliest first, until ``--requests``; a request continues an earlier one when that one's complete
 blocks prefix its ``hash_ids`` (as ``scheduling.trace.turns`` infers turns), so prefixes are
-shared. Requests longer than ``--max-blocks`` blocks are left out. Each hash id maps to a fixed random text block of
-``--block-tokens`` words that the test tokenizer maps one-to-one to tokens (512-token trace blocks
+shared. Requests longer than ``--max-blocks`` blocks are left out. Each hash id maps to a fixed
+random text block of ``--block-tokens`` words that the test tokenizer maps one-to-one to tokens (512-token trace blocks
 shrunk to fit CPU prefill times); block hash ``h`` always gives the same block. Arrivals keep the
 trace's order and gaps, compressed so that the offered prefill load without any cache is
 ``--load`` of the instances' capacity under the fitted time model.
@@ -228,7 +228,8 @@ def cached_check(url: str, n: int, coef: tuple[float, float, float]) -> str:
             await ttft(client, url, " ".join(base + block_words(2 * 10**9 + 1, 32)), 1)
             out = []
             for i in range(3):
-                out.append((await ttft(client, url, " ".join(base + block_words(2 * 10**9 + 2 + i, 32)), 1))[0])
+                text = " ".join(base + block_words(2 * 10**9 + 2 + i, 32))
+                out.append((await ttft(client, url, text, 1))[0])
             return statistics.median(out)
 
     got = asyncio.run(go())
@@ -423,7 +424,8 @@ def table(rows: list[dict[str, Any]]) -> None:
                       f"{base['sim']['ttft_mean_s'] / r['sim']['ttft_mean_s']:.2f}")
     for r in rows:
         if r["ttft_mean_s"] and r["sim"]["ttft_mean_s"]:
-            print(f"{r['policy']}: simulated / measured TTFT mean {r['sim']['ttft_mean_s'] / r['ttft_mean_s']:.2f}")
+            ratio = r["sim"]["ttft_mean_s"] / r["ttft_mean_s"]
+            print(f"{r['policy']}: simulated / measured TTFT mean {ratio:.2f}")
 
 
 if __name__ == "__main__":

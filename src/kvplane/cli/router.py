@@ -86,7 +86,7 @@ def run(
             mode=mode or ("pd" if prefill or decode else "colocated"),  # type: ignore[arg-type]
             backends=tuple(specs), model=model, block_size=block_size,
             hash_profile=HashProfile(hash_algo, hash_seed, "vllm_v1_tagged"),  # type: ignore[arg-type]
-            policy=policy, settings=tuple(tuple(s.split("=", 1)) for s in settings if "=" in s),  # type: ignore[misc]
+            policy=policy, settings=_settings(settings),
             reject=reject, retry_after_s=retry_after, pull_hints=pull_hints, bind=tuple(bind),
             discover=discover, discover_key=discover_key, connect_timeout_s=connect_timeout,
             read_timeout_s=read_timeout, request_timeout_s=request_timeout,
@@ -95,6 +95,17 @@ def run(
     except KVPlaneError as exc:
         raise typer.BadParameter(str(exc)) from exc
     serve(cfg)
+
+
+def _settings(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--set section.field=value`` items as pairs (an item without ``=`` is a bad parameter)."""
+    out = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise typer.BadParameter(f"--set takes section.field=value, got {item!r}")
+        out.append((key, value))
+    return tuple(out)
 
 
 def serve(cfg: GatewayConfig) -> None:
