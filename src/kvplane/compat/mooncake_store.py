@@ -18,6 +18,7 @@ from kvplane.common.config import parse_size
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
+from kvplane.store.errors import TransferFail
 from kvplane.store.types import ReplicateConfig as _Cfg
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,10 @@ def _cfg(config: Any) -> _Cfg | None:
 
 def _code(exc: KVPlaneError) -> int:
     """Mooncake's integer code for a kvplane error (store errors carry theirs; the rest are
-    reported as RPC_FAIL, as Mooncake reports a failed master call)."""
+    reported as RPC_FAIL, as Mooncake reports a failed master call; a checksum mismatch, which
+    Mooncake has no code for, is its parent TRANSFER_FAIL)."""
+    if isinstance(exc, TransferFail):
+        return TransferFail.code
     return exc.code if -1000 < exc.code < 0 else RPC_FAIL
 
 

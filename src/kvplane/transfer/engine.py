@@ -67,6 +67,7 @@ class TransferEngine:
         self._server = DataServer(self.memory, self._describe_bytes, cfg.host, cfg.port, cfg.token,
                                   cfg.max_frame, cfg.max_connections)
         self.port = self._server.port
+        self.fence = self._server.fence  # store generations this engine's listener refuses
         self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
         ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
                                cfg.file_root, retries=cfg.retries, segment=self.name)
@@ -248,6 +249,10 @@ class TransferEngine:
         if seg is None:
             raise NotFound(f"no open segment with handle {handle}")
         return seg
+
+    def prune(self) -> int:
+        """Drop cached same-host mappings of segments whose process has exited; returns how many."""
+        return sum(t.prune() for t in self.transports.values() if hasattr(t, "prune"))
 
     # -- planning --------------------------------------------------------------------------
     def _choose(self, req: TransferRequest, route: Route) -> Transport:
