@@ -58,3 +58,42 @@ def test_bad_flags_are_one_error_line(args, message):
     r = subprocess.run([*CLI, "router", "--port", "0", *args], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_router_process_discovers_backends_through_the_http_metadata_service():
+    """The backend list read from kvplane's HTTP metadata server, its token on every call."""
+    import json
+
+    from kvplane.testing.services import wait_until
+    from kvplane.transfer.metadata import HttpMetadata
+    from kvplane.transfer.metadata_server import serve_in_thread
+
+    with serve_in_thread(token="s3cret") as meta_server, FakeVLLM() as a, FakeVLLM() as b:
+        url = meta_server.url + "/metadata"
+        meta = HttpMetadata(url, token="s3cret")
+        meta.put("kvplane/router/backends", json.dumps([{"url": a.url}]).encode())
+        auth = {"Authorization": "Bearer s3cret"}
+        args = [*CLI, "router", "--discover", url, "--port", "0", "--policy", "round-robin"]
+        proc = Proc([*args, "--token", "s3cret"], ready_timeout=30, stop_signal=signal.SIGTERM)
+        wrong = Proc([*args, "--token", "wrong"], ready_timeout=30, stop_signal=signal.SIGTERM)
+        try:
+            router = proc.info["router"]
+
+            def ids() -> set[str]:
+                rows = httpx.get(router + "/backends", headers=auth, timeout=10, trust_env=False).json()
+                return {r["id"] for r in rows if r["up"]}
+
+            wait_until(lambda: ids() == {a.id}, 10, "first backend discovered")
+            meta.put("kvplane/router/backends", json.dumps([{"url": a.url}, {"url": b.url}]).encode())
+            wait_until(lambda: ids() == {a.id, b.id}, 15, "second backend discovered")
+            got = {httpx.post(router + "/v1/completions", json={"prompt": words(i)}, headers=auth,
+                              timeout=10, trust_env=False).headers["x-kvplane-backend"] for i in range(4)}
+            assert got == {a.id, b.id}
+            assert a.headers[-1]["authorization"] == "Bearer s3cret"  # the token goes upstream too
+            # a router whose token the metadata service refuses discovers nothing and says so
+            h = httpx.get(wrong.info["router"] + "/health", timeout=10, trust_env=False)
+            assert h.status_code == 503 and h.json()["backends"] == 0
+        finally:
+            proc.stop(20)
+            wrong.stop(20)
+            meta.close()

@@ -160,6 +160,27 @@ def test_pd_prefills_then_decodes_with_the_returned_params(http):
         assert stream.text.endswith("data: [DONE]\n\n")
 
 
+def test_pd_decode_instance_is_chosen_by_predicted_load(http):
+    import threading
+
+    with cluster(3, roles=("prefill", "decode", "decode"), policy="mooncake") as (server, fakes):
+        _, busy, idle = fakes
+        busy.stall = True
+        server.router.set_available(idle.id, False)  # force the first decode onto `busy`
+        t = threading.Thread(target=complete, args=(http, server.url, words(1, 2, 3)))
+        t.start()
+        try:
+            assert _wait(lambda: len(busy.requests) == 1)  # prefilled, now decoding (stalled) there
+            server.router.set_available(idle.id, True)
+            for i in range(3):
+                assert complete(http, server.url, words(5, 6, 7, i))[0] == idle.id
+            assert len(busy.requests) == 1 and len(idle.requests) == 3
+        finally:
+            busy.release.set()
+            t.join(10)
+        assert not t.is_alive()
+
+
 def test_backends_discovered_through_the_metadata_service(http):
     from kvplane.conductor.gateway.config import GatewayConfig
     from kvplane.conductor.gateway.server import GatewayServer
