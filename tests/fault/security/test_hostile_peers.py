@@ -244,7 +244,8 @@ def test_pd_proxy_http(http):
     # GET /v1/models to it (a metadata server answers 404, which the proxy passes on)
     with Proc([*CLI, "metadata", "--port", "0", "--no-auth"], stop_signal=signal.SIGTERM) as up:
         base = up.info["metadata"].removesuffix("/metadata")
-        with Proc([*CLI, "pd-proxy", "--prefill", base, "--decode", base, "--port", "0"],
+        with Proc([*CLI, "pd-proxy", "--prefill", base + ",id=p", "--decode", base + ",id=d",
+                   "--port", "0"],
                   stop_signal=signal.SIGTERM) as px:
             url = px.info["proxy"]
             check(attack(int(url.rsplit(":", 1)[1]), "http", http(url + "/v1/models"), px.pid))
