@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from kvplane.testing.netns import netbed  # noqa: F401  (fixture)
+from kvplane.testing.auth import headers
 from kvplane.testing.procs import wait_for_line
 from kvplane.testing.services import start_etcd, wait_until
 from kvplane.testing.store_procs import CLI
@@ -33,14 +34,14 @@ CUT = 10.0  # seconds a host stays cut off
 
 def get(url: str, path: str) -> dict:
     try:
-        return httpx.get(url + path, timeout=1.0, trust_env=False).json()
+        return httpx.get(url + path, timeout=1.0, trust_env=False, headers=headers()).json()
     except (httpx.HTTPError, ValueError):
         return {}
 
 
 def metric(url: str, name: str) -> float | None:
     try:
-        text = httpx.get(url + "/metrics/", timeout=1.0, trust_env=False).text
+        text = httpx.get(url + "/metrics/", timeout=1.0, trust_env=False, headers=headers()).text
     except httpx.HTTPError:
         return None
     for line in text.splitlines():
