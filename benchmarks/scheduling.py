@@ -21,8 +21,9 @@ from kvplane.conductor.indexer import ContextKey, Match, PrefixIndex
 from kvplane.conductor.scheduling.config import SimConfig
 from kvplane.conductor.scheduling.simulator import Simulator
 from kvplane.conductor.scheduling.trace import load_trace
+from kvplane.data import SAMPLE_TRACE
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/conversation_trace.jsonl"
+DEFAULT_TRACE = SAMPLE_TRACE  # pass --trace conversation_trace.jsonl for the full-length run
 TARGET_S = 60.0
 
 

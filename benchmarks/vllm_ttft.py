@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from kvplane.integrations.vllm.harness import BS, VLLM_PYTHON, Driver, make_model, store_kv_config, vllm_env
+from kvplane.testing.vllm_harness import BS, VLLM_PYTHON, Driver, make_model, store_kv_config, vllm_env
 from kvplane.testing.services import free_port, wait_until
 from kvplane.testing.store_procs import spawn_master, spawn_segment
 

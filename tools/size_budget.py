@@ -1,6 +1,6 @@
 """Size report: module lines and function lengths under src/. Exits 1 past the hard budget.
 
-Budgets (shared/STYLE.md §3): modules should stay under 600 lines, 800 is a hard stop;
+Budgets (the house style): modules should stay under 600 lines, 800 is a hard stop;
 functions over 50 lines are listed for review.
 """
 

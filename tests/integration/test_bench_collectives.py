@@ -7,6 +7,9 @@ import pathlib
 
 import pytest
 
+from kvplane.testing.needs import need_module
+
+need_module("torch", "pip install torch==2.13.0")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 _PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "collectives.py"

@@ -15,7 +15,8 @@ def test_bench_conductor_smoke(capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rc = mod.main(["--blocks", "3000", "--instances", "4", "--prompt-tokens", "512",
-                   "--queries", "20", "--http-queries", "5", "--ingest-blocks", "2048"])
+                   "--queries", "20", "--http-queries", "5", "--ingest-blocks", "2048",
+                   "--walk-calls", "3"])
     out = capsys.readouterr().out
     assert rc == 0
     m = re.search(r"ingest: (\d+) block events in [\d.]+s = ([\d,]+)/s \(gaps 0, indexed (\d+)\)", out)
@@ -23,3 +24,5 @@ def test_bench_conductor_smoke(capsys):
     assert re.search(r"memory \(tracemalloc, 3000 blocks\): \d+ B per indexed block", out)
     row = re.search(r"^\s+3000\s+4 \|.*\(cpu\s+[\d.]+\).*\| [\d.]+, [\d.]+$", out, re.M)
     assert row, out
+    assert re.search(r"^walk    4 instances \| GPU tier only +[\d.]+ / +[\d.]+ \| shared pool on CPU +[\d.]+ / +[\d.]+$",
+                     out, re.M), out

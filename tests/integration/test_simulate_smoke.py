@@ -9,9 +9,9 @@ import typer
 from typer.testing import CliRunner
 
 from kvplane.cli import simulate
+from kvplane.data import SAMPLE_TRACE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-SHARED_TRACE = Path(__file__).resolve().parents[2].parent / "shared/data/traces/conversation_trace.jsonl"
 
 
 def _app() -> typer.Typer:
@@ -64,12 +64,9 @@ def test_simulate_json_and_plots(tmp_path):
 
 
 def test_simulate_table_on_a_slice_of_the_real_trace(tmp_path):
-    if SHARED_TRACE.exists():
-        trace = tmp_path / "slice.jsonl"
-        with open(SHARED_TRACE, encoding="utf-8") as f:
-            trace.write_text("".join(next(f) for _ in range(400)))
-    else:
-        trace = _trace(tmp_path / "t.jsonl", n=400)
+    trace = tmp_path / "slice.jsonl"
+    with open(SAMPLE_TRACE, encoding="utf-8") as f:
+        trace.write_text("".join(next(f) for _ in range(400)))
     res = CliRunner().invoke(_app(), ["simulate", "--trace", str(trace), "--policy",
                                       "least-loaded,mooncake", "--plots", "", "--no-tiers"])
     assert res.exit_code == 0, res.output

@@ -10,6 +10,10 @@ PINNED = {
                          "TransferEngine", "TransferRequest", "TransferStatus"],
     "kvplane.store": ["AsyncStoreClient", "MasterConfig", "MasterServer", "ReplicateConfig",
                       "StoreClient", "StoreConfig"],
+    "kvplane.kvevents": ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Event", "EventBatch",
+                         "Tier", "cleared", "decode_batch", "decode_seq", "encode_batch",
+                         "extra_keys_of", "removed", "stored", "tier_of", "to_event_hash",
+                         "tokens_of"],
     "kvplane.compat.mooncake": ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine",
                                 "TransferNotify", "TransferOpcode", "te_code"],
 }

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvplane.bench.transfer import best_of, find_mooncake_python
+from kvplane.common.extras import pyplot
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py")
 
@@ -160,41 +161,74 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     rows: list[dict] = []
     mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
     if "mooncake" in opt.sides and mc is None:
-        progress("mooncake not installed: skipped (see shared/peers/mooncake)")
+        progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
     if "local" in opt.topologies:
-        from kvplane.bench import limits
-
-        for size in opt.sizes:  # the machine's limit for a same-host get: one memcpy
-            progress(f"memcpy {size}")
-            rows.append(dict(impl="memcpy", topology="local", clients=1, op="get", size=size,
-                             batch=1, p50_us=float("nan"), p99_us=float("nan"), verified=True,
-                             **limits.memcpy(size, max(size, 256 << 20), opt.duration)))
-    for topo in opt.topologies:
-        remote = topo == "remote"
-        for clients in opt.clients if remote else [1]:
-            seg = 0 if remote else opt.segment_mb // 2
-            for side in opt.sides:
-                if side == "redis" and not remote:
-                    continue
-                if side == "mooncake" and mc is None:
-                    continue
-                progress(f"{side} {topo} x{clients}")
-                svc = Services()
-                try:
-                    if side.startswith("kvplane"):
-                        master = _kvplane(svc, remote, opt.segment_mb)
-                        proto = "tcp" if side == "kvplane-tcp" else "auto"
-                        got = _worker(sys.executable, "kvplane", side, master, opt, clients, proto,
-                                      segment_mb=seg)
-                    elif side == "mooncake":
-                        master, url = _mooncake(svc, mc, remote, opt.segment_mb)  # type: ignore[arg-type]
-                        got = _worker(mc, "mooncake", side, master, opt, clients, "tcp", url, seg)  # type: ignore[arg-type]
-                    else:
-                        got = _worker(sys.executable, "redis", side, _redis(svc), opt, clients)
-                finally:
-                    svc.stop()
-                rows += [dict(r, topology=topo) for r in got]
+        rows += _memcpy_rows(opt, progress)
+    for cell in _cells(opt, mc):
+        progress(f"{cell.side} {cell.topology} x{cell.clients}")
+        rows += _measure(cell, opt, mc)
     return rows
+
+
+@dataclass(frozen=True)
+class _Cell:
+    """One measured combination."""
+
+    side: str
+    topology: str
+    clients: int
+
+
+def _cells(opt: Options, mooncake_python: str | None) -> list[_Cell]:
+    """Every combination to measure, in run order. Several clients only in the remote topology
+    (a local client contributes its own segment); Redis only remote (it has no local mode);
+    Mooncake only when installed."""
+    cells = []
+    for topology in opt.topologies:
+        for clients in opt.clients if topology == "remote" else [1]:
+            cells += [_Cell(side, topology, clients) for side in opt.sides
+                      if not (side == "redis" and topology != "remote")
+                      and not (side == "mooncake" and mooncake_python is None)]
+    return cells
+
+
+def _memcpy_rows(opt: Options, progress: Callable[[str], None]) -> list[dict]:
+    """The machine's limit for a same-host get: one memcpy per value size."""
+    from kvplane.bench import limits
+
+    rows = []
+    for size in opt.sizes:
+        progress(f"memcpy {size}")
+        rows.append(dict(impl="memcpy", topology="local", clients=1, op="get", size=size,
+                         batch=1, p50_us=float("nan"), p99_us=float("nan"), verified=True,
+                         **limits.memcpy(size, max(size, 256 << 20), opt.duration)))
+    return rows
+
+
+def _measure(cell: _Cell, opt: Options, mooncake_python: str | None) -> list[dict]:
+    """Start the side's servers, run its worker process, stop the servers."""
+    svc = Services()
+    try:
+        got = _run_side(svc, cell, opt, mooncake_python)
+    finally:
+        svc.stop()
+    return [dict(r, topology=cell.topology) for r in got]
+
+
+def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | None) -> list[dict]:
+    remote = cell.topology == "remote"
+    segment_mb = 0 if remote else opt.segment_mb // 2  # a local client contributes this much
+    if cell.side.startswith("kvplane"):
+        master = _kvplane(svc, remote, opt.segment_mb)
+        protocol = "tcp" if cell.side == "kvplane-tcp" else "auto"
+        return _worker(sys.executable, "kvplane", cell.side, master, opt, cell.clients, protocol,
+                       segment_mb=segment_mb)
+    if cell.side == "mooncake":
+        assert mooncake_python is not None  # _cells skips Mooncake when it is not installed
+        master, url = _mooncake(svc, mooncake_python, remote, opt.segment_mb)
+        return _worker(mooncake_python, "mooncake", cell.side, master, opt, cell.clients, "tcp", url,
+                       segment_mb)
+    return _worker(sys.executable, "redis", cell.side, _redis(svc), opt, cell.clients)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -218,10 +252,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def plot(rows: list[dict], path: str) -> None:
     """GB/s vs value size per side, one panel per (op, batch), remote topology, 1 client."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [("put", 1), ("get", 1), ("put", 32), ("get", 32)]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4), sharey=False)

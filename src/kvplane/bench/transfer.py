@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvplane.bench import limits
+from kvplane.common.extras import pyplot
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_worker.py")
 DEFAULT_MC_PYTHON = "/tmp/mc-venv/bin/python"
@@ -99,7 +100,7 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     if "mooncake-tcp" in opt.impls:
         mc = find_mooncake_python(opt.mooncake_python)
         if mc is None:
-            progress("mooncake not installed: skipped (see shared/peers/mooncake)")
+            progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
         else:
             progress("mooncake tcp")
             rows += _worker(mc, "mooncake", "tcp", "mooncake-tcp", opt)
@@ -134,10 +135,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 def plot(rows: list[dict], path: str) -> None:
     """GB/s vs block size: one panel per direction; colour = side, dashed = batched calls;
     the machine's limits (raw socket, memcpy) in grey on both panels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {"kvplane-tcp": "tab:blue", "kvplane-shm": "tab:green", "mooncake-tcp": "tab:red",
               "raw-socket": "0.35", "memcpy": "0.65"}

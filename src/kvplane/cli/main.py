@@ -25,8 +25,8 @@ app = typer.Typer(
     name="kvplane",
     help=(
         "kvplane: the KVCache-centric data plane for LLM inference.\n\n"
-        "Start with `kvplane serve` (metadata server + a DRAM segment on 127.0.0.1), then point "
-        "clients at it. Every service binds 127.0.0.1 unless --host says otherwise, and accepts a "
+        "Start with `kvplane serve` (a store master, the metadata server, the admin/metrics port "
+        "and a 1 GiB DRAM segment, all on 127.0.0.1), then point clients at it. Every service binds 127.0.0.1 unless --host says otherwise, and accepts a "
         "shared token through --token or KVPLANE_TOKEN. Each command's --help explains it."
     ),
     no_args_is_help=True,

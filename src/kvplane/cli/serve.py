@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from kvplane.cli.lifecycle import announce, wait_for_signal
 from kvplane.common import envs
-from kvplane.cli.store import _announce, _wait_for_signal
 
 
 def serve(
@@ -35,10 +35,10 @@ def serve(
     seg = StoreClient(StoreConfig(master=f"{host}:{master.port}", metadata=url, local_hostname=host,
                                   global_segment_size=parse_size(segment_size),
                                   local_buffer_size=0, token=tok))
-    _announce({"master": f"{host}:{master.port}", "metadata": url,
-               "admin": f"http://{host}:{master.http.port}" if master.http else None,
-               "segment": seg.segment_name, "segment_size": parse_size(segment_size)}, ready_file)
-    _wait_for_signal()
+    announce({"master": f"{host}:{master.port}", "metadata": url,
+              "admin": f"http://{host}:{master.http.port}" if master.http else None,
+              "segment": seg.segment_name, "segment_size": parse_size(segment_size)}, ready_file)
+    wait_for_signal()
     seg.close()
     master.close()
     meta.close()

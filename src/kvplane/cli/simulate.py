@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvplane.data import SAMPLE_TRACE
+
 if TYPE_CHECKING:
     from kvplane.conductor.scheduling.config import SimConfig
     from kvplane.conductor.scheduling.report import PolicyReport
@@ -37,8 +39,11 @@ def _fmt(v: object, unit: str = "") -> str:
 
 
 def simulate(
-    trace: str = typer.Option(..., "--trace", help="Trace file (Mooncake JSONL: timestamp ms, "
-                              "input_length, output_length, hash_ids of 512-token blocks)."),
+    trace: str = typer.Option(str(SAMPLE_TRACE), "--trace", show_default="the bundled sample",
+                              help="Trace file (Mooncake JSONL: timestamp ms, input_length, "
+                              "output_length, hash_ids of 512-token blocks). The default is a "
+                              "1,000-request slice of Mooncake's conversation trace; the full "
+                              "traces are in github.com/kvcache-ai/Mooncake, FAST25-release/traces."),
     policy: str = typer.Option(DEFAULT_POLICIES, "--policy", help="Policies, comma separated; a "
                                "policy may carry knobs: mooncake@rejection=none@balancing_threshold=2."),
     loads: str = typer.Option("1", help="Load multipliers (arrival rate ×), comma separated; the "
@@ -143,14 +148,14 @@ def _progress(total: int, disable: bool) -> Iterator[Callable[[str, int, int], N
 
 def _plots(reports: list[PolicyReport], series: dict[str, dict[int, float]], loads: list[float],
            prefix: str, cluster: str, tier_policy: str) -> None:
-    from kvplane.conductor.scheduling import plots as P
+    from kvplane.conductor.scheduling import plots
 
-    P.ttft_cdf({r.policy: r.ttfts for r in reports}, f"{prefix}ttft_cdf.png",
+    plots.ttft_cdf({r.policy: r.ttfts for r in reports}, f"{prefix}ttft_cdf.png",
                f"TTFT CDF, load ×{loads[0]:g}, {cluster}")
-    P.capacity_bars({r.policy: r.capacity for r in reports}, f"{prefix}capacity.png",
+    plots.capacity_bars({r.policy: r.capacity for r in reports}, f"{prefix}capacity.png",
                     f"Effective capacity ({len(loads)} loads, ×{loads[0]:g}–×{loads[-1]:g})")
     if series:
-        P.hit_by_turn(series, f"{prefix}hit_by_turn.png", f"Hit ratio by turn ({tier_policy})")
+        plots.hit_by_turn(series, f"{prefix}hit_by_turn.png", f"Hit ratio by turn ({tier_policy})")
 
 
 def _table(reports: list[PolicyReport], loads: list[float]) -> None:

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import threading
-
 import typer
 
+from kvplane.cli.lifecycle import announce, wait_for_signal
 from kvplane.common import envs
-
-
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-
-
-def _announce(info: dict[str, object], ready_file: str | None) -> None:
-    typer.echo(json.dumps(info), nl=True)
-    if ready_file:
-        with open(ready_file, "w", encoding="utf-8") as f:
-            f.write(json.dumps(info) + "\n")
 
 
 def master(
@@ -52,11 +35,11 @@ def master(
                        evict_ratio=evict_ratio, allocation_strategy=allocation_strategy)  # type: ignore[arg-type]
     meta = serve_in_thread(host, metadata_port, tok) if metadata_port is not None else None
     srv = MasterServer(cfg, host, port, admin_port, tok, kv_events_port=kv_events_port)
-    _announce({"master": f"{host}:{srv.port}", "admin_port": srv.http.port if srv.http else None,
-               "metadata": f"http://{host}:{meta.port}/metadata" if meta else None,
-               "kv_events": srv.events.endpoint if srv.events else None,
-               "kv_events_replay": srv.events.replay_endpoint if srv.events else None}, ready_file)
-    _wait_for_signal()
+    announce({"master": f"{host}:{srv.port}", "admin_port": srv.http.port if srv.http else None,
+              "metadata": f"http://{host}:{meta.port}/metadata" if meta else None,
+              "kv_events": srv.events.endpoint if srv.events else None,
+              "kv_events_replay": srv.events.replay_endpoint if srv.events else None}, ready_file)
+    wait_for_signal()
     srv.close()
     if meta:
         meta.close()
@@ -81,9 +64,9 @@ def segment(
     c = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                                 global_segment_size=parse_size(size), local_buffer_size=0, token=tok))
     mport = metrics.serve(metrics_port, host) if metrics_port >= 0 else None
-    _announce({"segment": c.segment_name, "size": parse_size(size), "metrics_port": mport},
-              ready_file)
-    _wait_for_signal()
+    announce({"segment": c.segment_name, "size": parse_size(size), "metrics_port": mport},
+             ready_file)
+    wait_for_signal()
     c.close()
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from kvplane.common.extras import require
+
+torch = require("torch", "torch", "the kvplane collectives backend")
+import torch.distributed as dist  # noqa: E402
 
 from kvplane.collectives.membership import Decision
 from kvplane.collectives.process_group import KvplaneOptions, KvplaneProcessGroup

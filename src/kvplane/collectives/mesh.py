@@ -15,6 +15,7 @@ Must not import torch: it works on memoryviews only.
 
 from __future__ import annotations
 
+import enum
 import logging
 import selectors
 import socket
@@ -91,6 +92,16 @@ class StreamRecv:
     after_send: int = -1
 
 
+class Sink(enum.Enum):
+    """Where the payload of the frame being read on a connection goes."""
+
+    NONE = "none"  # no frame under way: the next bytes are a header
+    HOLD = "hold"  # not routable yet (a newer epoch, a later op or attempt): stop reading
+    POST = "post"  # into the buffer of the receive posted on this connection
+    DISCARD = "discard"  # stale (older epoch, op or attempt): read and thrown away
+    STASH = "stash"  # point-to-point data nobody asked for yet: kept for a later receive
+
+
 @dataclass(slots=True)
 class _Out:
     bufs: list[memoryview]
@@ -107,7 +118,7 @@ class _Conn:
     hdr: bytearray = field(default_factory=lambda: bytearray(HEADER_SIZE))
     hgot: int = 0
     cur: Header | None = None
-    sink: str = ""  # "" no frame, "hold", "post", "discard", "stash"
+    sink: Sink = Sink.NONE
     dst: memoryview | None = None
     got: int = 0
     post: Post | None = None
@@ -180,7 +191,7 @@ class Mesh:
             raise Timeout(f"connect to rank {peer} timed out") from exc
         except OSError as exc:
             raise Unavailable(f"connect to rank {peer} failed: {exc}") from exc
-        self._add(peer, sock)
+        self.attach(peer, sock)
 
     def accept(self, expected: set[int], deadline: float) -> None:
         """Accept HELLO connections until every rank in ``expected`` is connected (blocking).
@@ -209,29 +220,33 @@ class Mesh:
                 sock.close()
                 continue
             _tune(sock)
-            self._add(hdr.src, sock)
+            self.attach(hdr.src, sock)
             pending.discard(hdr.src)
 
-    def _add(self, peer: int, sock: socket.socket) -> None:
+    def attach(self, peer: int, sock: socket.socket) -> None:
+        """Use ``sock``, already connected (and past HELLO), as the connection to ``peer``.
+
+        Replaces any previous connection to ``peer``. Tests wire scripted peers in this way.
+        """
         self.drop(peer)
         sock.setblocking(False)
         self.conns[peer] = _Conn(peer, sock)
 
     def drop(self, peer: int) -> None:
         """Close and forget the connection to ``peer`` (idempotent)."""
-        c = self.conns.pop(peer, None)
-        if c is not None:
-            self._lost(c)
+        conn = self.conns.pop(peer, None)
+        if conn is not None:
+            self._lost(conn)
 
     def last_rx(self, peer: int) -> float:
         """Monotonic time payload bytes last arrived from ``peer`` (0 if unknown)."""
-        c = self.conns.get(peer)
-        return 0.0 if c is None else c.last_rx
+        conn = self.conns.get(peer)
+        return 0.0 if conn is None else conn.last_rx
 
     def alive(self, peer: int) -> bool:
         """True while the connection to ``peer`` is open."""
-        c = self.conns.get(peer)
-        return c is not None and c.alive
+        conn = self.conns.get(peer)
+        return conn is not None and conn.alive
 
     def set_epoch(self, epoch: int) -> None:
         """Enter a new membership epoch: forget evidence and drop frames of older epochs."""
@@ -255,15 +270,15 @@ class Mesh:
 
     def abandon(self, newmask: int) -> None:
         """Give up the running attempt: drop its posts and queued sends, tell ``newmask`` (ABORT)."""
-        for c in self.conns.values():
-            if c.post is not None and c.post.kind == KIND_DATA:
-                c.post = None
-                if c.sink == "post":
-                    c.sink, c.dst = "discard", None
-            c.outq = deque(o for o in c.outq if o.started or o.kind != KIND_DATA)
-            if c.alive and newmask >> c.rank & 1 and c.rank != self.rank:
+        for conn in self.conns.values():
+            if conn.post is not None and conn.post.kind == KIND_DATA:
+                conn.post = None
+                if conn.sink is Sink.POST:
+                    conn.sink, conn.dst = Sink.DISCARD, None
+            conn.outq = deque(o for o in conn.outq if o.started or o.kind != KIND_DATA)
+            if conn.alive and newmask >> conn.rank & 1 and conn.rank != self.rank:
                 frame = Header(KIND_ABORT, self.rank, self.epoch, self.cur_seq, newmask, 0, 0, 0)
-                self._queue(c, [memoryview(frame.pack())], KIND_ABORT)
+                self._queue(conn, [memoryview(frame.pack())], KIND_ABORT)
         self.begin(self.cur_seq, newmask)
 
     def data_header(self, step: int, nbytes: int) -> Header:
@@ -345,21 +360,21 @@ class Mesh:
             raise AttemptFailed(self.cur_mask & ~ev, "a peer reported a smaller view", True)
 
     def _conn(self, peer: int) -> _Conn:
-        c = self.conns.get(peer)
-        if c is None or not c.alive:
+        conn = self.conns.get(peer)
+        if conn is None or not conn.alive:
             raise AttemptFailed(1 << peer, f"rank {peer} is not connected")
-        return c
+        return conn
 
     def _post(self, peer: int, post: Post) -> Post:
         """Post a receive on ``peer``'s connection; a frame already waiting is routed at once."""
-        c = self._conn(peer)
-        c.post = post
-        if c.sink == "hold":
+        conn = self._conn(peer)
+        conn.post = post
+        if conn.sink is Sink.HOLD:
             try:
-                self._route(c)
+                self._route(conn)
             except ProtocolError as exc:
                 log.info("connection to rank %s lost: %s", peer, exc)
-                self._lost(c)
+                self._lost(conn)
         return post
 
     def _wait(self, blocked: set[int], deadline: float, stale: Callable[[int], bool]) -> None:
@@ -374,48 +389,48 @@ class Mesh:
 
     def flush(self, deadline: float) -> None:
         """Drive queued control frames out until sent or ``deadline`` (never raises on peers)."""
-        while any(c.alive and c.outq for c in self.conns.values()):
+        while any(conn.alive and conn.outq for conn in self.conns.values()):
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             self._pump(min(left, _POLL))
 
     def _pump(self, timeout: float) -> None:
-        for c in list(self.conns.values()):
-            if not c.alive:
+        for conn in list(self.conns.values()):
+            if not conn.alive:
                 continue
-            want = (0 if c.sink == "hold" else _READ) | (_WRITE if c.outq else 0)
-            if want != c.events:
-                if c.events == 0:
-                    self._sel.register(c.sock, want, c)
+            want = (0 if conn.sink is Sink.HOLD else _READ) | (_WRITE if conn.outq else 0)
+            if want != conn.events:
+                if conn.events == 0:
+                    self._sel.register(conn.sock, want, conn)
                 elif want == 0:
-                    self._sel.unregister(c.sock)
+                    self._sel.unregister(conn.sock)
                 else:
-                    self._sel.modify(c.sock, want, c)
-                c.events = want
+                    self._sel.modify(conn.sock, want, conn)
+                conn.events = want
         for key, ev in self._sel.select(max(0.0, timeout)):
-            c = key.data
-            if ev & _READ and c.alive:
-                self._on_read(c)
-            if ev & _WRITE and c.alive:
-                self._on_write(c)
+            conn = key.data
+            if ev & _READ and conn.alive:
+                self._on_read(conn)
+            if ev & _WRITE and conn.alive:
+                self._on_write(conn)
 
-    def _queue(self, c: _Conn, bufs: list[memoryview], kind: int) -> _Out:
+    def _queue(self, conn: _Conn, bufs: list[memoryview], kind: int) -> _Out:
         bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in bufs]
         o = _Out(bufs, sum(len(b) for b in bufs), kind)
-        c.outq.append(o)
+        conn.outq.append(o)
         return o
 
-    def _on_write(self, c: _Conn) -> None:
-        while c.outq:
-            o = c.outq[0]
+    def _on_write(self, conn: _Conn) -> None:
+        while conn.outq:
+            o = conn.outq[0]
             try:
-                n = c.sock.sendmsg(o.bufs)
+                n = conn.sock.sendmsg(o.bufs)
             except BlockingIOError:
                 return
             except OSError as exc:
-                log.info("send to rank %s failed: %s", c.rank, exc)
-                self._lost(c)
+                log.info("send to rank %s failed: %s", conn.rank, exc)
+                self._lost(conn)
                 return
             o.started = True
             o.left -= n
@@ -427,94 +442,123 @@ class Mesh:
                     n = 0
             if o.left:
                 return
-            c.outq.popleft()
+            conn.outq.popleft()
 
-    def _on_read(self, c: _Conn) -> None:
+    def _on_read(self, conn: _Conn) -> None:
+        """Read what ``conn`` has (headers, then payloads into their sinks) until it would block
+        or a frame has to be held; a broken or hostile connection is dropped."""
         try:
-            while c.alive:
-                if c.sink == "":
-                    n = c.sock.recv_into(memoryview(c.hdr)[c.hgot:])
-                    if n == 0:
-                        raise Unavailable("eof")
-                    c.hgot += n
-                    if c.hgot < HEADER_SIZE:
-                        continue
-                    c.hgot, c.got = 0, 0
-                    c.cur = Header.unpack(c.hdr, self.max_payload)
-                    self._route(c)
-                elif c.sink == "hold":
-                    return
+            while conn.alive and conn.sink is not Sink.HOLD:
+                if conn.sink is Sink.NONE:
+                    self._read_header(conn)
                 else:
-                    assert c.cur is not None
-                    want = c.cur.nbytes - c.got
-                    if want:
-                        if c.sink == "discard":
-                            view = memoryview(self._scratch)[:min(want, len(self._scratch))]
-                        else:
-                            assert c.dst is not None
-                            view = c.dst[c.got:]
-                        n = c.sock.recv_into(view)
-                        if n == 0:
-                            raise Unavailable("eof")
-                        c.got += n
-                        c.last_rx = time.monotonic()
-                    if c.got == c.cur.nbytes:
-                        self._complete(c)
+                    self._read_payload(conn)
         except BlockingIOError:
             return
         except (OSError, Unavailable, ProtocolError) as exc:
-            log.info("connection to rank %s lost: %s", c.rank, exc)
-            self._lost(c)
+            log.info("connection to rank %s lost: %s", conn.rank, exc)
+            self._lost(conn)
 
-    def _route(self, c: _Conn) -> None:
-        h = c.cur
-        assert h is not None
-        p = c.post
-        if h.epoch < self.epoch:
-            c.sink = "discard"
-        elif h.epoch > self.epoch:
-            c.sink = "hold"
-        elif h.kind == KIND_ABORT:
-            self.note(h.seq, h.mask)
-            c.sink = "discard"
-        elif h.kind == KIND_DATA:
-            if p is not None and p.kind == KIND_DATA and (h.seq, h.mask, h.step) == (p.seq, p.mask, p.step):
-                self._sink_post(c, p)
-            elif h.seq < self.cur_seq or (h.seq == self.cur_seq and h.mask != self.cur_mask
-                                          and h.mask & self.cur_mask == self.cur_mask):
-                c.sink = "discard"
+    def _read_header(self, conn: _Conn) -> None:
+        """Read header bytes; once the header is whole, route its frame."""
+        n = conn.sock.recv_into(memoryview(conn.hdr)[conn.hgot:])
+        if n == 0:
+            raise Unavailable("eof")
+        conn.hgot += n
+        if conn.hgot < HEADER_SIZE:
+            return
+        conn.hgot, conn.got = 0, 0
+        conn.cur = Header.unpack(conn.hdr, self.max_payload)
+        self._route(conn)
+
+    def _read_payload(self, conn: _Conn) -> None:
+        """Read payload bytes into the frame's sink; complete the frame once it is whole."""
+        header = conn.cur
+        assert header is not None
+        want = header.nbytes - conn.got
+        if want:
+            if conn.sink is Sink.DISCARD:
+                view = memoryview(self._scratch)[:min(want, len(self._scratch))]
             else:
-                if h.seq == self.cur_seq and h.mask != self.cur_mask:
-                    self.note(h.seq, h.mask)
-                c.sink = "hold"
-        elif h.kind == KIND_P2P:
-            if p is not None and p.kind == KIND_P2P and (h.seq, h.tag) == (p.seq, p.tag):
-                self._sink_post(c, p)
-            else:
-                if self._stashed + h.nbytes > self.stash_limit:
-                    raise ProtocolError("unexpected point-to-point data over the stash limit")
-                self._stashed += h.nbytes
-                c.sink, c.dst = "stash", memoryview(bytearray(h.nbytes))
+                assert conn.dst is not None
+                view = conn.dst[conn.got:]
+            n = conn.sock.recv_into(view)
+            if n == 0:
+                raise Unavailable("eof")
+            conn.got += n
+            conn.last_rx = time.monotonic()
+        if conn.got == header.nbytes:
+            self._complete(conn)
+
+    def _route(self, conn: _Conn) -> None:
+        """Choose the sink of the frame whose header was just read on ``conn``.
+
+        Raises:
+            ProtocolError: a frame that cannot be right (the connection is dropped).
+        """
+        header = conn.cur
+        assert header is not None
+        if header.epoch != self.epoch:
+            conn.sink = Sink.DISCARD if header.epoch < self.epoch else Sink.HOLD
+        elif header.kind == KIND_ABORT:
+            self.note(header.seq, header.mask)
+            conn.sink = Sink.DISCARD
+        elif header.kind == KIND_DATA:
+            conn.sink = self._route_data(conn, header)
+        elif header.kind == KIND_P2P:
+            conn.sink = self._route_p2p(conn, header)
         else:
-            raise ProtocolError(f"unexpected frame kind {h.kind}")
-        if c.sink != "hold" and h.nbytes == 0:
-            self._complete(c)
+            raise ProtocolError(f"unexpected frame kind {header.kind}")
+        if conn.sink is not Sink.HOLD and header.nbytes == 0:
+            self._complete(conn)
 
-    def _sink_post(self, c: _Conn, p: Post) -> None:
-        assert c.cur is not None
-        if c.cur.nbytes != len(p.buf):
-            raise ProtocolError(f"rank {c.rank} sent {c.cur.nbytes} bytes, expected {len(p.buf)}")
-        c.sink, c.dst = "post", p.buf
+    def _route_data(self, conn: _Conn, header: Header) -> Sink:
+        """A collective's payload: the posted step, a stale attempt, or one to hold for later."""
+        post = conn.post
+        if post is not None and post.kind == KIND_DATA and \
+                (header.seq, header.mask, header.step) == (post.seq, post.mask, post.step):
+            return self._into_post(conn, header, post)
+        if self._stale_data(header):
+            return Sink.DISCARD
+        if header.seq == self.cur_seq and header.mask != self.cur_mask:
+            self.note(header.seq, header.mask)  # the sender runs this op over fewer ranks
+        return Sink.HOLD
 
-    def _complete(self, c: _Conn) -> None:
-        h = c.cur
-        assert h is not None
-        if c.sink == "post" and c.post is not None:
-            c.post.done = True
-            c.post = None
-        elif c.sink == "stash" and c.dst is not None:
-            self.stash.setdefault((h.src, h.tag, h.seq), deque()).append(c.dst.obj)  # type: ignore[arg-type]
-        c.cur, c.sink, c.dst, c.got = None, "", None, 0
+    def _stale_data(self, header: Header) -> bool:
+        """True for an op this rank has finished, or an earlier attempt of the running op (an
+        attempt's mask only ever shrinks, so a mask that contains ours is an older one)."""
+        if header.seq != self.cur_seq:
+            return header.seq < self.cur_seq
+        return header.mask != self.cur_mask and header.mask & self.cur_mask == self.cur_mask
+
+    def _route_p2p(self, conn: _Conn, header: Header) -> Sink:
+        """Point-to-point data: the posted receive, else the stash (bounded)."""
+        post = conn.post
+        if post is not None and post.kind == KIND_P2P and (header.seq, header.tag) == (post.seq, post.tag):
+            return self._into_post(conn, header, post)
+        if self._stashed + header.nbytes > self.stash_limit:
+            raise ProtocolError("unexpected point-to-point data over the stash limit")
+        self._stashed += header.nbytes
+        conn.dst = memoryview(bytearray(header.nbytes))
+        return Sink.STASH
+
+    def _into_post(self, conn: _Conn, header: Header, post: Post) -> Sink:
+        if header.nbytes != len(post.buf):
+            raise ProtocolError(f"rank {conn.rank} sent {header.nbytes} bytes, expected {len(post.buf)}")
+        conn.dst = post.buf
+        return Sink.POST
+
+    def _complete(self, conn: _Conn) -> None:
+        """The frame on ``conn`` is whole: finish its post or keep its stash; await a header."""
+        header = conn.cur
+        assert header is not None
+        if conn.sink is Sink.POST and conn.post is not None:
+            conn.post.done = True
+            conn.post = None
+        elif conn.sink is Sink.STASH and conn.dst is not None:
+            key = (header.src, header.tag, header.seq)
+            self.stash.setdefault(key, deque()).append(conn.dst.obj)  # type: ignore[arg-type]
+        conn.cur, conn.sink, conn.dst, conn.got = None, Sink.NONE, None, 0
 
     def _take_stash(self, peer: int, post: Post) -> bool:
         q = self.stash.get((peer, post.tag, post.seq))
@@ -535,21 +579,21 @@ class Mesh:
         self.evidence[seq] = self.evidence.get(seq, mask) & mask
 
     def _reroute(self) -> None:
-        for c in self.conns.values():
-            if c.alive and c.sink == "hold":
+        for conn in self.conns.values():
+            if conn.alive and conn.sink is Sink.HOLD:
                 try:
-                    self._route(c)
+                    self._route(conn)
                 except ProtocolError as exc:
-                    log.info("connection to rank %s lost: %s", c.rank, exc)
-                    self._lost(c)
+                    log.info("connection to rank %s lost: %s", conn.rank, exc)
+                    self._lost(conn)
 
-    def _lost(self, c: _Conn) -> None:
-        if c.events:
+    def _lost(self, conn: _Conn) -> None:
+        if conn.events:
             try:
-                self._sel.unregister(c.sock)
+                self._sel.unregister(conn.sock)
             except (KeyError, ValueError):
                 pass
-            c.events = 0
-        c.alive = False
-        c.outq.clear()
-        c.sock.close()
+            conn.events = 0
+        conn.alive = False
+        conn.outq.clear()
+        conn.sock.close()

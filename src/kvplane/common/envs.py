@@ -33,6 +33,10 @@ class EnvVar:
     doc: str
 
 
+def _names(v: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in v.split(",") if n.strip())
+
+
 def _size(v: str) -> int:
     from kvplane.common.config import parse_size
 
@@ -49,6 +53,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_TCP_STREAMS", int, 2, "TCP connections a large batch is striped over, per peer"),
         EnvVar("KVPLANE_SLICE_SIZE", _size, 4 << 20, "largest slice one TCP frame carries"),
         EnvVar("KVPLANE_MAX_FRAME", _size, 256 << 20, "largest payload a TCP listener accepts in one frame"),
+        EnvVar("KVPLANE_TRANSPORTS", _names, ("tcp", "shm", "file", "local"), "transports an engine loads, comma separated registry names (tcp is required)"),
         EnvVar("KVPLANE_FILE_ROOT", str, "", "directory that file-backed segments must live under"),
         EnvVar("KVPLANE_MAX_CONNECTIONS", int, 512, "most inbound data connections one engine serves"),
         EnvVar("KVPLANE_PG_HEARTBEAT_INTERVAL", float, 0.1, "seconds between collectives heartbeats"),

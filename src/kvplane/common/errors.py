@@ -11,7 +11,8 @@
     ├── Unavailable      (retryable)  peer or service unreachable, connection dropped
     ├── Timeout          (retryable)  a deadline passed
     ├── ProtocolError                 malformed or hostile frame, version mismatch
-    └── Unauthorized                  shared token missing or wrong
+    ├── Unauthorized                  shared token missing or wrong
+    └── MissingExtra                  an optional dependency is not installed (also an ImportError)
 
 ``code`` is a stable negative integer carried on the wire; ``from_code`` turns it back into a
 class on the other side.
@@ -83,6 +84,12 @@ class Unauthorized(KVPlaneError):
     code = -1009
 
 
+class MissingExtra(KVPlaneError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra to add."""
+
+    code = -1010
+
+
 _BY_CODE: dict[int, type[KVPlaneError]] = {
     cls.code: cls
     for cls in (
@@ -96,6 +103,7 @@ _BY_CODE: dict[int, type[KVPlaneError]] = {
         Timeout,
         ProtocolError,
         Unauthorized,
+        MissingExtra,
     )
 }
 

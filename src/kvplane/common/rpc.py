@@ -18,7 +18,7 @@ import logging
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Handler = Callable[[Any], Any]
 _LEN = struct.Struct("<I")
+
+
 def _recv_frame(sock: socket.socket, limit: int, spin: bool = True) -> bytearray:
     head = memoryview(bytearray(4))
     got = recv_spin(sock, head) if spin else 0
@@ -56,6 +58,39 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
 
 
 _NONE = msgspec.Raw(wire.encode(None))
+
+
+def dispatch(handlers: Mapping[str, tuple[Handler, type[Any]]], token: str,
+             data: bytes | bytearray) -> wire.Reply | None:
+    """Serve one request frame: decode it, check version and token, run the method's handler.
+
+    Errors the handler raises from the kvplane tree travel back as their code; any other
+    exception is a handler bug, logged and answered with the root code.
+
+    Returns:
+        The reply to send, or None when ``data`` is not an envelope at all (the caller drops
+        the connection and counts it as malformed).
+    """
+    try:
+        env = msgspec.msgpack.decode(data, type=wire.Envelope)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    try:
+        if env.v != wire.WIRE_VERSION:
+            raise ProtocolError(f"wire version {env.v} not supported")
+        if token and not hmac.compare_digest(env.token, token):
+            raise Unauthorized("bad or missing token")
+        entry = handlers.get(env.method)
+        if entry is None:
+            raise InvalidArgument(f"unknown method {env.method!r}")
+        handler, rtype = entry
+        body = wire.encode(handler(wire.decode(env.body, rtype)))
+        return wire.Reply(env.id, 0, "", msgspec.Raw(body))
+    except KVPlaneError as exc:
+        return wire.Reply(env.id, exc.code, str(exc), _NONE)
+    except Exception as exc:  # a handler bug must not kill the server
+        log.exception("rpc handler %s failed", env.method)
+        return wire.Reply(env.id, KVPlaneError.code, f"internal error: {exc}", _NONE)
 
 
 class RpcServer:
@@ -106,26 +141,7 @@ class RpcServer:
             pass
 
     def _dispatch(self, data: bytes | bytearray) -> wire.Reply | None:
-        try:
-            env = msgspec.msgpack.decode(data, type=wire.Envelope)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
-        try:
-            if env.v != wire.WIRE_VERSION:
-                raise ProtocolError(f"wire version {env.v} not supported")
-            if self._token and not hmac.compare_digest(env.token, self._token):
-                raise Unauthorized("bad or missing token")
-            entry = self._handlers.get(env.method)
-            if entry is None:
-                raise InvalidArgument(f"unknown method {env.method!r}")
-            handler, rtype = entry
-            body = wire.encode(handler(wire.decode(env.body, rtype)))
-            return wire.Reply(env.id, 0, "", msgspec.Raw(body))
-        except KVPlaneError as exc:
-            return wire.Reply(env.id, exc.code, str(exc), _NONE)
-        except Exception as exc:  # a handler bug must not kill the server
-            log.exception("rpc handler %s failed", env.method)
-            return wire.Reply(env.id, KVPlaneError.code, f"internal error: {exc}", _NONE)
+        return dispatch(self._handlers, self._token, data)
 
     def close(self) -> None:
         """Stop serving and drop every connection (idempotent)."""

@@ -50,7 +50,14 @@ def _cfg(config: Any) -> _Cfg | None:
 
 
 def _code(exc: KVPlaneError) -> int:
-    return exc.code if -2000 < exc.code < 0 and exc.code > -1000 else RPC_FAIL
+    """Mooncake's integer code for a kvplane error (store errors carry theirs; the rest are
+    reported as RPC_FAIL, as Mooncake reports a failed master call)."""
+    return exc.code if -1000 < exc.code < 0 else RPC_FAIL
+
+
+def _codes(results: Sequence[Any]) -> list[int]:
+    """Per-key batch results (None, a count, or an exception) as Mooncake's ints."""
+    return [_code(r) if isinstance(r, KVPlaneError) else (r or 0) for r in results]
 
 
 class MooncakeDistributedStore:
@@ -100,11 +107,18 @@ class MooncakeDistributedStore:
         return self._c
 
     def _safe(self, fn: Any, *a: Any, default: Any = None) -> Any:
+        """Call the native client; None becomes 0, an exception its code (or ``default``)."""
         try:
-            return fn(*a)
+            out = fn(*a)
         except KVPlaneError as exc:
             log.warning("%s failed: %s", getattr(fn, "__name__", "call"), exc)
             return _code(exc) if default is None else default
+        return 0 if out is None else out
+
+    def _batch(self, fn: Any, n: int, *a: Any) -> list[int]:
+        """A native batch call as a list of ints (a whole-call failure repeats its code)."""
+        r = self._safe(fn, *a)
+        return [r] * n if isinstance(r, int) else _codes(r)
 
     # -- bytes API --------------------------------------------------------------------------------
     def put(self, key: str, value: Any, config: Any = None) -> int:
@@ -114,15 +128,16 @@ class MooncakeDistributedStore:
         return self.put(key, b"".join(bytes(memoryview(p)) for p in parts), config)
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], config: Any = None) -> int:
-        codes = self._safe(self.client.put_batch, list(keys), list(values), _cfg(config))
-        return codes if isinstance(codes, int) else next((c for c in codes if c), 0)
+        codes = self._batch(self.client.put_batch, len(keys), list(keys), list(values), _cfg(config))
+        return next((c for c in codes if c), 0)
 
     def upsert(self, key: str, value: Any, config: Any = None) -> int:
         return self._safe(self.client.upsert, key, value, _cfg(config))
 
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any], config: Any = None) -> int:
-        codes = self._safe(self.client.put_batch, list(keys), list(values), _cfg(config), True)
-        return codes if isinstance(codes, int) else next((c for c in codes if c), 0)
+        codes = self._batch(self.client.put_batch, len(keys), list(keys), list(values),
+                            _cfg(config), True)
+        return next((c for c in codes if c), 0)
 
     def get(self, key: str) -> bytes:
         r = self._safe(self.client.get, key, default=b"")
@@ -150,18 +165,17 @@ class MooncakeDistributedStore:
 
     def batch_put_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
                        config: Any = None) -> list[int]:
-        r = self._safe(self.client.batch_put_from, list(keys), list(buffer_ptrs), list(sizes), _cfg(config))
-        return [r] * len(keys) if isinstance(r, int) else r
+        return self._batch(self.client.batch_put_from, len(keys), list(keys), list(buffer_ptrs),
+                           list(sizes), _cfg(config))
 
     def batch_upsert_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
                           config: Any = None) -> list[int]:
-        r = self._safe(self.client.batch_put_from, list(keys), list(buffer_ptrs), list(sizes),
-                       _cfg(config), True)
-        return [r] * len(keys) if isinstance(r, int) else r
+        return self._batch(self.client.batch_put_from, len(keys), list(keys), list(buffer_ptrs),
+                           list(sizes), _cfg(config), True)
 
     def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        r = self._safe(self.client.batch_get_into, list(keys), list(buffer_ptrs), list(sizes))
-        return [r] * len(keys) if isinstance(r, int) else r
+        return self._batch(self.client.batch_get_into, len(keys), list(keys), list(buffer_ptrs),
+                           list(sizes))
 
     def batch_put_from_multi_buffers(self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
                                      all_sizes: Sequence[Sequence[int]], config: Any = None) -> list[int]:
@@ -195,10 +209,12 @@ class MooncakeDistributedStore:
 
     # -- existence, size, removal -------------------------------------------------------------------
     def is_exist(self, key: str) -> int:
-        return self._safe(self.client.exists, key, default=-1)
+        """1 present, 0 absent, -1 on error (Mooncake's convention)."""
+        return int(self._safe(self.client.exists, key, default=-1))
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        return self._safe(self.client.batch_exists, list(keys), default=[-1] * len(keys))
+        found = self._safe(self.client.batch_exists, list(keys), default=[-1] * len(keys))
+        return [int(f) for f in found]
 
     def get_size(self, key: str) -> int:
         return self._safe(self.client.get_size, key)
@@ -207,8 +223,7 @@ class MooncakeDistributedStore:
         return self._safe(self.client.remove, key, force)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        r = self._safe(self.client.batch_remove, list(keys), force)
-        return [r] * len(keys) if isinstance(r, int) else r
+        return self._batch(self.client.batch_remove, len(keys), list(keys), force)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         return self._safe(self.client.remove_by_regex, regex_pattern, force)
@@ -217,7 +232,14 @@ class MooncakeDistributedStore:
         return self._safe(self.client.remove_all, force)
 
     def health_check(self) -> int:
-        return 1 if self._c is None else self._c.health_check()
+        """0 healthy, 1 not set up or closed, 2 master unreachable (Mooncake's codes)."""
+        if self._c is None:
+            return 1
+        try:
+            self._c.health_check()
+        except KVPlaneError:
+            return 2
+        return 0
 
     def get_hostname(self) -> str:
         return self.client.segment_name

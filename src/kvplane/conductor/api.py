@@ -25,7 +25,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from kvplane.common import metrics as common_metrics
 from kvplane.common.errors import (Conflict, InvalidArgument, KVPlaneError, NotFound,
                                    ProtocolError, Unauthorized)
-from kvplane.conductor import instruments as m
+from kvplane.conductor import instruments
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import Conductor, QueryRequest, Registration
 
@@ -296,8 +296,8 @@ def _admin_routes(app: FastAPI, conductor: Conductor, guarded: list[Any]) -> Non
         """Prometheus exposition of the process's metrics."""
         h = conductor.health()
         for what in ("contexts", "blocks", "entries", "holders"):
-            m.INDEX_SIZE.labels(what=what).set(h[what])  # type: ignore[arg-type]
-        m.STREAMS.set(h["streams"])  # type: ignore[arg-type]
+            instruments.INDEX_SIZE.labels(what=what).set(h[what])  # type: ignore[arg-type]
+        instruments.STREAMS.set(h["streams"])  # type: ignore[arg-type]
         body, ctype = common_metrics.render()
         return Response(body, media_type=ctype)
 

@@ -124,13 +124,6 @@ def low64(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
-def to_event_hash(value: int | bytes) -> int:
-    """Normalise a hash as it arrives in an event (u64, signed i64 or raw digest bytes)."""
-    if isinstance(value, bytes | bytearray):
-        return low64(bytes(value))
-    return value & LOW64
-
-
 @dataclass(frozen=True)
 class HashProfile:
     """How an engine computes its block hashes; an index context is bound to exactly one.

@@ -1,7 +1,7 @@
 """The global prefix index: context -> block hash -> holders (instance, DP rank, tier).
 
 Pure: no sockets, no clocks, no threads, no locks (the caller serialises access). Must not
-import ``zmq``, the HTTP stack or any other conductor module except ``events.Tier``.
+import ``zmq``, the HTTP stack or any other conductor module (``Tier`` comes from kvevents).
 
 Layout, chosen to stay lean in memory: a context (tenant, model, LoRA, block size, salt) owns a
 ``dict[int, int]`` from the 64-bit event hash to a bitmask of *holder slots*; a slot is one
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 
 _INTERN_LIMIT = 1 << 16
 
@@ -76,12 +76,74 @@ class Match:
 
 
 class _Cursor:
-    __slots__ = ("instance", "rank", "g", "c", "d", "cpu_vis", "disk_vis")
+    """One (instance, DP rank) walking the chain: where it stopped on each tier, in blocks.
 
-    def __init__(self, instance: str, rank: int, cpu_vis: int, disk_vis: int) -> None:
+    ``cpu_holders``/``disk_holders`` are the holder slots whose CPU/DISK copies it may use
+    (any rank of its instance, plus the shared holders). -1 = still walking that tier.
+    """
+
+    __slots__ = ("instance", "rank", "gpu", "cpu", "disk", "cpu_holders", "disk_holders")
+
+    def __init__(self, instance: str, rank: int, cpu_holders: int, disk_holders: int) -> None:
         self.instance, self.rank = instance, rank
-        self.g = self.c = self.d = 0
-        self.cpu_vis, self.disk_vis = cpu_vis, disk_vis
+        self.gpu = self.cpu = self.disk = -1
+        self.cpu_holders, self.disk_holders = cpu_holders, disk_holders
+
+
+class _Stages:
+    """The cursors still walking, by tier. GPU ones are a bitmask of their GPU holder slots, so
+    one AND per block checks them all. CPU and DISK ones are grouped by the holder mask they may
+    use (usually few distinct masks: the shared pool's, plus each instance's own), so one AND
+    per group checks a block.
+
+    A cursor that cannot continue on its tier at a block stops there and tries the same block
+    on the next tier: GPU -> CPU -> DISK -> done.
+    """
+
+    __slots__ = ("gpu", "cpu", "disk", "by_bit")
+
+    def __init__(self) -> None:
+        self.gpu = 0
+        self.by_bit: dict[int, _Cursor] = {}
+        self.cpu: dict[int, list[_Cursor]] = {}  # cpu_holders -> cursors walking CPU
+        self.disk: dict[int, list[_Cursor]] = {}  # disk_holders -> cursors walking DISK
+
+    def running(self) -> bool:
+        return bool(self.gpu or self.cpu or self.disk)
+
+    def start_on_cpu(self, cur: _Cursor) -> None:
+        self.cpu.setdefault(cur.cpu_holders, []).append(cur)
+
+    def advance(self, position: int, held: int) -> None:
+        """Block ``position`` of the chain is held by the slots in ``held``: stop every cursor
+        that cannot continue through it."""
+        leaving = self.gpu & ~held
+        if leaving:
+            self._leave_gpu(position, leaving)
+        if self.cpu:
+            self._leave_cpu(position, held)
+        if self.disk:
+            self._leave_disk(position, held)
+
+    def _leave_gpu(self, position: int, leaving: int) -> None:
+        self.gpu ^= leaving
+        while leaving:
+            low = leaving & -leaving
+            leaving ^= low
+            cur = self.by_bit[low.bit_length() - 1]
+            cur.gpu = position
+            self.start_on_cpu(cur)
+
+    def _leave_cpu(self, position: int, held: int) -> None:
+        for mask in [mask for mask in self.cpu if not held & mask]:
+            for cur in self.cpu.pop(mask):
+                cur.cpu = position
+                self.disk.setdefault(cur.disk_holders, []).append(cur)
+
+    def _leave_disk(self, position: int, held: int) -> None:
+        for mask in [mask for mask in self.disk if not held & mask]:
+            for cur in self.disk.pop(mask):
+                cur.disk = position
 
 
 class _Context:
@@ -244,8 +306,8 @@ class PrefixIndex:
             instances = self._instances_of(c, shared)
         if c is None:
             return {i: Match(dp={r: 0 for r in ranks}) for i, ranks in instances.items()}
-        cursors, gpu_alive, by_bit, cpu_stage = self._cursors(c, instances, shared)
-        self._walk(c.blocks, iter(hashes), gpu_alive, by_bit, cpu_stage)
+        cursors, stages = self._cursors(c, instances, shared)
+        _walk(c.blocks, hashes, stages)
         return _summarise(cursors, instances)
 
     def _instances_of(self, c: _Context | None, shared: Collection[str]) -> dict[str, set[int]]:
@@ -256,8 +318,10 @@ class PrefixIndex:
         return out
 
     def _cursors(self, c: _Context, instances: Mapping[str, Collection[int]],
-                 shared: Collection[str]) -> tuple[list[_Cursor], int, dict[int, _Cursor], list[_Cursor]]:
-        tier_masks: dict[str, list[int]] = {}  # instance -> [gpu, cpu, disk] bit masks
+                 shared: Collection[str]) -> tuple[list[_Cursor], _Stages]:
+        """One cursor per asked (instance, rank), on GPU if that rank has a GPU slot, else
+        starting on CPU at block 0."""
+        tier_masks: dict[str, list[int]] = {}  # instance -> [gpu, cpu, disk] slot masks
         for h, bit in c.slots.items():
             tier_masks.setdefault(h.instance, [0, 0, 0])[h.tier] |= 1 << bit
         shared_cpu = shared_disk = 0
@@ -266,72 +330,21 @@ class PrefixIndex:
             if tm is not None:
                 shared_cpu, shared_disk = shared_cpu | tm[Tier.CPU], shared_disk | tm[Tier.DISK]
         cursors: list[_Cursor] = []
-        by_bit: dict[int, _Cursor] = {}
-        cpu_stage: list[_Cursor] = []
-        gpu_alive = 0
+        stages = _Stages()
         for inst, ranks in instances.items():
             tm = tier_masks.get(inst, [0, 0, 0])
             cpu, disk = shared_cpu | tm[Tier.CPU], shared_disk | tm[Tier.DISK]
             for r in ranks:
                 cur = _Cursor(inst, r, cpu, disk)
-                cur.g = cur.c = cur.d = -1
                 cursors.append(cur)
                 bit = c.slots.get(Holder(inst, r, Tier.GPU))
                 if bit is None:
-                    cur.g = 0
-                    cpu_stage.append(cur)
+                    cur.gpu = 0
+                    stages.start_on_cpu(cur)
                 else:
-                    by_bit[bit] = cur
-                    gpu_alive |= 1 << bit
-        return cursors, gpu_alive, by_bit, cpu_stage
-
-    @staticmethod
-    def _walk(blocks: dict[int, int], it: Iterable[int], gpu_alive: int,
-              by_bit: dict[int, _Cursor], cpu_stage: list[_Cursor]) -> None:
-        """Advance all cursors block by block, setting each one's g/c/d where it stops."""
-        disk_stage: list[_Cursor] = []
-        if not (gpu_alive or cpu_stage):
-            return
-        get, i = blocks.get, -1
-        for i, h in enumerate(it):
-            m = get(h, 0)
-            keep = gpu_alive & m
-            if keep == gpu_alive and not cpu_stage and not disk_stage:
-                continue  # fast path: every running cursor is still on GPU
-            dropped, gpu_alive = gpu_alive ^ keep, keep
-            while dropped:
-                low = dropped & -dropped
-                dropped ^= low
-                cur = by_bit[low.bit_length() - 1]
-                cur.g = i
-                cpu_stage.append(cur)
-            if cpu_stage:
-                still = [cur for cur in cpu_stage if m & cur.cpu_vis]
-                if len(still) != len(cpu_stage):
-                    for cur in cpu_stage:
-                        if not m & cur.cpu_vis:
-                            cur.c = i
-                            disk_stage.append(cur)
-                    cpu_stage = still
-            if disk_stage:
-                still = [cur for cur in disk_stage if m & cur.disk_vis]
-                for cur in disk_stage:
-                    if not m & cur.disk_vis:
-                        cur.d = i
-                disk_stage = still
-            if not (gpu_alive or cpu_stage or disk_stage):
-                return
-        i += 1  # the chain ended (after i blocks) with cursors still running
-        while gpu_alive:
-            low = gpu_alive & -gpu_alive
-            gpu_alive ^= low
-            by_bit[low.bit_length() - 1].g = i
-            cpu_stage.append(by_bit[low.bit_length() - 1])
-        for cur in cpu_stage:
-            cur.c = i
-            disk_stage.append(cur)
-        for cur in disk_stage:
-            cur.d = i
+                    stages.by_bit[bit] = cur
+                    stages.gpu |= 1 << bit
+        return cursors, stages
 
     def contexts(self) -> list[ContextKey]:
         """Contexts that hold at least one holder slot."""
@@ -366,12 +379,29 @@ class PrefixIndex:
         }
 
 
+def _walk(blocks: dict[int, int], hashes: Iterable[int], stages: _Stages) -> None:
+    """Advance every cursor block by block until all have stopped (or the chain ends)."""
+    if not stages.running():
+        return
+    get = blocks.get
+    gpu, others = stages.gpu, bool(stages.cpu or stages.disk)
+    position = -1
+    for position, block in enumerate(hashes):
+        held = get(block, 0)
+        if gpu & held == gpu and not others:
+            continue  # fast path: every running cursor is on GPU and continues
+        stages.advance(position, held)
+        if not stages.running():
+            return
+        gpu, others = stages.gpu, bool(stages.cpu or stages.disk)
+    stages.advance(position + 1, 0)  # past the end of the chain nothing is held
+
+
 def _summarise(cursors: list[_Cursor], instances: Mapping[str, Collection[int]]) -> dict[str, Match]:
     out = {inst: Match() for inst in instances}
     for cur in cursors:
-        g, c, d = cur.g, cur.c, cur.d
         m = out[cur.instance]
-        m.dp[cur.rank] = g
-        m.gpu, m.cpu, m.disk = max(m.gpu, g), max(m.cpu, c), max(m.disk, d)
+        m.dp[cur.rank] = cur.gpu
+        m.gpu, m.cpu, m.disk = max(m.gpu, cur.gpu), max(m.cpu, cur.cpu), max(m.disk, cur.disk)
         m.longest = m.disk
     return out

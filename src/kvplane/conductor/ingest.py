@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import zmq
 
 from kvplane.common.errors import ProtocolError
-from kvplane.conductor import instruments as m
-from kvplane.conductor.events import EventBatch, decode_batch, decode_seq
+from kvplane.conductor import instruments
+from kvplane.kvevents import EventBatch, decode_batch, decode_seq
 from kvplane.conductor.service import Conductor, Stream
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class EventIngestor:
             self._on_message(frames, self._by_sock.get(sock))
 
     def _skip(self, reason: str) -> None:
-        m.SKIPPED.labels(reason=reason).inc()
+        instruments.SKIPPED.labels(reason=reason).inc()
         setattr(self.stats, reason, getattr(self.stats, reason) + 1)
         self._c.notify_waiters()
 
@@ -263,7 +263,7 @@ class EventIngestor:
         self._last[stream.key] = seq
         self.stats.batches += 1
         self.stats.events += len(batch.events)
-        m.BATCHES.labels(outcome="applied").inc()
+        instruments.BATCHES.labels(outcome="applied").inc()
         self._c.apply(stream, batch, seq)
 
     def _replay(self, stream: Stream, start: int, stop: int, catch_up: bool = False) -> bool:
@@ -274,7 +274,7 @@ class EventIngestor:
         early store only under-reports, and no later remove is missed.
         """
         if not stream.replay_endpoint:
-            m.REPLAY.labels(outcome="no_endpoint").inc()
+            instruments.REPLAY.labels(outcome="no_endpoint").inc()
             self.stats.replay_failures += 1
             return False
         got = self._fetch(stream.replay_endpoint, start, stop)
@@ -294,7 +294,7 @@ class EventIngestor:
             self.stats.replayed += 1
             self._apply(stream, seq, batch)
         ok = expected == stop
-        m.REPLAY.labels(outcome="healed" if ok else "incomplete").inc()
+        instruments.REPLAY.labels(outcome="healed" if ok else "incomplete").inc()
         if not ok:
             self.stats.replay_failures += 1
             log.warning("replay of %s rank %s seq %d..%d from %s incomplete (got up to %d)",

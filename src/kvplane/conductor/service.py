@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 
 from kvplane.common import log as kvlog
 from kvplane.common.errors import Conflict, InvalidArgument, NotFound, ProtocolError
-from kvplane.conductor import instruments as m
+from kvplane.conductor import instruments
 from kvplane.conductor.config import ConductorConfig
-from kvplane.conductor.events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
+from kvplane.kvevents import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
                                       Tier, extra_keys_of, tier_of, tokens_of)
 from kvplane.conductor.hashing import HashProfile, low64
 from kvplane.conductor.indexer import ContextKey, Holder, Match, PrefixIndex
@@ -198,7 +198,7 @@ class Conductor:
         with self._lock:
             bound = self._profiles.get(pkey)
             if bound is not None and bound != profile:
-                m.HASH_MISMATCH.labels(reason="registration").inc()
+                instruments.HASH_MISMATCH.labels(reason="registration").inc()
                 raise Conflict(f"hash profile mismatch for model {reg.model!r} block_size "
                                f"{reg.block_size}: context uses {bound}, registration has {profile}")
             ranks = range(reg.dp_rank, reg.dp_rank + reg.dp_size)
@@ -297,10 +297,10 @@ class Conductor:
                         holder = Holder(reg.instance_id, stream.dp_rank, tier)
                         n = sum(self.index.remove(self._ctx(reg, lora), holder, ev.hashes)
                                 for lora in stream.loras)
-                        m.BLOCKS.labels(kind="removed").inc(n)
+                        instruments.BLOCKS.labels(kind="removed").inc(n)
                 elif isinstance(ev, AllBlocksCleared):
                     self.index.clear(None, reg.instance_id, stream.dp_rank)
-                    m.BLOCKS.labels(kind="cleared").inc()
+                    instruments.BLOCKS.labels(kind="cleared").inc()
             stream.batches += 1
             if seq is not None:
                 stream.last_seq = seq
@@ -308,11 +308,11 @@ class Conductor:
 
     def _tier(self, medium: str | None, group_idx: int | None) -> Tier | None:
         if group_idx not in (None, 0):
-            m.SKIPPED.labels(reason="group_idx").inc()
+            instruments.SKIPPED.labels(reason="group_idx").inc()
             return None
         tier = tier_of(medium)
         if tier is None:
-            m.SKIPPED.labels(reason="unknown_medium").inc()
+            instruments.SKIPPED.labels(reason="unknown_medium").inc()
         return tier
 
     def _ctx(self, reg: Registration, lora: str | None) -> ContextKey:
@@ -326,14 +326,14 @@ class Conductor:
             return
         if ev.block_size and ev.block_size != reg.block_size:
             stream.block_size_mismatches += 1
-            m.SKIPPED.labels(reason="block_size").inc()
+            instruments.SKIPPED.labels(reason="block_size").inc()
             return
         if ev.parent is None and ev.hashes:
             self._maybe_verify(stream, ev)
         ctx = self._ctx(reg, ev.lora_name)
         stream.loras.add(ctx.lora)
         n = self.index.store(ctx, Holder(reg.instance_id, stream.dp_rank, tier), ev.hashes)
-        m.BLOCKS.labels(kind="stored").inc(n)
+        instruments.BLOCKS.labels(kind="stored").inc(n)
 
     def _maybe_verify(self, stream: Stream, ev: BlockStored) -> None:
         """Check a root block's hash against the registered profile; record a mismatch."""
@@ -361,7 +361,7 @@ class Conductor:
         stream.hash_checks += 1
         if want != ev.hashes[0]:
             stream.hash_mismatches += 1
-            m.HASH_MISMATCH.labels(reason="event").inc()
+            instruments.HASH_MISMATCH.labels(reason="event").inc()
             if stream.hash_mismatches == 1:
                 log.warning("hash profile mismatch on instance %s rank %s: registered %s does not "
                             "reproduce its block hashes (check PYTHONHASHSEED and "
@@ -435,7 +435,7 @@ class Conductor:
         body = {inst: {"longest_matched": mt.longest * bs, "GPU": mt.gpu * bs, "CPU": mt.cpu * bs,
                        "DISK": mt.disk * bs, "DP": {str(r): v * bs for r, v in sorted(mt.dp.items())}}
                 for inst, mt in result.items()}
-        m.QUERY_SECONDS.labels(kind="tokens" if req.token_ids is not None else "hashes").observe(
+        instruments.QUERY_SECONDS.labels(kind="tokens" if req.token_ids is not None else "hashes").observe(
             time.perf_counter() - start)
         return {req.tenant_id: body}
 

@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 from kvplane.common.errors import (
-    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, register_code,
+    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, from_code, register_code,
 )
 
 
@@ -111,3 +111,12 @@ class TransferFail(KVPlaneError):
 
     code = -800
     retryable = True
+
+
+def key_error(code: int, key: str) -> KVPlaneError:
+    """The exception for a per-key wire code, with the key and what the code means."""
+    exc = from_code(code, "")
+    doc = (f"error code {code}" if type(exc) is KVPlaneError
+           else (type(exc).__doc__ or type(exc).__name__).strip().splitlines()[0].rstrip("."))
+    exc.args = (f"key {key!r}: {doc}",)
+    return exc

@@ -1,4 +1,17 @@
-"""Test kit shipped with kvplane: spawn real engine processes, wait on readiness, inject faults."""
+"""Test kit shipped with kvplane (imported by tests and benchmarks, never by the product).
+
+Real processes: ``procs`` (spawn, wait for a ready line, kill), ``services`` (etcd, Redis),
+``store_procs`` / ``store_client_proc`` (master, segments, clients), ``ranks`` (collectives
+ranks), ``vllm_harness`` / ``vllm_engine_proc`` (a real vLLM engine in its own venv).
+
+In memory, with scripted faults from a seeded ``faults.FaultPlan`` (drop, delay, fail, corrupt,
+disconnect after N; per peer and op):
+
+* ``mem_transport``    the ``mem`` transport for the TransferEngine registry (``MemFabric``);
+* ``mem_rpc``          a control RPC with ``RpcServer``/``RpcClient``'s surface;
+* ``fake_data_socket`` the far side of a TCP data connection (for ``transports.tcp.Conn``);
+* ``mesh_peers``       scripted peers of a collectives ``Mesh`` over socketpairs.
+"""
 
 from kvplane.testing.procs import Proc, spawn_target, wait_for_line
 

@@ -5,7 +5,8 @@ import contextlib
 import httpx
 import pytest
 
-from kvplane.conductor import fakes
+from kvplane import kvevents
+from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.server import ConductorServer
 
@@ -39,7 +40,7 @@ def http(server):
 @pytest.fixture
 def publishers():
     with contextlib.ExitStack() as stack:
-        yield lambda **kw: stack.enter_context(fakes.FakeKVPublisher(**kw))
+        yield lambda **kw: stack.enter_context(KVEventPublisher(**kw))
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import zlib
 
 import numpy as np
 
+from kvplane.common.errors import KVPlaneError
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
 from kvplane.store.types import ReplicateConfig
@@ -29,8 +30,9 @@ def value_of(key: str, size: int) -> np.ndarray:
 
 def check(c: StoreClient, key: str, size: int) -> str:
     """"ok", "missing" or "corrupt"."""
-    got = c.get(key)
-    if isinstance(got, int):
+    try:
+        got = c.get(key)
+    except KVPlaneError:
         return "missing"
     return "ok" if np.array_equal(np.frombuffer(got, np.uint8), value_of(key, size)) else "corrupt"
 
@@ -44,12 +46,13 @@ def mixed(c: StoreClient, n: int, prefix: str, seed: int) -> dict[str, object]:
         r = rng.random()
         if r < 0.5 or not live:
             key, size = f"{prefix}-{i}", rng.choice([64, 4096, 20000, 65536])
-            code = c.put(key, value_of(key, size).tobytes())
-            if code == 0:
+            try:
+                c.put(key, value_of(key, size).tobytes())
+            except KVPlaneError:
+                stats["errors"] += 1
+            else:
                 live[key] = size
                 stats["put"] += 1
-            else:
-                stats["errors"] += 1
         elif r < 0.9:
             key = rng.choice(list(live))
             res = check(c, key, live[key])
@@ -60,7 +63,7 @@ def mixed(c: StoreClient, n: int, prefix: str, seed: int) -> dict[str, object]:
                 stats["lost"] += 1
         else:
             key = rng.choice(list(live))
-            if c.remove(key, force=True) == 0:
+            if c.batch_remove([key], force=True)[0] is None:
                 del live[key]
                 stats["remove"] += 1
     return {"live": live, **stats}
@@ -82,6 +85,15 @@ def read_loop(c: StoreClient, keys: dict[str, int], seconds: float) -> dict[str,
     return out
 
 
+def health(c: StoreClient) -> str:
+    """"ok", or the class name of the error the master ping raised."""
+    try:
+        c.health_check()
+    except KVPlaneError as exc:
+        return type(exc).__name__
+    return "ok"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--master", required=True)
@@ -98,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         if op == "put":
             cfg = ReplicateConfig(replica_num=cmd.get("replicas", 1))
             keys, size = cmd["keys"], cmd["size"]
-            res: object = c.put_batch(keys, [value_of(k, size).tobytes() for k in keys], cfg)
+            results = c.put_batch(keys, [value_of(k, size).tobytes() for k in keys], cfg)
+            res: object = [0 if r is None else r.code for r in results]
         elif op == "check":
             res = {k: check(c, k, s) for k, s in cmd["keys"].items()}
         elif op == "mixed":
@@ -106,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         elif op == "read_loop":
             res = read_loop(c, cmd["keys"], cmd["seconds"])
         elif op == "health":
-            res = c.health_check()
+            res = health(c)
         else:
             res = {"error": f"unknown op {op}"}
         print(json.dumps({"result": res, "remounts": c.remounts}), flush=True)

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from kvplane.common.errors import Conflict, InvalidArgument
 from kvplane.transfer.types import OpCode, TransferRequest, TransferStatus
 
-S = TransferStatus
 
 
 class Task:
@@ -22,7 +21,7 @@ class Task:
 
     def __init__(self, req: TransferRequest, batch: "Batch") -> None:
         self.req = req
-        self.status = S.WAITING
+        self.status = TransferStatus.WAITING
         self.pending = 0
         self.error = ""
         self.code = 0
@@ -53,7 +52,7 @@ class Slice:
 
     def done(self, status: TransferStatus, error: str = "") -> None:
         """Report this slice finished with ``status``."""
-        self.task.finish_slice(status, self.length if status == S.COMPLETED else 0, error)
+        self.task.finish_slice(status, self.length if status == TransferStatus.COMPLETED else 0, error)
 
 
 def cut(task: Task, local: memoryview, remote: int, length: int, slice_size: int) -> list[Slice]:
@@ -97,7 +96,7 @@ class Batch:
                                       f"{len(self.tasks)} + {len(reqs)} is too many")
             new = [Task(r, self) for r in reqs]
             for t in new:
-                t.status = S.PENDING
+                t.status = TransferStatus.PENDING
             self.tasks.extend(new)
             self._open += len(new)
             if new and self._done is not None:
@@ -109,7 +108,7 @@ class Batch:
         with self._lock:
             task.pending += slices
         if slices == 0:
-            self.finish_slice(task, S.COMPLETED)
+            self.finish_slice(task, TransferStatus.COMPLETED)
 
     def finish_slice(self, task: Task, status: TransferStatus, nbytes: int, error: str) -> None:
         """Fold one slice result into its task; fires callbacks when the batch completes."""
@@ -119,10 +118,10 @@ class Batch:
                 return
             task.transferred += nbytes
             task.pending -= 1
-            if status != S.COMPLETED:
+            if status != TransferStatus.COMPLETED:
                 task.status, task.error = status, error
             elif task.pending <= 0:
-                task.status = S.COMPLETED
+                task.status = TransferStatus.COMPLETED
             if task.status.done:
                 self._open -= 1
                 if self._open == 0:

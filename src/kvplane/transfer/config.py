@@ -69,5 +69,6 @@ class EngineConfig:
             max_frame=envs.get("KVPLANE_MAX_FRAME"),
             max_connections=envs.get("KVPLANE_MAX_CONNECTIONS"),
             file_root=envs.get("KVPLANE_FILE_ROOT"),
+            transports=envs.get("KVPLANE_TRANSPORTS"),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})

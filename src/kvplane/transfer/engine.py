@@ -38,7 +38,6 @@ from kvplane.transfer.transports.base import TransportContext
 from kvplane.transfer.types import OpCode, SegmentDesc, TransferRequest, TransferStatus
 
 log = logging.getLogger(__name__)
-S = TransferStatus
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
@@ -284,8 +283,8 @@ class TransferEngine:
                 route = Route(seg.desc, region, seg.same_host)
                 t = self._choose(req, route)
             except KVPlaneError as exc:
-                task.batch.fail(task, S.FAILED if not isinstance(exc, Timeout) else S.TIMEOUT,
-                                str(exc))
+                status = TransferStatus.TIMEOUT if isinstance(exc, Timeout) else TransferStatus.FAILED
+                task.batch.fail(task, status, str(exc))
                 task.code = exc.code
                 continue
             key = (req.target, t.name, region.addr if t.capabilities.same_host_only else 0,
@@ -483,10 +482,10 @@ def _guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline
     if fallback is not None:
         shadows = [_Shadow(s) for s in slices]
         _guarded(t, route, shadows, deadline)  # type: ignore[arg-type]
-        retry = [sh.orig for sh in shadows if sh.status == S.FAILED and not deadline.expired()]
+        retry = [sh.orig for sh in shadows if sh.status == TransferStatus.FAILED and not deadline.expired()]
         for sh in shadows:
-            if sh.status != S.FAILED or deadline.expired():
-                sh.orig.done(sh.status or S.FAILED, sh.error)
+            if sh.status != TransferStatus.FAILED or deadline.expired():
+                sh.orig.done(sh.status or TransferStatus.FAILED, sh.error)
         if retry:
             metrics.TRANSFER_FAILOVERS.labels(t.name).inc(len(retry))
             log.info("%d slice(s) failed on %s; failing over to %s", len(retry), t.name,
@@ -500,9 +499,9 @@ def _guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline
         for s in slices:
             if isinstance(s, _Shadow):
                 if s.status is None:
-                    s.done(S.FAILED, f"internal error in {t.name}: {exc}")
+                    s.done(TransferStatus.FAILED, f"internal error in {t.name}: {exc}")
             elif not s.task.status.done:
-                s.task.batch.fail(s.task, S.FAILED, f"internal error in {t.name}: {exc}")
+                s.task.batch.fail(s.task, TransferStatus.FAILED, f"internal error in {t.name}: {exc}")
 
 
 _REQ_COUNTERS = {(op, st): metrics.TRANSFER_REQUESTS.labels(op.name.lower(), st.name.lower())
@@ -519,10 +518,10 @@ def _count_done(batch: Batch) -> None:
 
 def _raise_first(tasks: list[Task]) -> None:
     for t in tasks:
-        if t.status == S.COMPLETED:
+        if t.status == TransferStatus.COMPLETED:
             continue
         if t.code:
             raise from_code(t.code, t.error)
-        if t.status == S.TIMEOUT:
+        if t.status == TransferStatus.TIMEOUT:
             raise Timeout(t.error or "transfer timed out")
         raise Unavailable(t.error or f"transfer {t.status.name}")

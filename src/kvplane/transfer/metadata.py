@@ -19,6 +19,7 @@ from typing import Any
 
 from kvplane.common import metrics
 from kvplane.common.errors import InvalidArgument, Unavailable
+from kvplane.common.extras import require
 from kvplane.common.registry import Registry
 
 KEY_PREFIX = "kvplane/segments/"
@@ -120,10 +121,9 @@ class EtcdMetadata(MetadataBackend):
     name = "etcd"
 
     def __init__(self, host: str, port: int) -> None:
-        from etcd3gw.client import Etcd3Client
-
+        client = require("etcd3gw.client", "etcd", "etcd metadata")
         self._host, self._port = host, port
-        self._client = Etcd3Client(host=host, port=port, timeout=5)
+        self._client = client.Etcd3Client(host=host, port=port, timeout=5)
 
     def _wrap(self, op: str, fn: Any, *args: Any) -> Any:
         self._count(op)
@@ -157,8 +157,7 @@ class RedisMetadata(MetadataBackend):
     name = "redis"
 
     def __init__(self, url: str) -> None:
-        import redis
-
+        redis = require("redis", "redis", "Redis metadata")
         self._redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         self._errors = (redis.RedisError, OSError)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from kvplane.common import metrics
 from kvplane.common.listener import Listener
 from kvplane.common.errors import KVPlaneError, ProtocolError, Unauthorized
-from kvplane.transfer import protocol as P
+from kvplane.transfer import protocol
 from kvplane.transfer.memory import MemoryTable, Region
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class DataServer:
         self.max_connections = max_connections
         self.rejected = 0
         self.frames = 0  # frames served (tests use it to prove a path did not touch TCP)
-        self._frames = {op: metrics.SERVER_FRAMES.labels(name) for op, name in P.OPS.items()}
+        self._frames = {op: metrics.SERVER_FRAMES.labels(name) for op, name in protocol.OPS.items()}
         self._listener = Listener(self._serve, host, port, "te", max_connections,
                                   lambda: self._count_reject("too_many_connections"))
         self.host, self.port = self._listener.host, self._listener.port
@@ -72,29 +72,29 @@ class DataServer:
     # -- one connection -------------------------------------------------------------------
     def _serve(self, conn: socket.socket) -> None:
         metrics.SERVER_CONNECTIONS.inc()
-        hdr = bytearray(P.REQ.size)
+        hdr = bytearray(protocol.REQ.size)
         hview = memoryview(hdr)
         authed = not self._token
         conn.settimeout(None)
-        P.set_io_timeout(conn, PAYLOAD_TIMEOUT)
+        protocol.set_io_timeout(conn, PAYLOAD_TIMEOUT)
         quick, done_at = False, time.perf_counter()
         try:
             while not self._listener.closed.is_set():
                 # Busy-poll only for a peer that came back quickly last time (a tight loop);
                 # otherwise sleep, so idle connections never steal CPU from busy ones.
                 try:
-                    got = P.recv_spin(conn, hview, SERVER_SPIN if quick else 0.0)
+                    got = protocol.recv_spin(conn, hview, SERVER_SPIN if quick else 0.0)
                 except TimeoutError:
                     continue  # idle pooled connection: keep it
                 quick = time.perf_counter() - done_at < SERVER_SPIN
                 if got == 0:
                     return
-                if got < P.REQ.size:
-                    P.recv_exact(conn, hview[got:])
-                magic, ver, op, _flags, rid, addr, length = P.REQ.unpack(hdr)
-                if magic != P.MAGIC or ver != P.VERSION:
+                if got < protocol.REQ.size:
+                    protocol.recv_exact(conn, hview[got:])
+                magic, ver, op, _flags, rid, addr, length = protocol.REQ.unpack(hdr)
+                if magic != protocol.MAGIC or ver != protocol.VERSION:
                     raise _Reject("bad_magic")
-                if not authed and op != P.OP_HELLO:
+                if not authed and op != protocol.OP_HELLO:
                     raise _Reject("unauthenticated")
                 authed = self._handle(conn, op, rid, addr, length) or authed
                 done_at = time.perf_counter()
@@ -111,30 +111,30 @@ class DataServer:
         if counter is not None:
             counter.inc()
         self.frames += 1
-        if op == P.OP_READ:
+        if op == protocol.OP_READ:
             self._read(conn, rid, addr, length)
-        elif op == P.OP_WRITE:
+        elif op == protocol.OP_WRITE:
             self._write(conn, rid, addr, length)
-        elif op == P.OP_DESCRIBE:
+        elif op == protocol.OP_DESCRIBE:
             body = self._describe()
-            P.send_all(conn, [P.pack_resp(0, rid, len(body)), body])
-        elif op == P.OP_PING:
-            conn.sendall(P.pack_resp(0, rid, 0))
-        elif op == P.OP_HELLO:
+            protocol.send_all(conn, [protocol.pack_resp(0, rid, len(body)), body])
+        elif op == protocol.OP_PING:
+            conn.sendall(protocol.pack_resp(0, rid, 0))
+        elif op == protocol.OP_HELLO:
             return self._hello(conn, rid, length)
         else:
             raise _Reject("bad_op", f"unknown op {op}")
         return False
 
     def _hello(self, conn: socket.socket, rid: int, length: int) -> bool:
-        if length > P.MAX_TOKEN:
+        if length > protocol.MAX_TOKEN:
             raise _Reject("bad_hello")
         token = bytearray(length)
-        P.recv_exact(conn, memoryview(token))
+        protocol.recv_exact(conn, memoryview(token))
         if self._token and not hmac.compare_digest(bytes(token), self._token):
             self._error(conn, rid, Unauthorized("bad token"))
             raise _Reject("bad_token")
-        conn.sendall(P.pack_resp(0, rid, 0))
+        conn.sendall(protocol.pack_resp(0, rid, 0))
         return True
 
     def _check_length(self, length: int) -> None:
@@ -149,11 +149,11 @@ class DataServer:
             self._error(conn, rid, exc)
             return
         if region.kind == "file":
-            P.send_all(conn, [P.pack_resp(0, rid, length)])
+            protocol.send_all(conn, [protocol.pack_resp(0, rid, length)])
             _sendfile(conn, region, addr - region.addr, length)
             return
         off = addr - region.addr
-        P.send_all(conn, [P.pack_resp(0, rid, length), region.view[off:off + length]])  # type: ignore[index]
+        protocol.send_all(conn, [protocol.pack_resp(0, rid, length), region.view[off:off + length]])  # type: ignore[index]
 
     def _write(self, conn: socket.socket, rid: int, addr: int, length: int) -> None:
         self._check_length(length)
@@ -167,13 +167,13 @@ class DataServer:
         if region.kind == "file":
             _recv_to_file(conn, region, off, length)
         else:
-            P.recv_exact(conn, region.view[off:off + length])  # type: ignore[index]
-        conn.sendall(P.pack_resp(0, rid, 0))
+            protocol.recv_exact(conn, region.view[off:off + length])  # type: ignore[index]
+        conn.sendall(protocol.pack_resp(0, rid, 0))
 
     @staticmethod
     def _error(conn: socket.socket, rid: int, exc: KVPlaneError) -> None:
-        msg = str(exc).encode()[: P.MAX_ERROR]
-        P.send_all(conn, [P.pack_resp(exc.code, rid, len(msg)), msg])
+        msg = str(exc).encode()[: protocol.MAX_ERROR]
+        protocol.send_all(conn, [protocol.pack_resp(exc.code, rid, len(msg)), msg])
 
     def close(self) -> None:
         """Stop accepting and close every connection (idempotent)."""
@@ -185,7 +185,7 @@ def _drain(conn: socket.socket, length: int) -> None:
     left = length
     while left > 0:
         n = min(left, len(scratch))
-        P.recv_exact(conn, scratch[:n])
+        protocol.recv_exact(conn, scratch[:n])
         left -= n
 
 
@@ -203,6 +203,6 @@ def _recv_to_file(conn: socket.socket, region: Region, off: int, length: int) ->
     done = 0
     while done < length:
         n = min(length - done, len(buf))
-        P.recv_exact(conn, buf[:n])
+        protocol.recv_exact(conn, buf[:n])
         os.pwrite(region.fd, buf[:n], off + done)
         done += n

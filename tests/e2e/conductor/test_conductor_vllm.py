@@ -13,7 +13,7 @@ import pytest
 
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.server import ConductorServer
-from kvplane.integrations.vllm.harness import VLLM_PYTHON, Driver, vllm_env
+from kvplane.testing.vllm_harness import VLLM_PYTHON, Driver, vllm_env
 
 DRIVER = pathlib.Path(__file__).with_name("vllm_driver.py")
 pytestmark = [

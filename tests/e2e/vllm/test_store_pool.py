@@ -85,7 +85,7 @@ def test_corrupted_stored_kv_is_detected(pool):
         for key in sorted(keys):
             size = c.get_size(key)
             assert size > 0
-            assert c.upsert(key, rng.standard_normal(size // 4).astype(np.float32).tobytes()) == 0
+            c.upsert(key, rng.standard_normal(size // 4).astype(np.float32).tobytes())
     out = pool["b"].generate(tokens)
     assert out["num_cached_tokens"] == FULL_BLOCKS * BS
     assert max_diff(out["logprobs"], ref["logprobs"]) > 1e-3  # the check can fail

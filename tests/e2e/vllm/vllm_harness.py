@@ -1,4 +1,4 @@
-"""Shared by the vLLM e2e tests: the skip rule, plus the drivers from kvplane.integrations.vllm."""
+"""Shared by the vLLM e2e tests: the skip rule, plus the drivers from kvplane.testing.vllm_harness."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvplane.integrations.vllm.harness import (  # noqa: F401  (re-exported for the tests)
+from kvplane.testing.vllm_harness import (  # noqa: F401  (re-exported for the tests)
     BS, VLLM_PYTHON, Driver, make_model, max_diff, prompt, store_kv_config, vllm_env,
 )
 

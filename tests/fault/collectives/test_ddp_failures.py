@@ -15,8 +15,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
-import torch.distributed as dist
+
+from kvplane.testing.needs import need_module
+
+torch = need_module("torch", "pip install torch==2.13.0")
+import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kvplane.collectives as kc

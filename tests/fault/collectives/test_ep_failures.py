@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+from kvplane.testing.needs import need_module
+
+torch = need_module("torch", "pip install torch==2.13.0")
 
 from kvplane.testing.ep_scenario import TIMEOUT_US, WORLD, reference, worker
 from kvplane.testing.ranks import RankGroup

@@ -13,8 +13,11 @@ import signal
 import time
 
 import pytest
-import torch
-import torch.distributed as dist
+
+from kvplane.testing.needs import need_module
+
+torch = need_module("torch", "pip install torch==2.13.0")
+import torch.distributed as dist  # noqa: E402
 
 import kvplane.collectives as kc
 from kvplane.testing.ranks import RankContext, RankGroup

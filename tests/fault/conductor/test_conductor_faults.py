@@ -3,7 +3,8 @@
 import msgspec
 import pytest
 
-from kvplane.conductor import fakes
+from kvplane import kvevents
+from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.hashing import HashProfile
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(30)]
@@ -14,7 +15,7 @@ HS = list(P.event_hashes(PROMPT, BS))
 
 
 def block(i, **kw):
-    return fakes.stored([HS[i]], PROMPT[i * BS:(i + 1) * BS], BS,
+    return kvevents.stored([HS[i]], PROMPT[i * BS:(i + 1) * BS], BS,
                         parent=HS[i - 1] if i else None, **kw)
 
 
@@ -51,7 +52,7 @@ def test_replayed_remove_is_applied_before_later_events(server, http, publishers
     pub = publishers()
     register(http, pub)
     pub.publish([block(0), block(1)])
-    pub.publish([fakes.removed([HS[1]])], drop=True)
+    pub.publish([kvevents.removed([HS[1]])], drop=True)
     wait_seq(server, "e0", pub.publish([block(2)]))
     assert gpu_tokens(http) == BS  # block 1 evicted: the chain stops after block 0
 
@@ -60,7 +61,7 @@ def test_gap_without_replay_endpoint_drops_stream_then_rebuilds(server, http, pu
     pub = publishers()
     register(http, pub, replay=False)
     wait_seq(server, "e0", pub.publish([block(0), block(1)]))
-    pub.publish([fakes.removed([HS[1]])], drop=True)  # unknown loss: stale state must go
+    pub.publish([kvevents.removed([HS[1]])], drop=True)  # unknown loss: stale state must go
     wait_seq(server, "e0", pub.publish([block(5)]))
     st = server.ingestor.stats
     assert st.gaps == 1 and st.replay_failures == 1 and st.resets == 1
@@ -115,7 +116,7 @@ def test_malformed_frames_are_counted_and_skipped(server, http, publishers, wait
     wait_seq(server, "e0", pub.publish([block(0)]))
     pub.send_raw([b"", (1).to_bytes(8, "big")])  # 2 frames
     pub.send_raw([b"", (1).to_bytes(8, "big"), b"x", b"y"])  # 4 frames
-    pub.send_raw([b"", b"\x00" * 7, fakes.encode_batch([block(1)])])  # 7-byte seq
+    pub.send_raw([b"", b"\x00" * 7, kvevents.encode_batch([block(1)])])  # 7-byte seq
     pub.publish_payload(b"\xc1garbage")  # undecodable, consumes seq 1
     pub.publish_payload(msgspec.msgpack.encode({"not": "a batch"}))  # seq 2
     pub.publish_payload(msgspec.msgpack.encode([1.0, [{"type": "Bogus"}], 0]))  # seq 3
@@ -133,7 +134,7 @@ def test_oversized_batches_are_counted_and_skipped(make_server, publishers, wait
     with httpx.Client(base_url=srv.url, timeout=10) as http:
         register(http, pub)
         wait_seq(srv, "e0", pub.publish([block(0)]))
-        big = fakes.stored(list(range(1, 2000)), [], BS)  # ~18 KB payload
+        big = kvevents.stored(list(range(1, 2000)), [], BS)  # ~18 KB payload
         pub.publish([big])
         wait_seq(srv, "e0", pub.publish([block(1)]))
         st = srv.ingestor.stats

@@ -11,6 +11,7 @@ import pytest
 from kvplane.common.errors import InvalidArgument, ProtocolError
 from kvplane.common.rpc import RpcClient
 from kvplane.store.client.client import StoreClient
+from kvplane.store.errors import InvalidKey
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, PutStartReq, ReplicateConfig, ResultsRep
@@ -42,7 +43,7 @@ def test_kill9_segment_with_one_of_two_replicas_under_read_load():
             with StoreClient(master=addr, protocol="tcp") as w:
                 keys = {f"rep-{i}": 64 * KB for i in range(40)}
                 vals = [value_of(k, 64 * KB).tobytes() for k in keys]
-                assert w.put_batch(list(keys), vals, ReplicateConfig(replica_num=2)) == [0] * 40
+                assert w.put_batch(list(keys), vals, ReplicateConfig(replica_num=2)) == [None] * 40
             before = rpc_count(admin, "get_replicas")
             reader.popen.stdin.write(json.dumps({"op": "read_loop", "keys": keys, "seconds": 4}) + "\n")
             reader.popen.stdin.flush()
@@ -74,7 +75,7 @@ def test_master_restart_clients_remount_without_hanging():
         assert ask(w, op="put", keys=["before"], size=1000) == [0]
         m.kill()
         m.stop()
-        assert ask(w, op="health", timeout=20) == 2  # unreachable, answered promptly
+        assert ask(w, op="health", timeout=20) in ("Unavailable", "Timeout")  # answered promptly
         m = spawn_master("--port", port)  # back on the same address, empty
         try:
             wait_until(lambda: w.ask(json.dumps({"op": "health"}), 10)["remounts"] >= 1, 15,
@@ -115,7 +116,7 @@ def test_eviction_under_pressure_spares_leased_and_pinned():
                 StoreClient(master=addr, protocol="tcp") as c:
             pinned = [f"pin-{i}" for i in range(8)]
             assert c.put_batch(pinned, [value_of(k, 64 * KB).tobytes() for k in pinned],
-                               ReplicateConfig(with_hard_pin=True)) == [0] * 8
+                               ReplicateConfig(with_hard_pin=True)) == [None] * 8
             leased = [f"lease-{i}" for i in range(8)]
             c.put_batch(leased, [value_of(k, 64 * KB).tobytes() for k in leased])
             c.get_batch(leased)  # takes 30 s leases
@@ -124,18 +125,18 @@ def test_eviction_under_pressure_spares_leased_and_pinned():
             m.tick()
             assert m.state.evicted > 0
             for k in pinned + leased:
-                got = c.get(k)
-                assert not isinstance(got, int), k
+                got = c.get(k)  # raises if it was evicted
                 assert np.array_equal(np.frombuffer(got, np.uint8), value_of(k, 64 * KB))
-            assert seg.health_check() == 0
+            seg.health_check()
 
 
 def test_master_survives_hostile_requests():
     with MasterServer(admin_port=None) as m:
         addr = f"127.0.0.1:{m.port}"
         with StoreClient(master=addr, global_segment_size=1 << 20) as c:
-            assert c.put("x" * 5000, b"v") == -400  # oversized key
-            assert c.put_batch(["big"], [b"v"]) == [0]
+            with pytest.raises(InvalidKey):
+                c.put("x" * 5000, b"v")  # oversized key
+            assert c.put_batch(["big"], [b"v"]) == [None]
             huge = c.rpc.call("put_start", PutStartReq("z", ["h"], [1 << 41], ReplicateConfig()),
                               ResultsRep)
             assert huge.results[0].code < 0  # oversized value

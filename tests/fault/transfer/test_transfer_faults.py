@@ -12,8 +12,8 @@ import pytest
 from kvplane.testing import spawn_target
 from kvplane.testing.services import wait_until
 from kvplane.testing.target import pattern
-from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus as S
-from kvplane.transfer import protocol as P
+from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
+from kvplane.transfer import protocol
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 MB = 1 << 20
@@ -40,7 +40,7 @@ def test_kill9_target_mid_batch_fails_within_timeout(engine):
         elapsed = time.monotonic() - t0
         assert all(s.done for s in statuses), statuses
         assert elapsed < 10.5
-        assert S.FAILED in statuses or S.TIMEOUT in statuses  # the dead peer shows up
+        assert TransferStatus.FAILED in statuses or TransferStatus.TIMEOUT in statuses  # the dead peer shows up
         errors = [e for e in engine.errors(bid) if e]
         assert errors and all(isinstance(e, str) for e in errors)
         engine.free_batch(bid)
@@ -51,7 +51,7 @@ def test_kill9_target_mid_batch_fails_within_timeout(engine):
         # and new transfers to the dead one fail fast (connection refused), not hang
         t1 = time.monotonic()
         assert engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
-                                                victim.info["addr"], MB)], timeout=5) == [S.FAILED]
+                                                victim.info["addr"], MB)], timeout=5) == [TransferStatus.FAILED]
         assert time.monotonic() - t1 < 5
 
 
@@ -67,7 +67,7 @@ def test_stalled_peer_times_out(engine):
             st = engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
                                                   t.info["addr"], 8 * MB)], timeout=1.5)
             elapsed = time.monotonic() - t0
-            assert st == [S.TIMEOUT]
+            assert st == [TransferStatus.TIMEOUT]
             assert 1.0 < elapsed < 3.0
         finally:
             t.signal(signal.SIGCONT)
@@ -103,11 +103,11 @@ def test_listener_survives_hostile_frames():
         assert _closed(s)
         # 2. truncated header, then close
         s = _raw(b.port)
-        s.sendall(P.pack_req(P.OP_WRITE, 1, addr, 100)[:10])
+        s.sendall(protocol.pack_req(protocol.OP_WRITE, 1, addr, 100)[:10])
         s.close()
         # 3. write frame whose payload never fully arrives: only what arrived lands
         s = _raw(b.port)
-        s.sendall(P.pack_req(P.OP_WRITE, 1, addr, 1000) + b"x" * 10)
+        s.sendall(protocol.pack_req(protocol.OP_WRITE, 1, addr, 1000) + b"x" * 10)
         s.close()
         wait_until(lambda: dst[:10].tobytes() == b"x" * 10, 5, "the partial payload")
         wait_until(lambda: len(b._server._conns) == 0, 5, "server to drop the connection")
@@ -115,20 +115,20 @@ def test_listener_survives_hostile_frames():
         dst[:10] = 0
         # 4. oversized frame
         s = _raw(b.port)
-        s.sendall(P.pack_req(P.OP_READ, 1, addr, 1 << 40))
+        s.sendall(protocol.pack_req(protocol.OP_READ, 1, addr, 1 << 40))
         assert _closed(s)
         # 5. unknown op
         s = _raw(b.port)
-        s.sendall(P.pack_req(99, 1, addr, 0))
+        s.sendall(protocol.pack_req(99, 1, addr, 0))
         assert _closed(s)
         # 6. a bad offset is an error reply, touches nothing, and the connection stays usable
         s = _raw(b.port)
-        s.sendall(P.pack_req(P.OP_WRITE, 7, addr + MB - 4, 16) + b"y" * 16)
-        magic, status, rid, n = P.RESP.unpack(s.recv(P.RESP.size, socket.MSG_WAITALL))
-        assert (magic, rid) == (P.RESP_MAGIC, 7) and status != 0
+        s.sendall(protocol.pack_req(protocol.OP_WRITE, 7, addr + MB - 4, 16) + b"y" * 16)
+        magic, status, rid, n = protocol.RESP.unpack(s.recv(protocol.RESP.size, socket.MSG_WAITALL))
+        assert (magic, rid) == (protocol.RESP_MAGIC, 7) and status != 0
         assert b"not inside" in s.recv(n, socket.MSG_WAITALL)
-        s.sendall(P.pack_req(P.OP_PING, 8, 0, 0))
-        assert P.RESP.unpack(s.recv(P.RESP.size, socket.MSG_WAITALL))[1:3] == (0, 8)
+        s.sendall(protocol.pack_req(protocol.OP_PING, 8, 0, 0))
+        assert protocol.RESP.unpack(s.recv(protocol.RESP.size, socket.MSG_WAITALL))[1:3] == (0, 8)
         s.close()
         assert not dst.any()
         assert b._server.rejected >= 3
@@ -145,12 +145,12 @@ def test_token_listener_rejects_unauthenticated_ops():
         dst = np.zeros(4096, np.uint8)
         b.register_memory(dst)
         s = _raw(b.port)
-        s.sendall(P.pack_req(P.OP_WRITE, 1, dst.ctypes.data, 4) + b"zzzz")
+        s.sendall(protocol.pack_req(protocol.OP_WRITE, 1, dst.ctypes.data, 4) + b"zzzz")
         assert _closed(s)
         assert not dst.any()
         s = _raw(b.port)
-        s.sendall(P.pack_req(P.OP_HELLO, 1, 0, 3) + b"bad")
-        magic, status, rid, n = P.RESP.unpack(s.recv(P.RESP.size, socket.MSG_WAITALL))
+        s.sendall(protocol.pack_req(protocol.OP_HELLO, 1, 0, 3) + b"bad")
+        magic, status, rid, n = protocol.RESP.unpack(s.recv(protocol.RESP.size, socket.MSG_WAITALL))
         assert status != 0
         assert b"token" in s.recv(n, socket.MSG_WAITALL)
         assert _closed(s)
@@ -164,9 +164,9 @@ def test_response_with_wrong_id_is_a_protocol_failure(engine):
 
     def evil():
         c, _ = ls.accept()
-        hdr = c.recv(P.REQ.size, socket.MSG_WAITALL)
+        hdr = c.recv(protocol.REQ.size, socket.MSG_WAITALL)
         rid = struct.unpack_from("<Q", hdr, 8)[0]
-        c.sendall(P.pack_resp(0, rid + 1000, 0))
+        c.sendall(protocol.pack_resp(0, rid + 1000, 0))
         c.recv(1)
         c.close()
 
@@ -184,7 +184,7 @@ def test_response_with_wrong_id_is_a_protocol_failure(engine):
     tcp.ctx = type(tcp.ctx)(**{**tcp.ctx.__dict__, "retries": 0})
     tcp._lane(("127.0.0.1", port), [Slice(task, OpCode.WRITE, memoryview(local), 0, 16)],
               Deadline.after(5))
-    assert task.status == S.FAILED and "response id" in task.error
+    assert task.status == TransferStatus.FAILED and "response id" in task.error
     ls.close()
     th.join(5)
 
@@ -203,7 +203,7 @@ def test_slice_on_a_cut_connection_is_retried_on_a_fresh_one():
         cuts = []
 
         def cut_once(conn, op, rid, addr, length):
-            if op == P.OP_WRITE and len(cuts) == 0 and b._server.frames >= 3:
+            if op == protocol.OP_WRITE and len(cuts) == 0 and b._server.frames >= 3:
                 cuts.append(rid)
                 conn.shutdown(socket.SHUT_RDWR)  # the connection dies mid-batch
                 raise OSError("cut")

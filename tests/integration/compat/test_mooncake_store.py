@@ -13,7 +13,7 @@ from kvplane.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
 from kvplane.store.master.server import MasterServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-BENCH_STORE = pathlib.Path(__file__).resolve().parents[3].parent / "shared/peers/mooncake/bench_store.py"
+BENCH_STORE = pathlib.Path(__file__).resolve().parents[2] / "data/mooncake_peer/bench_store.py"
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,6 @@ def test_setup_fails_cleanly_without_master():
     assert st.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", "127.0.0.1:1") < 0
 
 
-@pytest.mark.skipif(not BENCH_STORE.exists(), reason="shared/peers/mooncake/bench_store.py not beside the repo")
 def test_mooncake_bench_store_runs_unchanged(master, tmp_path):
     env = dict(os.environ, BENCH_IMPL="kvplane")
     out = subprocess.run(

@@ -17,7 +17,7 @@ from kvplane.testing.target import pattern
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MB = 1 << 20
-BENCH_TE = pathlib.Path(__file__).resolve().parents[3].parent / "shared/peers/mooncake/bench_te.py"
+BENCH_TE = pathlib.Path(__file__).resolve().parents[2] / "data/mooncake_peer/bench_te.py"
 
 
 @pytest.fixture
@@ -104,7 +104,6 @@ def test_http_metadata_mode():
             b.close()
 
 
-@pytest.mark.skipif(not BENCH_TE.exists(), reason="shared/peers/mooncake/bench_te.py not beside the repo")
 def test_mooncake_bench_script_runs_unchanged(tmp_path):
     env = dict(os.environ, BENCH_IMPL="kvplane")
     out = subprocess.run([sys.executable, str(BENCH_TE), "--sizes", "65536,1048576",

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvplane.conductor import fakes
+from kvplane import kvevents
+from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import QueryRequest
 
@@ -31,8 +32,8 @@ def test_connect_mode_store_query_remove(server, http, publishers, encoding, wai
     pub.wait_subscribed()
     hs = hashes(PROMPT)
     toks = PROMPT[: 5 * BS]
-    pub.publish([fakes.stored(hs[:3], toks[: 3 * BS], BS, encoding=encoding)])
-    seq = pub.publish([fakes.stored(hs[3:], toks[3 * BS:], BS, parent=hs[2], encoding=encoding)])
+    pub.publish([kvevents.stored(hs[:3], toks[: 3 * BS], BS, encoding=encoding)])
+    seq = pub.publish([kvevents.stored(hs[3:], toks[3 * BS:], BS, parent=hs[2], encoding=encoding)])
     wait_seq(server, "e0", seq)
     body = {"model": "m", "token_ids": PROMPT, "block_size": BS}
     assert http.post("/query", json=body).json() == {
@@ -41,10 +42,10 @@ def test_connect_mode_store_query_remove(server, http, publishers, encoding, wai
     assert by_hash.json() == http.post("/query", json=body).json()
     in_process = server.conductor.query(QueryRequest("m", token_ids=PROMPT, block_size=BS))
     assert in_process == by_hash.json()
-    seq = pub.publish([fakes.removed([hs[1]], encoding=encoding)])
+    seq = pub.publish([kvevents.removed([hs[1]], encoding=encoding)])
     wait_seq(server, "e0", seq)
     assert http.post("/query", json=body).json()["default"]["e0"]["GPU"] == BS
-    seq = pub.publish([fakes.cleared(encoding)])
+    seq = pub.publish([kvevents.cleared(encoding)])
     wait_seq(server, "e0", seq)
     assert http.post("/query", json=body).json()["default"]["e0"]["longest_matched"] == 0
     assert server.ingestor.stats.malformed == 0 and server.ingestor.stats.gaps == 0
@@ -62,9 +63,9 @@ def test_bind_mode_routes_by_topic_and_dp_rank(server, http, publishers, wait_se
     for p in (pa0, pa1, pb):
         p.wait_subscribed()
     hs = hashes(PROMPT)
-    s0 = pa0.publish([fakes.stored(hs[:1], PROMPT[:BS], BS)])
-    s1 = pa1.publish([fakes.stored(hs[:4], PROMPT[: 4 * BS], BS)])
-    s2 = pb.publish([fakes.stored(hs[:2], PROMPT[: 2 * BS], BS)])
+    s0 = pa0.publish([kvevents.stored(hs[:1], PROMPT[:BS], BS)])
+    s1 = pa1.publish([kvevents.stored(hs[:4], PROMPT[: 4 * BS], BS)])
+    s2 = pb.publish([kvevents.stored(hs[:2], PROMPT[: 2 * BS], BS)])
     wait_seq(server, "a", s0, rank=0)
     wait_seq(server, "a", s1, rank=1)
     wait_seq(server, "b", s2, rank=0)
@@ -82,7 +83,7 @@ def test_many_instances_each_with_its_own_prefix(server, http, publishers, wait_
     hs = hashes(PROMPT)
     for i, pub in enumerate(pubs):
         pub.wait_subscribed()
-        seq = pub.publish([fakes.stored(hs[: i % 6], PROMPT[: (i % 6) * BS], BS)])
+        seq = pub.publish([kvevents.stored(hs[: i % 6], PROMPT[: (i % 6) * BS], BS)])
         wait_seq(server, f"i{i}", seq)
     r = http.post("/query", json={"model": "m", "token_ids": PROMPT, "block_size": BS}).json()
     assert {k: v["longest_matched"] for k, v in r["default"].items()} == {
@@ -95,7 +96,7 @@ def test_unregister_stops_ingest_and_forgets(server, http, publishers, wait_seq)
     pub = publishers()
     register(http, pub, "e0")
     pub.wait_subscribed()
-    seq = pub.publish([fakes.stored(hashes(PROMPT), PROMPT[: 5 * BS], BS)])
+    seq = pub.publish([kvevents.stored(hashes(PROMPT), PROMPT[: 5 * BS], BS)])
     wait_seq(server, "e0", seq)
     r = http.post("/unregister", json={"instance_id": "e0", "modelname": "m", "block_size": BS})
     assert r.json() == {"status": "unregistered successfully", "removed_instances": ["e0|default|0"]}
@@ -107,7 +108,7 @@ def test_instances_health_metrics(server, http, publishers, wait_seq):
     pub = publishers()
     register(http, pub, "e0", hash_profile={"algorithm": "sha256", "python_hash_seed": "0"})
     pub.wait_subscribed()
-    seq = pub.publish([fakes.stored(hashes(PROMPT), PROMPT[: 5 * BS], BS)])
+    seq = pub.publish([kvevents.stored(hashes(PROMPT), PROMPT[: 5 * BS], BS)])
     wait_seq(server, "e0", seq)
     (row,) = http.get("/instances").json()
     assert row["instance_id"] == "e0" and row["blocks"]["GPU"] == 5 and row["hash_status"] == "ok"
@@ -124,7 +125,7 @@ def test_mismatched_profile_reported_over_http(server, http, publishers, wait_se
     pub = publishers()
     register(http, pub, "e0", hash_profile={"algorithm": "sha256_cbor", "python_hash_seed": "0"})
     pub.wait_subscribed()
-    seq = pub.publish([fakes.stored(hashes(PROMPT), PROMPT[: 5 * BS], BS)])  # engine used sha256
+    seq = pub.publish([kvevents.stored(hashes(PROMPT), PROMPT[: 5 * BS], BS)])  # engine used sha256
     wait_seq(server, "e0", seq)
     assert http.get("/health").json()["status"] == "degraded"
     assert http.get("/instances").json()[0]["hash_status"] == "mismatch"
@@ -153,7 +154,7 @@ def test_query_bodies_json_msgpack_and_422(server, http, publishers, wait_seq):
     register(http, pub, "e0")
     pub.wait_subscribed()
     hs = hashes(PROMPT)
-    wait_seq(server, "e0", pub.publish([fakes.stored(hs[:2], PROMPT[: 2 * BS], BS)]))
+    wait_seq(server, "e0", pub.publish([kvevents.stored(hs[:2], PROMPT[: 2 * BS], BS)]))
     body = {"model": "m", "token_ids": PROMPT, "block_size": BS}
     packed = http.post("/query", content=msgspec.msgpack.encode(body),
                        headers={"content-type": "application/msgpack"})

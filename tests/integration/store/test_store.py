@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvplane.store.client.client import StoreClient
+from kvplane.store.errors import InvalidParams, ObjectHasLease, ObjectNotFound
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import ReplicateConfig
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
@@ -52,29 +53,37 @@ def client(cluster):
 
 
 def test_put_semantics(client):
-    assert client.put("sem-a", b"one") == 0
-    assert client.put("sem-a", b"two") == 0  # exists: success, no overwrite
+    client.put("sem-a", b"one")
+    client.put("sem-a", b"two")  # exists: success, no overwrite
     assert client.get("sem-a") == b"one"
-    assert client.upsert("sem-a", b"three!") == 0
+    client.upsert("sem-a", b"three!")
     assert client.get("sem-a") == b"three!"
     assert client.get_size("sem-a") == 6
-    assert client.exists("sem-a") == 1 and client.exists("sem-none") == 0
-    assert client.batch_exists(["sem-a", "sem-none"]) == [1, 0]
-    assert client.get("sem-none") == -704
+    assert client.exists("sem-a") is True and client.exists("sem-none") is False
+    assert client.batch_exists(["sem-a", "sem-none"]) == [True, False]
+    with pytest.raises(ObjectNotFound, match="sem-none"):
+        client.get("sem-none")
+    with pytest.raises(ObjectNotFound):
+        client.get_size("sem-none")
+    got = client.get_batch(["sem-a", "sem-none"])
+    assert got[0] == b"three!" and isinstance(got[1], ObjectNotFound)
 
 
 def test_leases_block_remove(client):
     client.put("lease-a", b"x")
     client.get("lease-a")
-    assert client.remove("lease-a") == -706
-    assert client.remove("lease-a", force=True) == 0
-    assert client.remove("lease-a") == -704
+    with pytest.raises(ObjectHasLease):
+        client.remove("lease-a")
+    client.remove("lease-a", force=True)
+    with pytest.raises(ObjectNotFound):
+        client.remove("lease-a")
+    assert [type(r) for r in client.batch_remove(["lease-a"])] == [ObjectNotFound]
 
 
 def test_regex_and_remove_all(client):
     client.put_batch([f"rx-{i}" for i in range(5)] + ["other-1"], [b"v"] * 6)
     assert client.remove_by_regex("^rx-", force=True) == 5
-    assert client.exists("other-1") == 1
+    assert client.exists("other-1")
 
 
 def test_zero_copy_batch(client):
@@ -84,15 +93,17 @@ def test_zero_copy_batch(client):
     client.register_buffer(dst)
     keys = [f"zc-{i}" for i in range(4)]
     addrs = [src.ctypes.data + i * MB for i in range(4)]
-    assert client.batch_put_from(keys, addrs, [MB] * 4) == [0] * 4
+    assert client.batch_put_from(keys, addrs, [MB] * 4) == [None] * 4
     got = client.batch_get_into(keys, [dst.ctypes.data + i * MB for i in range(4)], [MB] * 4)
     assert got == [MB] * 4 and np.array_equal(src, dst)
-    assert client.get_into("zc-0", dst.ctypes.data, 100) == -600  # buffer too small
-    assert client.get_into("zc-none", dst.ctypes.data, MB) == -704
+    with pytest.raises(InvalidParams):
+        client.get_into("zc-0", dst.ctypes.data, 100)  # buffer too small
+    with pytest.raises(ObjectNotFound):
+        client.get_into("zc-none", dst.ctypes.data, MB)
 
 
 def test_health_check(client):
-    assert client.health_check() == 0
+    client.health_check()  # raises when the master is unreachable (tests/fault)
 
 
 def test_same_host_replica_is_read_through_shared_memory():
@@ -100,7 +111,7 @@ def test_same_host_replica_is_read_through_shared_memory():
         addr = f"127.0.0.1:{m.port}"
         with StoreClient(master=addr, global_segment_size=8 * MB) as seg, \
                 StoreClient(master=addr, protocol="auto") as c:
-            assert c.put("shm-k", value_of("shm-k", 2 * MB).tobytes()) == 0
+            c.put("shm-k", value_of("shm-k", 2 * MB).tobytes())
             frames = seg.engine._server.frames
             got = c.get("shm-k")
             assert np.array_equal(np.frombuffer(got, np.uint8), value_of("shm-k", 2 * MB))
@@ -112,7 +123,8 @@ def test_same_host_replica_is_read_through_shared_memory():
 
 def test_replicate_config_and_metrics(cluster, client):
     cfg = ReplicateConfig(replica_num=2, with_hard_pin=True)
-    assert client.put("pin-k", b"p", cfg) == 0
+    client.put("pin-k", b"p", cfg)
+    assert client.get("pin-k") == b"p"
     text = httpx.get(f"http://127.0.0.1:{cluster['admin']}/metrics/").text
     assert "master_key_count" in text and "master_rpc_requests_total" in text
     assert httpx.get(f"http://127.0.0.1:{cluster['admin']}/health").json()["ready"] is True

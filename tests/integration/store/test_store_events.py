@@ -4,7 +4,7 @@ import pytest
 
 from kvplane.conductor.hashing import HashProfile
 from kvplane.store import MasterServer, StoreClient
-from kvplane.store.master.events import key_hash
+from kvplane.store.master.pool_events import key_hash
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 BS = 16
@@ -31,12 +31,12 @@ def test_pool_blocks_show_up_as_cpu_tier(server, http, wait_seq):
         addr = f"127.0.0.1:{m.port}"
         with StoreClient(master=addr, global_segment_size=1 << 20) as c:
             keys = [f"m@0@{h:#x}" for h in hs[:2]]
-            assert c.put_batch(keys, [b"kv"] * 2) == [0, 0]
+            assert c.put_batch(keys, [b"kv"] * 2) == [None, None]
             wait_seq(server, "pool", m.events.pub._seq - 1)
             body = {"model": "m", "seq_hashes": hs, "block_size": BS}
             got = http.post("/query_by_hash", json=body).json()["default"]
             assert got["e0"]["CPU"] == 2 * BS and got["e0"]["GPU"] == 0
-            assert c.remove(keys[1], force=True) == 0
+            c.remove(keys[1], force=True)
             wait_seq(server, "pool", m.events.pub._seq - 1)
             got = http.post("/query_by_hash", json=body).json()["default"]
             assert got["e0"]["CPU"] == BS

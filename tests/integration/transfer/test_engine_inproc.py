@@ -5,7 +5,7 @@ import pytest
 
 from kvplane.common.errors import InvalidArgument, NotFound, Unauthorized
 from kvplane.testing.services import wait_until
-from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus as S
+from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from kvplane.transfer.metadata import open_metadata
 from kvplane.transfer.metadata_server import serve_in_thread
 
@@ -196,7 +196,7 @@ def test_a_crashing_transport_fails_requests_instead_of_hanging():
         a.transports["tcp"].run = boom
         st = a.transfer([TransferRequest(OpCode.WRITE, src.ctypes.data, seg, dst.ctypes.data, 4096)],
                         timeout=5)
-        assert st == [S.FAILED]
+        assert st == [TransferStatus.FAILED]
 
 
 
@@ -212,7 +212,7 @@ def test_failed_same_host_slices_fail_over_to_tcp():
 
         def broken(route, slices, deadline):
             for s in slices:
-                s.done(S.FAILED, "mapping vanished")
+                s.done(TransferStatus.FAILED, "mapping vanished")
 
         a.transports["shm"].run = broken
         before = metrics.TRANSFER_FAILOVERS.labels("shm")._value.get()
@@ -222,4 +222,4 @@ def test_failed_same_host_slices_fail_over_to_tcp():
         # forcing shm means no failover: the failure is reported
         st = a.transfer([TransferRequest(OpCode.WRITE, src.ctypes.data, seg, buf.addr, MB,
                                          transport="shm")])
-        assert st == [S.FAILED]
+        assert st == [TransferStatus.FAILED]

@@ -8,7 +8,7 @@ import pytest
 from kvplane.common.errors import AddressNotRegistered, InvalidArgument
 from kvplane.testing import spawn_target
 from kvplane.testing.target import pattern
-from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus as S
+from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from kvplane.transfer.transports import Route
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -54,7 +54,7 @@ def test_batch_of_many_small_requests(target, engine):
     raddr = target.info["addr"]
     reqs = [TransferRequest(OpCode.READ, local.ctypes.data + i * 4096, seg,
                             raddr + (31 - i) * 4096, 4096) for i in range(32)]
-    assert engine.transfer(reqs) == [S.COMPLETED] * 32
+    assert engine.transfer(reqs) == [TransferStatus.COMPLETED] * 32
     for i in range(32):
         assert np.array_equal(local[i * 4096:(i + 1) * 4096], pattern(4096, (31 - i) * 4096))
 
@@ -71,8 +71,8 @@ def test_async_batch_polling_and_free(target, engine):
     with pytest.raises(InvalidArgument):
         engine.submit(bid, reqs[:1])  # over capacity
     statuses = engine.wait(bid, timeout=20)
-    assert statuses == [S.COMPLETED] * 8
-    assert engine.status(bid, 3) == (S.COMPLETED, MB)
+    assert statuses == [TransferStatus.COMPLETED] * 8
+    assert engine.status(bid, 3) == (TransferStatus.COMPLETED, MB)
     engine.free_batch(bid)
     assert np.array_equal(local, pattern(8 * MB))
 
@@ -86,7 +86,7 @@ def test_asyncio_form(target, engine):
     async def go():
         return await engine.transfer_async([req], timeout=10)
 
-    assert asyncio.run(go()) == [S.COMPLETED]
+    assert asyncio.run(go()) == [TransferStatus.COMPLETED]
     assert np.array_equal(local, pattern(MB))
 
 
@@ -112,7 +112,7 @@ def test_three_processes(engine):
         s1, s2 = engine.open_segment(t1.info["segment"]), engine.open_segment(t2.info["segment"])
         reqs = [TransferRequest(OpCode.READ, local.ctypes.data, s1, t1.info["addr"], MB),
                 TransferRequest(OpCode.READ, local.ctypes.data + MB, s2, t2.info["addr"] + MB, MB)]
-        assert engine.transfer(reqs) == [S.COMPLETED] * 2
+        assert engine.transfer(reqs) == [TransferStatus.COMPLETED] * 2
         assert np.array_equal(local[:MB], pattern(MB))
         assert np.array_equal(local[MB:], pattern(MB, MB))
 

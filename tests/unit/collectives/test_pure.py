@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+from kvplane.testing.needs import need_module
+
+torch = need_module("torch", "pip install torch==2.13.0")
+import torch.distributed as dist  # noqa: E402
 
 import kvplane.collectives as kc
 import kvplane.ep as kep

@@ -1,4 +1,4 @@
-"""vLLM block hashing against the golden vectors of shared/reference/conductor.md §1.4."""
+"""vLLM block hashing against the golden vectors of docs/reference.md §R1."""
 
 import hashlib
 import pickle
@@ -6,7 +6,8 @@ import pickle
 import pytest
 
 from kvplane.common.errors import InvalidArgument
-from kvplane.conductor.hashing import HashProfile, cbor_canonical, low64, to_event_hash
+from kvplane.conductor.hashing import HashProfile, cbor_canonical, low64
+from kvplane.kvevents import to_event_hash
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 from kvplane.conductor.indexer import ContextKey, Holder, PrefixIndex
 
 pytestmark = pytest.mark.timeout(10)

@@ -4,9 +4,10 @@ import pytest
 
 import kvplane.conductor as conductor_pkg
 from kvplane.common.errors import Conflict, InvalidArgument, NotFound
-from kvplane.conductor import fakes
+from kvplane import kvevents
+from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.config import ConductorConfig
-from kvplane.conductor.events import decode_batch
+from kvplane.kvevents import decode_batch
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import Conductor, QueryRequest, Registration, offset_endpoint
 
@@ -16,11 +17,11 @@ TOKENS = list(range(1, 17))  # 4 complete blocks
 
 
 def apply(c, stream, *events, seq=None):
-    c.apply(stream, decode_batch(fakes.encode_batch(list(events), stream.dp_rank)), seq)
+    c.apply(stream, decode_batch(kvevents.encode_batch(list(events), stream.dp_rank)), seq)
 
 
 def stored(profile, tokens, **kw):
-    return fakes.stored(list(profile.event_hashes(tokens, BS)), tokens, BS, **kw)
+    return kvevents.stored(list(profile.event_hashes(tokens, BS)), tokens, BS, **kw)
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ def test_lora_and_cache_salt_change_the_chain(c):
     (s,) = c.register(Registration("a", "m", BS))
     p = HashProfile()
     hs = list(p.event_hashes(TOKENS, BS, lora_name="L", cache_salt="salt"))
-    apply(c, s, fakes.stored(hs, TOKENS, BS, lora_name="L"))
+    apply(c, s, kvevents.stored(hs, TOKENS, BS, lora_name="L"))
     q = QueryRequest("m", token_ids=TOKENS, lora_name="L", cache_salt="salt")
     assert c.query(q)["default"]["a"]["GPU"] == 16
     q.cache_salt = None
@@ -60,9 +61,9 @@ def test_removed_and_cleared_events(c):
     (s,) = c.register(Registration("a", "m", BS))
     p = HashProfile()
     hs = list(p.event_hashes(TOKENS, BS))
-    apply(c, s, stored(p, TOKENS), fakes.removed([hs[2]]))
+    apply(c, s, stored(p, TOKENS), kvevents.removed([hs[2]]))
     assert c.query(QueryRequest("m", token_ids=TOKENS))["default"]["a"]["GPU"] == 8
-    apply(c, s, fakes.cleared())
+    apply(c, s, kvevents.cleared())
     assert c.query(QueryRequest("m", token_ids=TOKENS))["default"]["a"]["longest_matched"] == 0
 
 
@@ -129,7 +130,7 @@ def test_event_hash_mismatch_is_reported(c):
 
 def test_block_size_mismatch_is_counted_and_skipped(c):
     (s,) = c.register(Registration("a", "m", BS))
-    apply(c, s, fakes.stored([1, 2], list(range(16)), 8))
+    apply(c, s, kvevents.stored([1, 2], list(range(16)), 8))
     assert s.block_size_mismatches == 1 and c.health()["blocks"] == 0
 
 
@@ -157,7 +158,7 @@ def test_query_validation(c):
 
 def test_random_seed_profile_allows_hash_queries_only(c):
     (s,) = c.register(Registration("a", "m", BS, hash_profile=HashProfile(seed="random")))
-    apply(c, s, fakes.stored([7, 8], TOKENS[:8], BS))
+    apply(c, s, kvevents.stored([7, 8], TOKENS[:8], BS))
     assert c.query(QueryRequest("m", seq_hashes=[7, 8]))["default"]["a"]["GPU"] == 8
     with pytest.raises(InvalidArgument):
         c.query(QueryRequest("m", token_ids=TOKENS))

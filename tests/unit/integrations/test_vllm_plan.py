@@ -54,7 +54,7 @@ def test_matched_tokens_counts_the_leading_run_past_local_hits():
     assert matched_tokens([True, True], 1, 32, 32) == 64
     assert matched_tokens([False, True], 0, 0, 32) == 0
     assert matched_tokens([], 2, 64, 32) == 0
-    assert blocks_present([1, 1, 1, 0, 1, 1], 2) == [True, False, True]
+    assert blocks_present([True, True, True, False, True, True], 2) == [True, False, True]
 
 
 def test_load_job_maps_granted_tokens_to_local_blocks():
@@ -164,7 +164,7 @@ def test_background_saver_counts_failures_and_drops_when_full():
         calls.append(keys)
         if keys[0] == "bad":
             raise Unavailable("segment gone")
-        return [0] * len(keys)
+        return [None] * len(keys)
 
     s = BackgroundSaver(put, queue_size=1)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 from kvplane.conductor.indexer import PrefixIndex
 from kvplane.conductor.scheduling.config import ClusterConfig, ModelConfig, PolicyConfig
 from kvplane.conductor.scheduling.policy import create_policy

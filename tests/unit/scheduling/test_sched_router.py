@@ -4,9 +4,10 @@ import pytest
 
 import kvplane.conductor.scheduling as sched_pkg
 from kvplane.common.errors import InvalidArgument, NotFound
-from kvplane.conductor import fakes
+from kvplane import kvevents
+from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.config import ConductorConfig
-from kvplane.conductor.events import decode_batch
+from kvplane.kvevents import decode_batch
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.scheduling.config import ClusterConfig, ModelConfig, PolicyConfig
 from kvplane.conductor.scheduling.policy import create_policy
@@ -34,7 +35,7 @@ def setup():
     c = Conductor(ConductorConfig())
     streams = {i: c.register(Registration(i, "m", BS))[0] for i in ("p0", "p1")}
     hashes = list(HashProfile().event_hashes(TOKENS, BS))
-    batch = fakes.encode_batch([fakes.stored(hashes, TOKENS, BS)], 0)
+    batch = kvevents.encode_batch([kvevents.stored(hashes, TOKENS, BS)], 0)
     c.apply(streams["p1"], decode_batch(batch))
     tm = TimeModel(ModelConfig(), ClusterConfig(block_tokens=BS))
     clock = Clock()

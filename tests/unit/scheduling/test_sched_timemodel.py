@@ -22,7 +22,7 @@ def test_prefill_is_the_flop_polynomial():
 
 
 def test_prefill_matches_the_reference_sanity_numbers():
-    # shared/reference/conductor.md §5.4: 12k tokens ≈ 1.4 s, 128k ≈ 46.5 s at MFU 0.5
+    # docs/reference.md §R5: 12k tokens ≈ 1.4 s, 128k ≈ 46.5 s at MFU 0.5
     assert TM.prefill_s(12_000, 0) == pytest.approx(1.44, abs=0.02)
     assert TM.prefill_s(128_000, 0) == pytest.approx(46.5, abs=0.1)
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvplane.common.errors import InvalidArgument
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 from kvplane.conductor.indexer import PrefixIndex
 from kvplane.conductor.scheduling.cache import InstanceCache, LruTier, PoolCache, walk
 from kvplane.conductor.scheduling.prefix import POOL, IndexPrefixes

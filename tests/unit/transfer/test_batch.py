@@ -2,7 +2,7 @@ import pytest
 
 from kvplane.common.errors import Conflict, InvalidArgument
 from kvplane.transfer.batch import Batch, cut
-from kvplane.transfer.types import OpCode, TransferRequest, TransferStatus as S
+from kvplane.transfer.types import OpCode, TransferRequest, TransferStatus
 
 
 def req(n=100):
@@ -23,18 +23,18 @@ def test_cut_merges_small_tail():
 def test_task_completes_after_all_slices():
     b = Batch(1, 2)
     t1, t2 = b.add([req(), req()])
-    assert b.busy and t1.status == S.PENDING
+    assert b.busy and t1.status == TransferStatus.PENDING
     b.expect(t1, 2)
     b.expect(t2, 1)
     seen = []
     b.on_done(lambda batch: seen.append(batch.id))
-    b.finish_slice(t1, S.COMPLETED, 50, "")
-    assert t1.status == S.PENDING
-    b.finish_slice(t1, S.COMPLETED, 50, "")
-    assert t1.status == S.COMPLETED and t1.transferred == 100
+    b.finish_slice(t1, TransferStatus.COMPLETED, 50, "")
+    assert t1.status == TransferStatus.PENDING
+    b.finish_slice(t1, TransferStatus.COMPLETED, 50, "")
+    assert t1.status == TransferStatus.COMPLETED and t1.transferred == 100
     assert not seen and b.busy
-    b.finish_slice(t2, S.TIMEOUT, 0, "slow")
-    assert t2.status == S.TIMEOUT and t2.error == "slow"
+    b.finish_slice(t2, TransferStatus.TIMEOUT, 0, "slow")
+    assert t2.status == TransferStatus.TIMEOUT and t2.error == "slow"
     assert seen == [1] and not b.busy and b.wait(0)
     b.check_free()
 
@@ -43,9 +43,9 @@ def test_first_failure_sticks():
     b = Batch(1, 1)
     (t,) = b.add([req()])
     b.expect(t, 3)
-    b.finish_slice(t, S.FAILED, 0, "boom")
-    b.finish_slice(t, S.COMPLETED, 10, "")
-    assert t.status == S.FAILED and t.error == "boom"
+    b.finish_slice(t, TransferStatus.FAILED, 0, "boom")
+    b.finish_slice(t, TransferStatus.COMPLETED, 10, "")
+    assert t.status == TransferStatus.FAILED and t.error == "boom"
 
 
 def test_capacity_and_busy():

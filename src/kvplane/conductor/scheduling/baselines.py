@@ -1,6 +1,6 @@
 """Baseline policies: random, round-robin, least-loaded, prefix-only, SGLang-style, llm-d-style.
 
-Each is our own reading of the public description in shared/reference/conductor.md §3, adapted to
+Each is our own reading of the public description in docs/reference.md §R3, adapted to
 a prefill/decode cluster: the named rule picks the prefill instance, and the decode instance is the
 least-loaded one (random/round-robin use their own rule for both). None of them rejects.
 Must not import the simulator.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 from kvplane.conductor.scheduling.prefix import IndexPrefixes
 
 

@@ -1,7 +1,7 @@
 """Every constant of the scheduling simulator, in one place, each with where it comes from.
 
 Sources are abbreviated: **FAST'25** = Mooncake, FAST'25 paper (Table 1 and §2.2, §5); **trace** =
-statistics of ``conversation_trace.jsonl`` (shared/reference/conductor.md §5.2); **spec** = the
+statistics of ``conversation_trace.jsonl`` (docs/reference.md §R4); **spec** = the
 vendor data sheet of the part; **assumed** = our choice, not measured anywhere, stated so it can be
 changed. Only frozen dataclasses here; no I/O. Must not import the simulator or the policies.
 """
@@ -30,7 +30,7 @@ class ModelConfig:
         params: parameter count, for the decode weight read (LLaMA3-70B: 70.6e9; model card).
         gpu_flops: dense bf16 FLOP/s of one instance (FAST'25 Table 1: 8 × 312 TFLOPS, A800).
         mfu: fraction of ``gpu_flops`` a prefill achieves (assumed 0.5; same as the reference
-            toy model in conductor.md §5.4; prefill of 12k tokens then takes ≈ 1.4 s).
+            model in docs/reference.md §R5; prefill of 12k tokens then takes ≈ 1.4 s).
         prefill_overhead_s: fixed cost per prefill (assumed 0.01 s: launch, scheduling).
         hbm_bytes_per_s: HBM bandwidth of one instance (spec: 8 × 2.039 TB/s, A800 80GB SXM).
         hbm_efficiency: achieved fraction of HBM bandwidth in a decode step (assumed 0.5).
@@ -140,7 +140,7 @@ class PolicyConfig:
 
     Attributes:
         prefix_min_blocks: ``prefix`` ignores matches shorter than this (2: the conversation
-            trace shares its first block across all requests, conductor.md §5.4).
+            trace shares its first block across all requests, docs/reference.md §R4).
         sglang_cache_threshold: SGLang ``cache_threshold`` (router_args.py default 0.3).
         sglang_balance_abs: SGLang ``balance_abs_threshold`` in queued requests (SGLang's 64
             counts running requests of a colocated engine; scaled to our FIFO prefill queues: 4).

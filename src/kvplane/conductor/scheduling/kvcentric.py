@@ -12,7 +12,7 @@ load is predicted at the time the request reaches decode (running requests are a
 rejection, and also for placement when ``rejection="none"``; ``early`` rejection uses the load as
 of now for both, as the paper's plain early-rejection baseline does.
 
-Written from the paper's description (shared/reference/conductor.md §4); must not import the
+Written from the paper's description (docs/reference.md §R2); must not import the
 simulator.
 """
 

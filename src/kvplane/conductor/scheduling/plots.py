@@ -1,7 +1,7 @@
 """PNG plots of simulation results: TTFT CDF, capacity per TBT threshold, hit ratio by turn.
 
-Imports matplotlib (Agg backend) lazily inside each function so the rest of the package stays
-light. Writes files only where told. Must not import the simulator.
+Imports matplotlib (Agg backend, extra ``plots``) lazily inside each function so the rest of the
+package stays light. Writes files only where told. Must not import the simulator.
 """
 
 from __future__ import annotations
@@ -10,14 +10,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvplane.common.extras import pyplot
+
 
 def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: str | Path, title: str = "") -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvplane.common.errors import KVPlaneError
-from kvplane.conductor.events import Tier
+from kvplane.kvevents import Tier
 from kvplane.conductor.indexer import ContextKey, Holder, Match, PrefixIndex
 from kvplane.conductor.service import Conductor, QueryRequest
 

@@ -99,9 +99,9 @@ def matched_tokens(present: Sequence[bool], first_block: int, num_computed: int,
     return max(0, (first_block + run) * block_size - num_computed)
 
 
-def blocks_present(codes: Sequence[int], num_layers: int) -> list[bool]:
-    """Fold per-key exists codes (1 present) into per-block flags (every layer present)."""
-    return [all(c == 1 for c in codes[i:i + num_layers]) for i in range(0, len(codes), num_layers)]
+def blocks_present(found: Sequence[bool], num_layers: int) -> list[bool]:
+    """Fold per-key presence into per-block flags (every layer present)."""
+    return [all(found[i:i + num_layers]) for i in range(0, len(found), num_layers)]
 
 
 def load_job(req_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes],

@@ -31,7 +31,7 @@ class BackgroundSaver:
     """Runs ``put(keys, addrs, sizes)`` batches off the caller's thread.
 
     Args:
-        put: the store's ``batch_put_from``; returns a code per key (0 stored).
+        put: the store's ``batch_put_from``; returns per key None (stored) or an exception.
         queue_size: pending batches before new ones are dropped.
         name: thread name suffix.
     """
@@ -97,8 +97,8 @@ class BackgroundSaver:
                 return
             req_id, keys, addrs, sizes = item
             try:
-                codes = self._put(keys, addrs, sizes)
-                bad = sum(1 for c in codes if c != 0)
+                results = self._put(keys, addrs, sizes)
+                bad = sum(1 for r in results if r is not None)
             except KVPlaneError as exc:
                 log.warning("kvplane save of %d objects failed: %s", len(keys), exc)
                 bad = len(keys)

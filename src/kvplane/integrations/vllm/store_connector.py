@@ -132,11 +132,11 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
             return 0, False
         keys = [k for ks in self.space.keys(request.block_hashes[first:last]) for k in ks]
         try:
-            codes = self.client.batch_exists(keys)
+            found = self.client.batch_exists(keys)
         except KVPlaneError as exc:
             log.warning("kvplane lookup failed, treating as a miss: %s", exc)
             return 0, False
-        hit = matched_tokens(blocks_present(codes, self.space.num_layers), first,
+        hit = matched_tokens(blocks_present(found, self.space.num_layers), first,
                              num_computed_tokens, bs)
         self._lookups[request.request_id] = num_computed_tokens
         if hit:
@@ -235,12 +235,12 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         keys = [k for ks in job.keys for k in ks]
         addrs, sizes = self._layout.block_addrs(job.block_ids)
         try:
-            codes = self.client.batch_get_into(keys, addrs, sizes)
+            got: list[int | KVPlaneError] = self.client.batch_get_into(keys, addrs, sizes)
         except KVPlaneError as exc:
             log.warning("kvplane load of %s failed: %s", job.req_id, exc)
-            codes = [-1] * len(keys)
-        bad = [b for i, b in enumerate(job.block_ids)
-               if any(codes[i * L + j] != sizes[i * L + j] for j in range(L))]
+            got = [exc] * len(keys)
+        bad = [b for i, b in enumerate(job.block_ids)  # an exception never equals a size
+               if any(got[i * L + j] != sizes[i * L + j] for j in range(L))]
         self._load_errors.update(bad)
         self.loaded_blocks += len(job.block_ids) - len(bad)
         if bad:

@@ -6,6 +6,12 @@ the best replica (same host first, through shared memory) -> fail over to the ne
 Bytes never pass through the master. A client with ``global_segment_size > 0`` contributes a
 shared-memory segment to the pool and heartbeats; after a master restart it remounts.
 
+Errors: single-key calls raise from the ``kvplane.common.errors`` tree (``ObjectNotFound``,
+``TransferFail``, ``NoAvailableHandle``, ``Timeout``...; see docs/errors.md). Batch calls return
+one entry per key, where a failed key holds its exception instance instead of a value (as
+``asyncio.gather(return_exceptions=True)`` does); a failure of the whole call (master
+unreachable, bad arguments) raises. Mooncake's integer codes exist only in ``kvplane.compat``.
+
 Why blocking and not asyncio at the core: a store op is two round trips of ~30 us each here, and
 an event-loop hop per call costs as much again. The asyncio facade (``aio.AsyncStoreClient``)
 runs this core in a thread pool, as Mooncake's async store does.
@@ -28,7 +34,7 @@ from kvplane.common.rpc import RpcClient
 from kvplane.store.config import StoreConfig
 from kvplane.store.client.staging import Staging
 from kvplane.store.errors import (
-    InvalidParams, LeaseExpired, ObjectExists, TransferFail,
+    InvalidParams, LeaseExpired, ObjectExists, TransferFail, key_error,
 )
 from kvplane.store.types import (
     CodesRep, KeyResult, KeysReq, MountReq, PingRep, PingReq, PutStartReq, RegexReq, RemoveReq,
@@ -93,15 +99,16 @@ class StoreClient:
                     log.warning("heartbeat to master %s failed (%d): %s",
                                 self.config.master, failures, exc)
 
-    def health_check(self) -> int:
-        """0 healthy, 1 closed, 2 master unreachable (Mooncake's codes)."""
+    def health_check(self, timeout: float = 2.0) -> None:
+        """Ping the master.
+
+        Raises:
+            Unavailable: the client is closed or the master cannot be reached.
+            Timeout: the master did not answer within ``timeout`` seconds.
+        """
         if self._closed.is_set():
-            return 1
-        try:
-            self.rpc.call("ping", PingReq(self.config.client_id), PingRep, timeout=2.0)
-        except KVPlaneError:
-            return 2
-        return 0
+            raise Unavailable("the store client is closed")
+        self.rpc.call("ping", PingReq(self.config.client_id), PingRep, timeout=timeout)
 
     # -- transfers ----------------------------------------------------------------------------
     def _handle(self, segment: str, refresh: bool = False) -> int:
@@ -139,22 +146,33 @@ class StoreClient:
 
     # -- zero-copy batch primitives ---------------------------------------------------------------
     def batch_put_from(self, keys: list[str], addrs: list[int], sizes: list[int],
-                       config: ReplicateConfig | None = None, upsert: bool = False) -> list[int]:
+                       config: ReplicateConfig | None = None,
+                       upsert: bool = False) -> list[KVPlaneError | None]:
         """Store ``sizes[i]`` bytes at registered ``addrs[i]`` under ``keys[i]``.
 
-        Returns per key 0 (stored, or already present: a put never overwrites) or a negative
-        error code. ``upsert=True`` overwrites.
+        Returns:
+            Per key None (stored, or already present: a put never overwrites unless
+            ``upsert=True``) or the exception that key failed with.
+
+        Raises:
+            InvalidParams: the lists differ in length.
+            Unavailable, Timeout: the master could not be reached.
         """
         if not len(keys) == len(addrs) == len(sizes):
             raise InvalidParams("keys, buffers and sizes differ in length")
         if not keys:
             return []
-        cfg = config or ReplicateConfig()
-        rep = self.rpc.call("put_start", PutStartReq(self.config.client_id, list(keys),
-                                                     [int(s) for s in sizes], cfg, upsert),
-                            ResultsRep)
+        codes = self._put_codes(list(keys), [int(a) for a in addrs], [int(s) for s in sizes],
+                                config or ReplicateConfig(), upsert)
+        return [None if c in (0, ObjectExists.code) else key_error(c, k)
+                for k, c in zip(keys, codes)]
+
+    def _put_codes(self, keys: list[str], addrs: list[int], sizes: list[int],
+                   cfg: ReplicateConfig, upsert: bool) -> list[int]:
+        rep = self.rpc.call("put_start", PutStartReq(self.config.client_id, keys, sizes, cfg,
+                                                     upsert), ResultsRep)
         codes = [r.code for r in rep.results]
-        moves = [(i, replica, OpCode.WRITE, int(addrs[i]), int(sizes[i]))
+        moves = [(i, replica, OpCode.WRITE, addrs[i], sizes[i])
                  for i, r in enumerate(rep.results) if r.code == 0 for replica in r.replicas]
         done = self._run(moves)
         failed = {m[0] for m, ok in zip(moves, done) if not ok}
@@ -166,17 +184,24 @@ class StoreClient:
             self.rpc.call("put_revoke", KeysReq(self.config.client_id, revokes), CodesRep)
         for i in failed:
             codes[i] = TransferFail.code
-        return [0 if c == ObjectExists.code else c for c in codes]
+        return codes
 
-    def batch_get_into(self, keys: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
-        """Read objects into registered buffers; per key the bytes read or a negative code."""
+    def batch_get_into(self, keys: list[str], addrs: list[int],
+                       sizes: list[int]) -> list[int | KVPlaneError]:
+        """Read objects into registered buffers.
+
+        Returns:
+            Per key the bytes read, or the exception that key failed with (``ObjectNotFound``,
+            ``InvalidParams`` for a buffer too small, ``TransferFail``, ``LeaseExpired``).
+        """
         if not len(keys) == len(addrs) == len(sizes):
             raise InvalidParams("keys, buffers and sizes differ in length")
         if not keys:
             return []
         t0 = time.monotonic()
         results = self._get_replicas(keys)
-        return self._read(results, [int(a) for a in addrs], [int(s) for s in sizes], t0)
+        got = self._read(results, [int(a) for a in addrs], [int(s) for s in sizes], t0)
+        return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
 
     def _get_replicas(self, keys: list[str]) -> list[KeyResult]:
         return self.rpc.call("get_replicas", KeysReq(self.config.client_id, list(keys)),
@@ -207,14 +232,16 @@ class StoreClient:
         return out
 
     # -- the rest of the API --------------------------------------------------------------------------
-    def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> int:
-        return self.batch_put_from([key], [addr], [size], config)[0]
+    def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
+        """Store ``size`` bytes at registered ``addr`` under ``key`` (a no-op if it exists)."""
+        _raise(self.batch_put_from([key], [addr], [size], config)[0])
 
     def get_into(self, key: str, addr: int, size: int) -> int:
-        return self.batch_get_into([key], [addr], [size])[0]
+        """Read ``key`` into a registered buffer; returns the bytes read."""
+        return _value(self.batch_get_into([key], [addr], [size])[0])
 
     def put_batch(self, keys: list[str], values: list[bytes], config: ReplicateConfig | None = None,
-                  upsert: bool = False) -> list[int]:
+                  upsert: bool = False) -> list[KVPlaneError | None]:
         """Copying form: values are staged in registered memory, then written."""
         with ExitStack() as stack:
             addrs = []
@@ -224,53 +251,74 @@ class StoreClient:
                 addrs.append(addr)
             return self.batch_put_from(keys, addrs, [len(v) for v in values], config, upsert)
 
-    def put(self, key: str, value: bytes, config: ReplicateConfig | None = None) -> int:
-        return self.put_batch([key], [value], config)[0]
+    def put(self, key: str, value: bytes, config: ReplicateConfig | None = None) -> None:
+        """Store ``value`` under ``key`` (a no-op if the key exists: puts never overwrite)."""
+        _raise(self.put_batch([key], [value], config)[0])
 
-    def upsert(self, key: str, value: bytes, config: ReplicateConfig | None = None) -> int:
-        return self.put_batch([key], [value], config, upsert=True)[0]
+    def upsert(self, key: str, value: bytes, config: ReplicateConfig | None = None) -> None:
+        """Store ``value`` under ``key``, replacing any object already there."""
+        _raise(self.put_batch([key], [value], config, upsert=True)[0])
 
-    def upsert_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> int:
-        return self.batch_put_from([key], [addr], [size], config, upsert=True)[0]
+    def upsert_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
+        """Zero-copy form of :meth:`upsert`."""
+        _raise(self.batch_put_from([key], [addr], [size], config, upsert=True)[0])
 
-    def get_batch(self, keys: list[str]) -> list[bytes | int]:
-        """Copying form: each entry is the bytes, or a negative error code."""
+    def get_batch(self, keys: list[str]) -> list[bytes | KVPlaneError]:
+        """Copying form: per key the bytes, or the exception that key failed with."""
         t0 = time.monotonic()
         results = self._get_replicas(keys)
         hits = [i for i, r in enumerate(results) if r.code == 0]
-        out: list[bytes | int] = [r.code for r in results]
+        out: list[bytes | KVPlaneError] = [key_error(r.code, k) if r.code else b""
+                                           for k, r in zip(keys, results)]
         with ExitStack() as stack:
             blocks = [stack.enter_context(self.staging.block(results[i].size)) for i in hits]
             got = self._read([results[i] for i in hits], [a for a, _ in blocks],
                              [results[i].size for i in hits], t0)
             for i, n, (_, view) in zip(hits, got, blocks):
-                out[i] = view[:n].tobytes() if n >= 0 else n
+                out[i] = view[:n].tobytes() if n >= 0 else key_error(n, keys[i])
         return out
 
-    def get(self, key: str) -> bytes | int:
-        return self.get_batch([key])[0]
+    def get(self, key: str) -> bytes:
+        """The bytes stored under ``key``.
 
-    def batch_exists(self, keys: list[str]) -> list[int]:
-        return self.rpc.call("exist", KeysReq(self.config.client_id, list(keys)), CodesRep).codes
+        Raises:
+            ObjectNotFound: no complete object under ``key``.
+            TransferFail: every replica failed to transfer.
+        """
+        return _value(self.get_batch([key])[0])
 
-    def exists(self, key: str) -> int:
+    def batch_exists(self, keys: list[str]) -> list[bool]:
+        """Per key, whether a complete object exists (each hit takes a read lease, as in Mooncake)."""
+        codes = self.rpc.call("exist", KeysReq(self.config.client_id, list(keys)), CodesRep).codes
+        return [c == 1 for c in codes]
+
+    def exists(self, key: str) -> bool:
         return self.batch_exists([key])[0]
 
     def get_size(self, key: str) -> int:
-        return self.rpc.call("get_size", KeysReq(self.config.client_id, [key]), CodesRep).codes[0]
+        """Size in bytes of the object under ``key`` (raises ObjectNotFound)."""
+        size = self.rpc.call("get_size", KeysReq(self.config.client_id, [key]), CodesRep).codes[0]
+        if size < 0:
+            raise key_error(size, key)
+        return size
 
-    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
-        return self.rpc.call("remove", RemoveReq(self.config.client_id, list(keys), force),
-                             CodesRep).codes
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[KVPlaneError | None]:
+        """Remove objects; per key None or the exception (ObjectNotFound, ObjectHasLease...)."""
+        codes = self.rpc.call("remove", RemoveReq(self.config.client_id, list(keys), force),
+                              CodesRep).codes
+        return [key_error(c, k) if c else None for k, c in zip(keys, codes)]
 
-    def remove(self, key: str, force: bool = False) -> int:
-        return self.batch_remove([key], force)[0]
+    def remove(self, key: str, force: bool = False) -> None:
+        """Remove ``key``; ``force`` ignores read leases."""
+        _raise(self.batch_remove([key], force)[0])
 
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        """Remove every key matching ``pattern``; returns how many went."""
         re.compile(pattern)
         return self.rpc.call("remove_regex", RegexReq(self.config.client_id, pattern, force), int)
 
     def remove_all(self, force: bool = False) -> int:
+        """Remove every removable object; returns how many went."""
         return self.rpc.call("remove_all", RegexReq(self.config.client_id, "", force), int)
 
     def register_buffer(self, obj: Any, length: int | None = None) -> int:
@@ -304,3 +352,14 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _raise(result: KVPlaneError | None) -> None:
+    if result is not None:
+        raise result
+
+
+def _value(result: Any) -> Any:
+    if isinstance(result, KVPlaneError):
+        raise result
+    return result

@@ -19,7 +19,7 @@ from kvplane.common import metrics
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store.master.config import MasterConfig
-from kvplane.store.master.events import StoreEvents
+from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import (
     CodesRep, KeysReq, MountReq, PingRep, PingReq, PutStartReq, RegexReq, RemoveReq, ResultsRep,
@@ -56,9 +56,9 @@ class MasterServer:
                  clock: Callable[[], float] = time.monotonic,
                  kv_events_port: int | None = None) -> None:
         self.state = MasterState(config)
-        self.events: StoreEvents | None = None
+        self.events: PoolEvents | None = None
         if kv_events_port is not None:
-            self.events = StoreEvents(host, kv_events_port)
+            self.events = PoolEvents(host, kv_events_port)
         self.clock = clock
         self.lock = threading.Lock()
         self.rpc = RpcServer(host, port, token)

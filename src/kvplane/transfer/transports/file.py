@@ -15,7 +15,6 @@ from kvplane.transfer.batch import Slice
 from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, TransferStatus
 
-S = TransferStatus
 
 
 class FileTransport(Transport):
@@ -53,10 +52,10 @@ class FileTransport(Transport):
         path = self._path(route)
         for s in slices:
             if path is None:
-                s.done(S.FAILED, "file region not reachable from this host")
+                s.done(TransferStatus.FAILED, "file region not reachable from this host")
                 continue
             if deadline.expired():
-                s.done(S.TIMEOUT, "deadline passed")
+                s.done(TransferStatus.TIMEOUT, "deadline passed")
                 continue
             off = s.remote - route.region.addr
             try:
@@ -72,9 +71,9 @@ class FileTransport(Transport):
                         raise OSError("short file transfer (past end of file?)")
                     done += n
             except OSError as exc:
-                s.done(S.FAILED, f"file transfer failed: {exc}")
+                s.done(TransferStatus.FAILED, f"file transfer failed: {exc}")
                 continue
-            s.done(S.COMPLETED)
+            s.done(TransferStatus.COMPLETED)
 
     def close(self) -> None:
         with self._lock:

@@ -17,7 +17,6 @@ from kvplane.transfer.memory import view_at
 from kvplane.transfer.transports.base import Capabilities, Route, Transport
 from kvplane.transfer.types import OpCode, TransferStatus
 
-S = TransferStatus
 
 
 class LocalTransport(Transport):
@@ -38,4 +37,4 @@ class LocalTransport(Transport):
                 np.copyto(remote, local)
             else:
                 np.copyto(local, remote)
-            s.done(S.COMPLETED)
+            s.done(TransferStatus.COMPLETED)

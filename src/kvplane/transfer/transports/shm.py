@@ -21,7 +21,6 @@ from kvplane.transfer.batch import Slice
 from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, RegionDesc, TransferStatus
 
-S = TransferStatus
 SHM_DIR = "/dev/shm"
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 _SHM_NAME = re.compile(r"^kvplane-[0-9]+-[0-9a-f]+$")  # only our own managed buffers
@@ -104,7 +103,7 @@ class ShmTransport(Transport):
         region = route.region
         for s in slices:
             if deadline.expired():
-                s.done(S.TIMEOUT, "deadline passed")
+                s.done(TransferStatus.TIMEOUT, "deadline passed")
                 continue
             try:
                 if region.kind == "shm":
@@ -120,9 +119,9 @@ class ShmTransport(Transport):
                     _cma(route.segment.pid, _addr_of(s.local), s.remote, s.length,
                          write=s.op == OpCode.WRITE)
             except (OSError, ValueError) as exc:
-                s.done(S.FAILED, f"same-host copy failed: {exc}")
+                s.done(TransferStatus.FAILED, f"same-host copy failed: {exc}")
                 continue
-            s.done(S.COMPLETED)
+            s.done(TransferStatus.COMPLETED)
 
     def forget(self, shm_name: str) -> None:
         """Drop a cached mapping (the owner freed or re-created it)."""

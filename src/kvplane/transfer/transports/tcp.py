@@ -16,13 +16,12 @@ import threading
 
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
-from kvplane.common.errors import KVPlaneError, ProtocolError, Unauthorized, Unavailable, from_code
-from kvplane.transfer import protocol as P
+from kvplane.common.errors import KVPlaneError, ProtocolError, Unavailable, from_code
+from kvplane.transfer import protocol
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, TransferStatus
 
-S = TransferStatus
 WINDOW = 64  # most frames in flight on one connection
 STRIPE_MIN = 512 << 10  # batches smaller than this stay on one connection
 MAX_IDLE = 16  # pooled idle connections per peer
@@ -36,37 +35,82 @@ class _Broken(Exception):
         self.left = left
 
 
-class Conn:
-    """One data connection to a peer. Used by one thread at a time."""
+class _InFlight:
+    """Where one ``Conn.execute`` call stands.
 
-    def __init__(self, host: str, port: int, token: str, timeout: float) -> None:
-        try:
-            self.sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise Unavailable(f"cannot connect to {host}:{port}: {exc}") from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(None)  # blocking; deadlines are kernel timeouts (set_timeout)
+    ``slices[:sent]`` have been sent; ``awaiting`` holds those whose answer has not been read
+    yet, oldest first, with their request ids; ``reads_awaiting`` counts the READs among them.
+    """
+
+    __slots__ = ("slices", "sent", "awaiting", "reads_awaiting")
+
+    def __init__(self, slices: list[Slice]) -> None:
+        self.slices = slices
+        self.sent = 0
+        self.awaiting: collections.deque[tuple[Slice, int]] = collections.deque()
+        self.reads_awaiting = 0
+
+    def finished(self) -> bool:
+        return self.sent == len(self.slices) and not self.awaiting
+
+    def unfinished(self) -> list[Slice]:
+        """Awaiting slices, then the ones never sent."""
+        return [s for s, _ in self.awaiting] + self.slices[self.sent:]
+
+
+class Conn:
+    """One data connection to a peer, over a connected blocking socket. One thread at a time.
+
+    Args:
+        sock: the connected socket (blocking; deadlines are kernel timeouts, see set_timeout).
+        peer: (host, port) it is connected to (the pool key).
+    """
+
+    def __init__(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        self.sock = sock
+        self.peer = peer
         self._timeout = -1.0
-        self.peer = (host, port)
         self._rid = 0
-        self._hdr = bytearray(P.RESP.size)
+        self._hdr = bytearray(protocol.RESP.size)
         self._hview = memoryview(self._hdr)
         self.alive = True
+
+    @classmethod
+    def open(cls, host: str, port: int, token: str, timeout: float) -> "Conn":
+        """Connect to ``host:port`` and, when ``token`` is set, say HELLO with it.
+
+        Raises:
+            Unavailable: the peer cannot be reached or the handshake failed.
+            Unauthorized: the peer rejected the token.
+        """
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise Unavailable(f"cannot connect to {host}:{port}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # blocking; deadlines are kernel timeouts (set_timeout)
+        conn = cls(sock, (host, port))
         if token:
-            try:
-                self.call(P.OP_HELLO, 0, token.encode(), timeout)
-            except (OSError, ProtocolError) as exc:
-                self.close()
-                raise Unavailable(f"handshake with {host}:{port} failed: {exc}") from exc
-            except BaseException:
-                self.close()
-                raise
+            conn.hello(token, timeout)
+        return conn
+
+    def hello(self, token: str, timeout: float) -> None:
+        """Present ``token`` (closes the connection if the handshake fails)."""
+        host, port = self.peer
+        try:
+            self.call(protocol.OP_HELLO, 0, token.encode(), timeout)
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise Unavailable(f"handshake with {host}:{port} failed: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
 
     def set_timeout(self, deadline: Deadline) -> None:
         """Bound the next socket calls by ``deadline`` (re-armed only when it shrank by 10 %)."""
         left = deadline.remaining()
         if left < self._timeout * 0.9 or self._timeout < 0 or left > self._timeout:
-            P.set_io_timeout(self.sock, left)
+            protocol.set_io_timeout(self.sock, left)
             self._timeout = max(left, 1e-3)
 
     def next_id(self) -> int:
@@ -75,37 +119,37 @@ class Conn:
 
     def read_resp(self, expect: int) -> tuple[int, int]:
         """Receive a response header for request ``expect``; returns (status, length)."""
-        got = P.recv_spin(self.sock, self._hview)
+        got = protocol.recv_spin(self.sock, self._hview)
         if got == 0:
             raise Unavailable("connection closed by peer")
-        if got < P.RESP.size:
-            P.recv_exact(self.sock, self._hview[got:])
-        magic, status, rid, length = P.RESP.unpack(self._hdr)
-        P.check_resp_magic(magic)
+        if got < protocol.RESP.size:
+            protocol.recv_exact(self.sock, self._hview[got:])
+        magic, status, rid, length = protocol.RESP.unpack(self._hdr)
+        protocol.check_resp_magic(magic)
         if rid != expect:
             raise ProtocolError(f"response id {rid} != request id {expect}")
         return status, length
 
     def read_error(self, status: int, length: int) -> KVPlaneError:
         """Consume an error body and build the exception."""
-        if length > P.MAX_ERROR:
+        if length > protocol.MAX_ERROR:
             raise ProtocolError("error message too long")
         msg = bytearray(length)
-        P.recv_exact(self.sock, memoryview(msg))
+        protocol.recv_exact(self.sock, memoryview(msg))
         return from_code(status, msg.decode(errors="replace"))
 
     def call(self, op: int, addr: int, payload: bytes, timeout: float, limit: int = 1 << 20) -> bytes:
         """A simple request/response (HELLO, DESCRIBE, PING); returns the response body."""
         rid = self.next_id()
         self.set_timeout(Deadline.after(timeout))
-        P.send_all(self.sock, [P.pack_req(op, rid, addr, len(payload)), payload])
+        protocol.send_all(self.sock, [protocol.pack_req(op, rid, addr, len(payload)), payload])
         status, length = self.read_resp(rid)
         if status:
             raise self.read_error(status, length)
         if length > limit:
             raise ProtocolError(f"response of {length} bytes exceeds {limit}")
         body = bytearray(length)
-        P.recv_exact(self.sock, memoryview(body))
+        protocol.recv_exact(self.sock, memoryview(body))
         return bytes(body)
 
     def close(self) -> None:
@@ -116,56 +160,71 @@ class Conn:
             pass
 
     def execute(self, slices: list[Slice], deadline: Deadline) -> None:
-        """Run ``slices`` pipelined; raises _Broken with the unfinished ones on a dead link.
+        """Run ``slices`` pipelined, finishing each through ``slice.done``.
 
-        READ headers are coalesced into one send. A WRITE waits until no READ is outstanding,
-        so neither side can block sending while the other blocks sending (no deadlock).
+        A passed deadline finishes every unfinished slice as TIMEOUT (and closes the
+        connection); an error answer finishes just that slice as FAILED.
+
+        Raises:
+            _Broken: the connection died; it carries the slices that did not finish, in order.
         """
-        sock = self.sock
-        out: collections.deque[tuple[Slice, int]] = collections.deque()
-        n, i, reads_out = len(slices), 0, 0
+        flight = _InFlight(slices)
         self.set_timeout(deadline)
         try:
-            while i < n or out:
-                hdrs: list[bytes] = []
-                while i < n and len(out) < WINDOW:
-                    s = slices[i]
-                    rid = self.next_id()
-                    if s.op == OpCode.WRITE:
-                        if reads_out or hdrs:
-                            break
-                        P.send_all(sock, [P.pack_req(P.OP_WRITE, rid, s.remote, s.length), s.local])
-                    else:
-                        hdrs.append(P.pack_req(P.OP_READ, rid, s.remote, s.length))
-                        reads_out += 1
-                    out.append((s, rid))
-                    i += 1
-                if hdrs:
-                    P.send_all(sock, [b"".join(hdrs)])
-                s, rid = out[0]
-                if deadline.expired():
-                    raise TimeoutError("deadline passed")
-                self.set_timeout(deadline)
-                status, length = self.read_resp(rid)
-                if status:
-                    s.done(S.FAILED, str(self.read_error(status, length)))
-                elif s.op == OpCode.READ:
-                    if length != s.length:
-                        raise ProtocolError(f"READ returned {length} bytes, asked {s.length}")
-                    P.recv_exact(sock, s.local)
-                    s.done(S.COMPLETED)
-                else:
-                    s.done(S.COMPLETED)
-                out.popleft()
-                if s.op == OpCode.READ:
-                    reads_out -= 1
+            while not flight.finished():
+                self._send_more(flight)
+                self._receive_next(flight, deadline)
         except TimeoutError:
             self.close()
-            for s in [x for x, _ in out] + slices[i:]:
-                s.done(S.TIMEOUT, "deadline passed waiting for the peer")
+            for s in flight.unfinished():
+                s.done(TransferStatus.TIMEOUT, "deadline passed waiting for the peer")
         except (OSError, Unavailable, ProtocolError) as exc:
             self.close()
-            raise _Broken([x for x, _ in out] + slices[i:], exc) from exc
+            raise _Broken(flight.unfinished(), exc) from exc
+
+    def _send_more(self, flight: _InFlight) -> None:
+        """Send requests until the window is full or the next WRITE has to wait.
+
+        READ headers are coalesced into one send. A WRITE goes only when no READ is awaiting
+        its answer, so neither side can block sending while the other blocks sending.
+        """
+        read_headers: list[bytes] = []
+        while flight.sent < len(flight.slices) and len(flight.awaiting) < WINDOW:
+            s = flight.slices[flight.sent]
+            if s.op == OpCode.WRITE:
+                if flight.reads_awaiting or read_headers:
+                    break
+                rid = self.next_id()
+                protocol.send_all(self.sock, [protocol.pack_req(protocol.OP_WRITE, rid, s.remote,
+                                                                s.length), s.local])
+            else:
+                rid = self.next_id()
+                read_headers.append(protocol.pack_req(protocol.OP_READ, rid, s.remote, s.length))
+                flight.reads_awaiting += 1
+            flight.awaiting.append((s, rid))
+            flight.sent += 1
+        if read_headers:
+            protocol.send_all(self.sock, [b"".join(read_headers)])
+
+    def _receive_next(self, flight: _InFlight, deadline: Deadline) -> None:
+        """Read the answer to the oldest awaiting request and finish its slice."""
+        s, rid = flight.awaiting[0]
+        if deadline.expired():
+            raise TimeoutError("deadline passed")
+        self.set_timeout(deadline)
+        status, length = self.read_resp(rid)
+        if status:
+            s.done(TransferStatus.FAILED, str(self.read_error(status, length)))
+        elif s.op == OpCode.READ:
+            if length != s.length:
+                raise ProtocolError(f"READ returned {length} bytes, asked {s.length}")
+            protocol.recv_exact(self.sock, s.local)
+            s.done(TransferStatus.COMPLETED)
+        else:
+            s.done(TransferStatus.COMPLETED)
+        flight.awaiting.popleft()
+        if s.op == OpCode.READ:
+            flight.reads_awaiting -= 1
 
 
 class TcpTransport(Transport):
@@ -190,8 +249,11 @@ class TcpTransport(Transport):
             idle = self._idle.get(peer)
             if idle:
                 return idle.pop()
-        return Conn(peer[0], peer[1], self.ctx.token,
-                    min(self.ctx.connect_timeout, max(deadline.remaining(), 1e-3)))
+        return self._connect(peer, min(self.ctx.connect_timeout, max(deadline.remaining(), 1e-3)))
+
+    def _connect(self, peer: tuple[str, int], timeout: float) -> Conn:
+        """A new connection to ``peer`` (tests override this to hand out fake sockets)."""
+        return Conn.open(peer[0], peer[1], self.ctx.token, timeout)
 
     def _release(self, conn: Conn) -> None:
         if not conn.alive or self._closed:
@@ -228,35 +290,39 @@ class TcpTransport(Transport):
         cf.wait(futs)
 
     def _lane(self, peer: tuple[str, int], slices: list[Slice], deadline: Deadline) -> None:
-        attempts = self.ctx.retries + 1
+        """Run ``slices`` over one connection at a time.
+
+        When a connection breaks, its unfinished slices go again on a fresh connection (and
+        the peer's idle connections are dropped: they are suspect too), up to ``ctx.retries``
+        times and never past the deadline.
+        """
+        attempts_left = self.ctx.retries + 1
         while slices:
             try:
                 conn = self._acquire(peer, deadline)
             except KVPlaneError as exc:
-                for s in slices:
-                    s.done(S.FAILED, str(exc))
+                _finish(slices, TransferStatus.FAILED, str(exc))
                 return
             try:
                 conn.execute(slices, deadline)
-                self._release(conn)
-                return
             except _Broken as exc:
-                slices = exc.left
-                attempts -= 1
-                if isinstance(exc.__cause__, Unauthorized) or attempts <= 0 or deadline.expired():
-                    status = S.TIMEOUT if deadline.expired() else S.FAILED
-                    for s in slices:
-                        s.done(status, f"connection to {peer[0]}:{peer[1]} failed: {exc}")
+                slices, attempts_left = exc.left, attempts_left - 1
+                if attempts_left <= 0 or deadline.expired():
+                    status = TransferStatus.TIMEOUT if deadline.expired() else TransferStatus.FAILED
+                    _finish(slices, status, f"connection to {peer[0]}:{peer[1]} failed: {exc}")
                     return
-                self.drop_peer(peer)  # siblings of a broken connection are suspect too
+                self.drop_peer(peer)
                 metrics.TRANSFER_RETRIES.labels(self.name).inc()
+                continue
+            self._release(conn)
+            return
 
     def describe(self, host: str, port: int, timeout: float) -> bytes:
         """Fetch a peer's segment descriptor (the P2P handshake)."""
         deadline = Deadline.after(timeout)
         conn = self._acquire((host, port), deadline)
         try:
-            body = conn.call(P.OP_DESCRIBE, 0, b"", max(deadline.remaining(), 1e-3))
+            body = conn.call(protocol.OP_DESCRIBE, 0, b"", max(deadline.remaining(), 1e-3))
         except TimeoutError as exc:
             conn.close()
             raise Unavailable(f"handshake with {host}:{port} timed out") from exc
@@ -274,3 +340,8 @@ class TcpTransport(Transport):
             for c in conns:
                 c.close()
         self._lanes.shutdown(wait=False, cancel_futures=True)
+
+
+def _finish(slices: list[Slice], status: TransferStatus, error: str) -> None:
+    for s in slices:
+        s.done(status, error)

@@ -3,22 +3,43 @@
 import msgspec
 import pytest
 
+from kvplane import kvevents
 from kvplane.common.errors import ProtocolError
-from kvplane.conductor import fakes
-from kvplane.conductor.events import (AllBlocksCleared, BlockRemoved, BlockStored, Tier,
-                                      decode_batch, decode_seq, extra_keys_of, tier_of, tokens_of)
+from kvplane.kvevents import (AllBlocksCleared, BlockRemoved, BlockStored, Tier, decode_batch,
+                              decode_seq, extra_keys_of, tier_of, tokens_of)
 
 pytestmark = pytest.mark.timeout(10)
 BIG = 2**64 - 3
 
 
+def test_map_encoding_is_vllms_exact_bytes():
+    # vLLM writes the first seven BlockStored fields always (nil included), in this key order,
+    # and omits trailing fields left at their default
+    ev = kvevents.stored([5], [1, 2], 2, medium="GPU")
+    want = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None,
+            "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU",
+            "lora_name": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    got = kvevents.encode_batch([ev, kvevents.removed([5])], dp_rank=0, ts=1.5)
+    rm = {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "group_idx": 0}
+    assert got == msgspec.msgpack.encode([1.5, [want, rm], 0])
+
+
+def test_array_encoding_is_positional():
+    # vLLM just before the map switch (PR #42892): every field, by position (msgspec writes
+    # trailing defaults of array-like structs too)
+    ev = kvevents.stored([5], [1], 1, parent=4, medium=None, encoding="array")
+    got = kvevents.encode_batch([ev, kvevents.cleared("array")], dp_rank=None, ts=2.0)
+    stored = ["BlockStored", [5], 4, [1], 1, None, None, None, None, None, None, None]
+    assert got == msgspec.msgpack.encode([2.0, [stored, ["AllBlocksCleared"]], None])
+
+
 @pytest.mark.parametrize("encoding", ["map", "array"])
 def test_both_encodings_decode_the_same(encoding):
-    payload = fakes.encode_batch([
-        fakes.stored([BIG, 7], list(range(8)), 4, parent=11, encoding=encoding, lora_name="L",
+    payload = kvevents.encode_batch([
+        kvevents.stored([BIG, 7], list(range(8)), 4, parent=11, encoding=encoding, lora_name="L",
                      extra_keys=[("L",), ("L",)]),
-        fakes.removed([7], medium="CPU", encoding=encoding),
-        fakes.cleared(encoding),
+        kvevents.removed([7], medium="CPU", encoding=encoding),
+        kvevents.cleared(encoding),
     ], dp_rank=3, ts=12.5)
     b = decode_batch(payload)
     assert b.ts == 12.5 and b.dp_rank == 3

@@ -1,9 +1,11 @@
 """Drive real vLLM engines from outside vLLM's venv (e2e tests and benchmarks).
 
 vLLM runs in subprocesses under the vLLM venv's interpreter (``KVPLANE_VLLM_PYTHON``, default
-``/opt/kvplane-vllm-venv/bin/python``) executing ``engine_driver``; this side only spawns and
-talks JSON lines, so it imports neither vLLM nor torch. kvplane reaches the venv through
-PYTHONPATH (the directory holding this ``kvplane`` package).
+``/opt/kvplane-vllm-venv/bin/python``) executing :mod:`kvplane.testing.vllm_engine_proc`; this
+side only spawns and talks JSON lines, so it imports neither vLLM nor torch. kvplane reaches the
+venv through PYTHONPATH (the directory holding this ``kvplane`` package).
+
+Test kit, not product: nothing outside tests and benchmarks imports it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import time
 from typing import Any
 
 VLLM_PYTHON = os.environ.get("KVPLANE_VLLM_PYTHON", "/opt/kvplane-vllm-venv/bin/python")
-SRC = pathlib.Path(__file__).resolve().parents[3]  # the directory holding ``kvplane``
-DRIVER = ["-m", "kvplane.integrations.vllm.engine_driver"]
+SRC = pathlib.Path(__file__).resolve().parents[2]  # the directory holding ``kvplane``
+DRIVER = ["-m", "kvplane.testing.vllm_engine_proc"]
 BS = 32
 
 

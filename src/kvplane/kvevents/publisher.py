@@ -1,4 +1,4 @@
-"""A KV event publisher that speaks vLLM's wire format (the kvplane store uses it; tests and
+"""A KV event publisher that speaks vLLM's wire format (the store's pool events use it; tests and
 benchmarks use it to play engines).
 
 ``KVEventPublisher`` mirrors vLLM's ``ZmqEventPublisher``: msgspec-encoded batches (tagged-map
@@ -14,121 +14,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Literal, Union
 
 import msgspec
 import zmq
 
 from kvplane.common.errors import Timeout
-
-Hash = Union[int, bytes]
-
-
-class _MapEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class StoredMap(_MapEvent, tag="BlockStored"):
-    """``BlockStored`` as vLLM >= PR #42892 encodes it (tagged map)."""
-
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[object, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class RemovedMap(_MapEvent, tag="BlockRemoved"):
-    """``BlockRemoved`` (tagged map)."""
-
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class ClearedMap(_MapEvent, tag="AllBlocksCleared"):
-    """``AllBlocksCleared`` (tagged map)."""
-
-
-class _ArrEvent(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    pass
-
-
-class StoredArr(_ArrEvent, tag="BlockStored"):
-    """``BlockStored`` as vLLM encoded it before PR #42892 (positional array)."""
-
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-    extra_keys: list[tuple[object, ...] | None] | None = None
-
-
-class RemovedArr(_ArrEvent, tag="BlockRemoved"):
-    """``BlockRemoved`` (positional array)."""
-
-    block_hashes: list[Hash]
-    medium: str | None
-
-
-class ClearedArr(_ArrEvent, tag="AllBlocksCleared"):
-    """``AllBlocksCleared`` (positional array)."""
-
-
-class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """``KVEventBatch``: ``[ts, events, data_parallel_rank]``."""
-
-    ts: float
-    events: list[Union[StoredMap, RemovedMap, ClearedMap]] | list[Union[StoredArr, RemovedArr, ClearedArr]]
-    data_parallel_rank: int | None = None
-
-
-_ENC = msgspec.msgpack.Encoder()
-Encoding = Literal["map", "array"]
-
-
-def stored(hashes: Sequence[Hash], tokens: Sequence[int], block_size: int, *,
-           parent: Hash | None = None, medium: str | None = "GPU", lora_name: str | None = None,
-           extra_keys: list[tuple[object, ...] | None] | None = None,
-           encoding: Encoding = "map") -> msgspec.Struct:
-    """Build a ``BlockStored`` event in the chosen encoding."""
-    if encoding == "array":
-        return StoredArr(list(hashes), parent, list(tokens), block_size, None, medium, lora_name,
-                         extra_keys)
-    return StoredMap(list(hashes), parent, list(tokens), block_size, None, medium, lora_name,
-                     extra_keys, 0, "full_attention")
-
-
-def removed(hashes: Sequence[Hash], *, medium: str | None = "GPU",
-            encoding: Encoding = "map") -> msgspec.Struct:
-    """Build a ``BlockRemoved`` event in the chosen encoding."""
-    if encoding == "array":
-        return RemovedArr(list(hashes), medium)
-    return RemovedMap(list(hashes), medium, 0)
-
-
-def cleared(encoding: Encoding = "map") -> msgspec.Struct:
-    """Build an ``AllBlocksCleared`` event in the chosen encoding."""
-    return ClearedArr() if encoding == "array" else ClearedMap()
-
-
-def encode_batch(events: Sequence[msgspec.Struct], dp_rank: int | None = 0,
-                 ts: float | None = None) -> bytes:
-    """msgpack-encode a batch exactly as vLLM's publisher does."""
-    return _ENC.encode(Batch(time.time() if ts is None else ts, list(events), dp_rank))  # type: ignore[arg-type]
-
+from kvplane.kvevents.codec import END_OF_REPLAY, encode_batch, encode_seq
 
 class KVEventPublisher:
-    """A vLLM-compatible KV event publisher (XPUB + replay ROUTER), for tests and benchmarks.
+    """A vLLM-compatible KV event publisher (XPUB + replay ROUTER).
 
     Args:
         connect: connect the XPUB to this endpoint (a conductor's bound SUB) instead of binding.
@@ -200,7 +94,7 @@ class KVEventPublisher:
         Returns:
             The batch's sequence number.
         """
-        return self.publish_payload(encode_batch(events, self.dp_rank), drop=drop)
+        return self.publish_payload(encode_batch(events, self.dp_rank, time.time()), drop=drop)
 
     def publish_payload(self, payload: bytes, *, drop: bool = False) -> int:
         """Send an already encoded payload with the next sequence number."""
@@ -209,7 +103,7 @@ class KVEventPublisher:
             self._seq += 1
             self._ring.append((seq, payload))
         if not drop:
-            self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], copy=False)
+            self._pub.send_multipart([self.topic, encode_seq(seq), payload], copy=False)
         return seq
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
@@ -239,8 +133,8 @@ class KVEventPublisher:
                 items = [(s, p) for s, p in self._ring if s >= start]
             head = [ident, b""] + ([self.topic] if self._replay_topic else [])
             for s, p in items:
-                self._router.send_multipart(head + [s.to_bytes(8, "big"), p])
-            self._router.send_multipart(head + [(-1).to_bytes(8, "big", signed=True), b""])
+                self._router.send_multipart(head + [encode_seq(s), p])
+            self._router.send_multipart(head + [encode_seq(END_OF_REPLAY), b""])
         self._router.close(0)
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 
-from kvplane.conductor.publisher import KVEventPublisher, removed, stored
+from kvplane.kvevents.codec import removed, stored
+from kvplane.kvevents.publisher import KVEventPublisher
 
 _SPLIT = re.compile(r"[@/:]")
 U64 = (1 << 64) - 1
@@ -29,7 +30,7 @@ def key_hash(key: str) -> int | None:
     return None
 
 
-class StoreEvents:
+class PoolEvents:
     """Publishes the master's object changes; call ``publish`` under the master's lock.
 
     Args:
