@@ -24,6 +24,12 @@ RULES = [
                           "kvplane.p2p"), (), "transfer sits below the store and the conductor"),
     ("kvplane.store", ("kvplane.conductor", "kvplane.integrations"), (),
      "the store must not depend on the conductor or on integrations"),
+    ("kvplane.p2p", ("kvplane",), ("kvplane.common", "kvplane.transfer", "kvplane.kvevents",
+                                  "kvplane.p2p"),
+     "p2p builds on common, transfer and kvevents only"),
+    *[(f"kvplane.{pkg}", ("kvplane.p2p",), (), "only the CLI and the test kit import p2p")
+      for pkg in ("store", "conductor", "collectives", "ep", "compat", "integrations", "bench",
+                  "data")],
     ("kvplane", ("kvplane.cli",), (), "nothing outside the CLI imports the CLI"),
     ("kvplane", ("kvplane.integrations",), (), "nothing outside integrations imports them"),
 ]
@@ -44,6 +50,7 @@ PURE = [
     "kvplane.conductor.scheduling.timemodel", "kvplane.conductor.scheduling.cache",
     "kvplane.collectives.schedule", "kvplane.ep.topology",
     "kvplane.integrations.vllm.plan", "kvplane.integrations.vllm.pd_plan",
+    "kvplane.p2p.manifest", "kvplane.p2p.planner", "kvplane.p2p.tracker",
 ]
 IMPURE = ("socket", "zmq", "asyncio", "threading", "time", "datetime", "selectors")
 
@@ -98,6 +105,12 @@ def test_rules_catch_a_forbidden_edge():
     assert violations("kvplane.store.master.state", {"kvplane.cli.main"})
     assert not violations("kvplane.store.master.server", {"kvplane.kvevents.publisher"})
     assert not violations("kvplane.kvevents.codec", {"kvplane.common.errors"})
+    assert violations("kvplane.store.client.client", {"kvplane.p2p.node"})
+    assert violations("kvplane.transfer.metadata_server", {"kvplane.p2p.tracker_api"})
+    assert violations("kvplane.p2p.node", {"kvplane.store.client"})
+    assert not violations("kvplane.cli.p2p", {"kvplane.p2p.node"})
+    assert not violations("kvplane.testing.p2p_proc", {"kvplane.p2p.node"})
+    assert not violations("kvplane.p2p.node", {"kvplane.transfer.engine"})
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

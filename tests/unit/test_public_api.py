@@ -14,6 +14,8 @@ PINNED = {
                          "Tier", "cleared", "decode_batch", "decode_seq", "encode_batch",
                          "extra_keys_of", "removed", "stored", "tier_of", "to_event_hash",
                          "tokens_of"],
+    "kvplane.p2p": ["Chunk", "GetResult", "Item", "Manifest", "MooncakeP2PStore", "P2PConfig",
+                    "P2PNode", "TrackerClient"],
     "kvplane.compat.mooncake": ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine",
                                 "TransferNotify", "TransferOpcode", "te_code"],
 }

@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "kvplane.cli.pd_proxy",
     "kvplane.cli.serve",
     "kvplane.cli.bench",
+    "kvplane.cli.p2p",
 ]
 
 app = typer.Typer(

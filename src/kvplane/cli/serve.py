@@ -26,16 +26,18 @@ def serve(
     from kvplane.store.client.client import StoreClient
     from kvplane.store.config import StoreConfig
     from kvplane.store.master.server import MasterServer
+    from kvplane.p2p.tracker_api import mount
     from kvplane.transfer.metadata_server import serve_in_thread
 
     tok = token if token is not None else envs.get("KVPLANE_TOKEN")
-    meta = serve_in_thread(host, metadata_port, tok)
+    meta = serve_in_thread(host, metadata_port, tok, plugins=[mount])  # also the P2P tracker
     url = f"http://{host}:{meta.port}/metadata"
     master = MasterServer(host=host, port=master_port, admin_port=admin_port, token=tok)
     seg = StoreClient(StoreConfig(master=f"{host}:{master.port}", metadata=url, local_hostname=host,
                                   global_segment_size=parse_size(segment_size),
                                   local_buffer_size=0, token=tok))
     announce({"master": f"{host}:{master.port}", "metadata": url,
+              "p2p_tracker": f"http://{host}:{meta.port}",
               "admin": f"http://{host}:{master.http.port}" if master.http else None,
               "segment": seg.segment_name, "segment_size": parse_size(segment_size)}, ready_file)
     wait_for_signal()

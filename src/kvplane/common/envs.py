@@ -56,6 +56,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_TRANSPORTS", _names, ("tcp", "shm", "file", "local"), "transports an engine loads, comma separated registry names (tcp is required)"),
         EnvVar("KVPLANE_FILE_ROOT", str, "", "directory that file-backed segments must live under"),
         EnvVar("KVPLANE_MAX_CONNECTIONS", int, 512, "most inbound data connections one engine serves"),
+        EnvVar("KVPLANE_P2P_TRACKER", str, "http://127.0.0.1:8080", "URL of the P2P tracker (the `kvplane metadata` server)"),
         EnvVar("KVPLANE_PG_HEARTBEAT_INTERVAL", float, 0.1, "seconds between collectives heartbeats"),
         EnvVar("KVPLANE_PG_HEARTBEAT_TIMEOUT", float, 1.0, "silence (s) after which a collectives peer counts as failed"),
         EnvVar("KVPLANE_PG_MAX_MESSAGE", _size, 1 << 30, "largest collectives frame payload accepted from a peer"),

@@ -2,7 +2,11 @@
 
 Real processes: ``procs`` (spawn, wait for a ready line, kill), ``services`` (etcd, Redis),
 ``store_procs`` / ``store_client_proc`` (master, segments, clients), ``ranks`` (collectives
-ranks), ``vllm_harness`` / ``vllm_engine_proc`` (a real vLLM engine in its own venv).
+ranks), ``vllm_harness`` / ``vllm_engine_proc`` (a real vLLM engine in its own venv),
+``p2p_proc`` (a P2P node driven by JSON lines).
+
+Many hosts on one machine: ``netns`` (network namespaces on a bridge, link caps, partitions;
+the ``netbed`` fixture; docs/testbed.md) and ``netprobe`` (sink, timed sender, connect check).
 
 In memory, with scripted faults from a seeded ``faults.FaultPlan`` (drop, delay, fail, corrupt,
 disconnect after N; per peer and op):

@@ -2,13 +2,16 @@
 
 In memory only (like Mooncake's), so engines re-publish when it restarts empty. Also serves
 ``/health``, ``/metrics`` and the OpenAPI spec. Binding happens in :func:`serve_in_thread`
-or the CLI; :func:`create_app` is pure.
+or the CLI; :func:`create_app` is pure. Other services mount their routes through ``plugins``
+(the CLI mounts the P2P tracker this way), so this module imports none of them.
 """
 
 from __future__ import annotations
 
 import hmac
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
 
@@ -22,8 +25,18 @@ MAX_KEYS = 100_000
 _KEYS = metrics.Gauge("kvplane_metadata_keys", "Keys held by the HTTP metadata server")
 
 
-def create_app(token: str = "") -> FastAPI:
-    """Build the app. ``token``: required in ``X-KVPlane-Token`` when non-empty."""
+Auth = Callable[[str | None], None]
+Plugin = Callable[[FastAPI, Auth], Any]
+
+
+def create_app(token: str = "", plugins: Sequence[Plugin] = ()) -> FastAPI:
+    """Build the app.
+
+    Args:
+        token: required in ``X-KVPlane-Token`` when non-empty.
+        plugins: each is called as ``plugin(app, auth)`` to add its routes; ``auth(header)``
+            raises 401 unless the header carries the token.
+    """
     app = FastAPI(title="kvplane metadata", version="1",
                   description="Segment metadata store (Mooncake-compatible /metadata API)")
     table: dict[str, bytes] = {}
@@ -74,10 +87,13 @@ def create_app(token: str = "") -> FastAPI:
     def health() -> dict[str, object]:
         return {"status": "ok", "keys": len(table)}
 
+    for plugin in plugins:
+        plugin(app, auth)
     app.mount("/metrics", metrics.asgi_app())
     return app
 
 
-def serve_in_thread(host: str = "127.0.0.1", port: int = 0, token: str = "") -> ServerThread:
+def serve_in_thread(host: str = "127.0.0.1", port: int = 0, token: str = "",
+                    plugins: Sequence[Plugin] = ()) -> ServerThread:
     """Start the metadata server in this process; returns once it accepts connections."""
-    return ServerThread(create_app(token), host, port)
+    return ServerThread(create_app(token, plugins), host, port)
