@@ -11,8 +11,8 @@
 * ``bench``: ``batch_set_v1`` / ``batch_exists`` / ``batch_get_v1`` of N pages on the backend
   alone, timed.
 
-KV files hold the canonical layout ``[2, layers, tokens, heads, head_dim]`` whatever the host
-layout, so files from any two instances compare byte for byte. Why this level and not SGLang's
+KV files hold the canonical layout ``[tokens, 2, layers, heads, head_dim]`` whatever the host
+layout, so files from any two instances compare byte for byte (a token prefix is a byte prefix). Why this level and not SGLang's
 server: docs/engines.md (the server's HiCache host pool needs CUDA).
 
 Test kit, not product.
@@ -84,24 +84,25 @@ class Instance:
 
     # -- the host pool in canonical form --------------------------------------------------------
     def canonical(self, idx: torch.Tensor) -> torch.Tensor:
+        """The KV at token indices ``idx`` as ``[tokens, 2, layers, heads, head_dim]``."""
         buf = self.host.kv_buffer
         if self.host.layout == "page_first":
-            return buf[:, idx].permute(0, 2, 1, 3, 4).contiguous()
+            return buf[:, idx].permute(1, 0, 2, 3, 4).contiguous()
         pages = idx[::self.page] // self.page
-        part = buf[:, pages].permute(0, 2, 1, 3, 4, 5)
-        return part.reshape(2, self.layers, len(idx), *buf.shape[-2:]).contiguous()
+        part = buf[:, pages].permute(1, 3, 0, 2, 4, 5)
+        return part.reshape(len(idx), 2, self.layers, *buf.shape[-2:]).contiguous()
 
     def set_canonical(self, idx: torch.Tensor, kv: torch.Tensor) -> None:
         buf = self.host.kv_buffer
         if self.host.layout == "page_first":
-            buf[:, idx] = kv.permute(0, 2, 1, 3, 4)
+            buf[:, idx] = kv.permute(1, 0, 2, 3, 4)
             return
         pages = idx[::self.page] // self.page
-        shaped = kv.reshape(2, self.layers, len(pages), self.page, *buf.shape[-2:])
-        buf[:, pages] = shaped.permute(0, 2, 1, 3, 4, 5)
+        shaped = kv.reshape(len(pages), self.page, 2, self.layers, *buf.shape[-2:])
+        buf[:, pages] = shaped.permute(2, 0, 3, 1, 4, 5)
 
     def random_kv(self, tokens: int, seed: int) -> torch.Tensor:
-        shape = (2, self.layers, tokens, *self.host.kv_buffer.shape[-2:])
+        shape = (tokens, 2, self.layers, *self.host.kv_buffer.shape[-2:])
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(self.host.dtype)
 
