@@ -59,19 +59,28 @@ class StoreClient:
             cfg = StoreConfig(**{**cfg.__dict__, **overrides})
         self.config = cfg
         self.engine = TransferEngine(EngineConfig.from_env(
-            host=cfg.local_hostname, metadata=cfg.metadata, protocol=cfg.protocol,
-            token=cfg.token, timeout=cfg.timeout))
-        self.rpc = RpcClient(cfg.master, cfg.token, cfg.timeout)
+            host=cfg.local_hostname, port=cfg.port, metadata=cfg.metadata,
+            protocol=cfg.protocol, token=cfg.token, timeout=cfg.timeout))
         self._handles: dict[str, int] = {}
         self._segments: list[SegmentInfo] = []
         self._closed = threading.Event()
-        self.staging = Staging(self.engine, cfg.local_buffer_size)
         self.remounts = 0
-        if cfg.global_segment_size > 0:
-            buf = self.engine.allocate_managed_buffer(cfg.global_segment_size, populate=True)
-            self._segments = [SegmentInfo(self.engine.name, buf.addr, cfg.global_segment_size,
-                                          cfg.client_id, self.engine.name, self.engine.host_id)]
-        self.mount()
+        try:
+            self.rpc = RpcClient(cfg.master, cfg.token, cfg.timeout)
+            self.staging = Staging(self.engine, cfg.local_buffer_size)
+            if cfg.global_segment_size > 0:
+                buf = self.engine.allocate_managed_buffer(cfg.global_segment_size,
+                                                         populate=cfg.populate)
+                self._segments = [SegmentInfo(self.engine.name, buf.addr,
+                                              cfg.global_segment_size, cfg.client_id,
+                                              self.engine.name, self.engine.host_id)]
+            self.mount()
+        except BaseException:  # a failed start leaves no listener, thread or shared memory
+            self._closed.set()
+            if hasattr(self, "rpc"):
+                self.rpc.close()
+            self.engine.close()
+            raise
         self._hb = threading.Thread(target=self._heartbeat, daemon=True,
                                     name=f"store-heartbeat-{cfg.client_id[:8]}")
         self._hb.start()

@@ -20,6 +20,7 @@ from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
+from kvplane.store.master.replica_rpc import ReplicaRpc
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import (
     CodesRep, KeysReq, MountReq, PingRep, PingReq, PutStartReq, RegexReq, RemoveReq, ResultsRep,
@@ -72,6 +73,8 @@ class MasterServer:
             ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
         ):
             self.rpc.add(name, self._counted(name, fn), typ)
+        self.replicas = ReplicaRpc(self)
+        self.replicas.install()
         self.rpc.start()
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="master-timer", daemon=True)
@@ -83,6 +86,10 @@ class MasterServer:
                    admin_port=self.http.port if self.http else None)
 
     # -- rpc handlers (each under the state lock) --------------------------------------------
+    def add_handler(self, name: str, fn: Callable[[Any], Any], request_type: type[Any]) -> None:
+        """Serve ``name`` with ``fn(request)`` under the state lock (counted like the others)."""
+        self.rpc.add(name, self._counted(name, fn), request_type)
+
     def _counted(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         counter = RPCS.labels(name)
 
@@ -110,6 +117,7 @@ class MasterServer:
     def _unmount(self, req: MountReq) -> int:
         for s in req.segments:
             self.state.unmount(s.name)
+            self.replicas.tasks.drop_segment(s.name)
         return 0
 
     def _ping(self, req: PingReq) -> PingRep:
@@ -126,8 +134,12 @@ class MasterServer:
     def _put_start(self, req: PutStartReq) -> ResultsRep:
         now = self.clock()
         local = self._local(req.client_id) if req.config.prefer_alloc_in_same_node else frozenset()
-        return ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local)
-                           for k, n in zip(req.keys, req.sizes, strict=True)])
+        out = ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local)
+                          for k, n in zip(req.keys, req.sizes, strict=True)])
+        for k, r in zip(req.keys, out.results):
+            if r.code == 0:
+                self.state.objects[k].owner = req.client_id
+        return out
 
     def _put_end(self, req: KeysReq) -> CodesRep:
         now = self.clock()
@@ -178,6 +190,7 @@ class MasterServer:
                 EXPIRED.inc()
                 klog.event("client_expired", client_id=cid)
             self.state.reclaim(now)
+            self.replicas.tick()
             n = self.state.evict(now)
             if n:
                 EVICTED.inc(n)

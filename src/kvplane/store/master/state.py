@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.store.errors import (
-    InvalidKey, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
+    InvalidKey, InvalidParams, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
     SegmentExists,
 )
 from kvplane.store.master.allocator import OffsetAllocator
@@ -43,6 +43,7 @@ class Obj:
     hard_pin: bool = False
     soft_pin_until: float = 0.0
     soft_pin_ttl: float = 0.0
+    owner: str = ""  # client id of the put that made it (Mooncake's metadata.client_id)
 
 
 @dataclass
@@ -139,10 +140,12 @@ class MasterState:
         try:
             self._check_key(key)
             if not 0 < size <= MAX_VALUE:
-                raise InvalidArgument(f"object size {size} out of range")
+                raise InvalidParams(f"object size {size} out of range")
             if cfg.replica_num < 1:
-                raise InvalidArgument("replica_num must be >= 1")
+                raise InvalidParams("replica_num must be >= 1")
+            pin = self._soft_pin_ttl(cfg)
             old = self.objects.get(key)
+            kept_pin = old.soft_pin_until if old is not None and old.complete else 0.0
             if old is not None:
                 if old.complete and not upsert:
                     raise ObjectExists(f"{key!r} exists")
@@ -154,10 +157,8 @@ class MasterState:
             replicas = self._place(size, cfg, now, local_segments)
         except KVPlaneError as exc:
             return KeyResult(exc.code)
-        obj = Obj(size, replicas, False, now, hard_pin=cfg.with_hard_pin)
-        if cfg.with_soft_pin:
-            obj.soft_pin_ttl = (cfg.soft_pin_ttl_ms / 1000.0 if cfg.soft_pin_ttl_ms is not None
-                                else self.config.soft_pin_ttl)
+        obj = Obj(size, replicas, False, now, hard_pin=cfg.with_hard_pin, soft_pin_ttl=pin,
+                  soft_pin_until=kept_pin if cfg.pin_action() == "preserve" else 0.0)
         self.objects[key] = obj
         return KeyResult(0, [self.segments[s].replica(o, size) for s, o in replicas], size)
 
@@ -288,10 +289,44 @@ class MasterState:
         return count
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _soft_pin_ttl(self, cfg: ReplicateConfig) -> float:
+        """Seconds of soft pin a put asks for (0: none).
+
+        Raises:
+            InvalidParams: a TTL without "enable", an unknown action, or a TTL past the maximum.
+        """
+        action = cfg.pin_action()
+        if action not in ("preserve", "enable", "disable"):
+            raise InvalidParams(f"unknown soft_pin_action {action!r}")
+        if action != "enable":
+            if cfg.soft_pin_ttl_ms is not None:
+                raise InvalidParams("soft_pin_ttl_ms needs soft_pin_action ENABLE")
+            return 0.0
+        ttl = (cfg.soft_pin_ttl_ms / 1000.0 if cfg.soft_pin_ttl_ms is not None
+               else self.config.soft_pin_ttl)
+        if not 0 <= ttl <= self.config.max_soft_pin_ttl:
+            raise InvalidParams(f"soft_pin_ttl_ms {cfg.soft_pin_ttl_ms} is out of range")
+        return ttl
+
     @staticmethod
     def _check_key(key: str) -> None:
         if not key or len(key.encode()) > MAX_KEY:
             raise InvalidKey(f"keys must be 1..{MAX_KEY} bytes")
+
+    def drop_replicas(self, obj: Obj, segments: set[str], now: float) -> int:
+        """Take the replicas on ``segments`` out of ``obj`` (the object stays, even with none
+        left: the caller decides). Space under a live lease waits for it. Returns how many."""
+        gone = [r for r in obj.replicas if r[0] in segments]
+        obj.replicas = [r for r in obj.replicas if r[0] not in segments]
+        for seg, off in gone:
+            if seg not in self.segments:
+                continue
+            if obj.lease_until > now:
+                self.graveyard.append((obj.lease_until, seg, off))
+                self._held[(seg, off)] = obj.size
+            else:
+                self.segments[seg].alloc.free(off)
+        return len(gone)
 
     def _drop(self, key: str, obj: Obj, now: float) -> None:
         """Forget an object; space under a live lease is freed only once the lease ends."""
