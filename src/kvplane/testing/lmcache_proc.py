@@ -98,6 +98,9 @@ class Instance:
         kv = self.kv[:, :, self.slots[:n]].permute(2, 0, 1, 3)
         return kv.reshape(n, 2, self.g["layers"], self.g["heads"], self.g["head_dim"])
 
+    def token_bytes(self) -> int:
+        return 2 * self.g["layers"] * self.hidden * self.dtype.itemsize
+
     def chunk_keys(self, tokens: list[int]) -> list[CacheEngineKey]:
         return [k for _, _, k in self.engine.token_database.process_tokens(tokens=torch.tensor(tokens))]
 
@@ -131,6 +134,7 @@ def op_store(config: dict[str, Any], tokens: list[int], seed: int, out: str,
         keys = inst.chunk_keys(tokens)
         _write(out, inst.canonical(n))
         return {"stored_tokens": seen, "keys": [k.to_string() for k in keys],
+                "token_bytes": inst.token_bytes(),
                 "event_hashes": [_event(k.chunk_hash) for k in keys]}
     finally:
         inst.close()
@@ -154,7 +158,8 @@ def op_load(config: dict[str, Any], tokens: list[int], out: str,
         flags = mask.tolist()
         loaded = flags.index(False) if False in flags else len(flags)
         _write(out, inst.canonical(loaded))
-        return {"hit_tokens": hit, "loaded_tokens": loaded, "retrieved": int(mask.sum())}
+        return {"hit_tokens": hit, "loaded_tokens": loaded, "retrieved": int(mask.sum()),
+                "token_bytes": inst.token_bytes()}
     finally:
         inst.close()
 
@@ -169,8 +174,7 @@ def op_bench(config: dict[str, Any], chunks: int, geometry: dict[str, Any],
         runs = [_bench_once(inst, backend, chunks) for _ in range(repeat)]
     finally:
         inst.close()
-    meta = inst.engine.metadata
-    chunk_bytes = inst.g["chunk"] * inst.hidden * 2 * inst.g["layers"] * meta.kv_dtype.itemsize
+    chunk_bytes = inst.g["chunk"] * inst.token_bytes()
     return {"runs": runs, "chunk_bytes": chunk_bytes, "chunks": chunks}
 
 

@@ -139,6 +139,7 @@ def op_store(backend: str, extra: dict[str, Any], tokens: list[int], seed: int, 
         ack = inst.ctrl.ack_backup_queue.get(timeout=timeout)
         _write(out, inst.canonical(idx))
         return {"stored_tokens": ack.completed_tokens, "page_hashes": hashes,
+                "token_bytes": inst.host.get_size_per_token(),
                 "event_hashes": [hash_str_to_int64(h) & U64 for h in hashes]}
     finally:
         inst.close()
@@ -163,7 +164,8 @@ def op_load(backend: str, extra: dict[str, Any], tokens: list[int], out: str,
             inst.ctrl.prefetch_buffer.put(hit)
             loaded = _wait_prefetch(inst.ctrl, timeout)
         _write(out, inst.canonical(idx[:loaded]))
-        return {"hit_tokens": hit.storage_hit_count, "loaded_tokens": loaded}
+        return {"hit_tokens": hit.storage_hit_count, "loaded_tokens": loaded,
+                "token_bytes": inst.host.get_size_per_token()}
     finally:
         inst.close()
 
