@@ -169,6 +169,9 @@ class KVPlaneConnector(RemoteConnector):
         except KVPlaneError as exc:
             log.warning("kvplane LMCache: get of %d chunks failed: %s", len(names), exc)
             return [-1] * len(names)
+        bad = sum(1 for i in direct + staged if got[i] <= 0)
+        if bad:
+            log.warning("kvplane LMCache: %d of %d chunks not read (a miss)", bad, len(names))
         return got
 
     def _finish(self, obj: MemoryObj | None, n: int) -> MemoryObj | None:
