@@ -70,22 +70,30 @@ class EngineDriver:
         engine: which driver module to run.
         log_path: the driver's stderr (engine logs) goes here.
         mooncake: which ``mooncake`` package the driver may import.
-        ready_timeout: seconds for imports and setup.
+        ready_timeout: seconds for imports and setup; None: return at once and call
+            :meth:`ready` later (start several drivers, then wait for all: imports dominate).
     """
 
     def __init__(self, engine: str, log_path: pathlib.Path, mooncake: Mooncake = "kvplane",
-                 env: dict[str, str] | None = None, ready_timeout: float = 180.0) -> None:
+                 env: dict[str, str] | None = None, ready_timeout: float | None = 180.0) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [ENGINES_PYTHON, "-m", f"kvplane.testing.{engine}_proc"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
             env={**engines_env(mooncake), **(env or {})})
+        self.info: dict[str, Any] = {}
+        if ready_timeout is not None:
+            self.ready(ready_timeout)
+
+    def ready(self, timeout: float = 180.0) -> "EngineDriver":
+        """Wait for the ready line (the driver is closed if it does not come)."""
         try:
-            self.info = self.read(ready_timeout)
+            self.info = self.read(timeout)
         except EngineError:
             self.close()
             raise
+        return self
 
     def read(self, timeout: float) -> dict[str, Any]:
         """The next protocol line.

@@ -171,6 +171,7 @@ def op_bench(config: dict[str, Any], chunks: int, geometry: dict[str, Any],
     inst = Instance(config, geometry)
     try:
         backend = inst.remote()
+        _bench_once(inst, backend, min(chunks, 2))  # warm-up, not counted
         runs = [_bench_once(inst, backend, chunks) for _ in range(repeat)]
     finally:
         inst.close()

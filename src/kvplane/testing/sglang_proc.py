@@ -188,6 +188,7 @@ def op_bench(backend: str, extra: dict[str, Any], pages: int, geometry: dict[str
     g["host_tokens"] = 2 * pages * g["page"]
     inst = Instance(backend, extra, layout, g, controller=False)
     try:
+        _bench_once(inst, min(pages, 2))  # warm-up, not counted: connections, first touches
         runs = [_bench_once(inst, pages) for _ in range(repeat)]
     finally:
         inst.close()

@@ -46,9 +46,10 @@ def engine_pair(request, tmp_path_factory):
     engine = request.module.ENGINE
     logs = tmp_path_factory.mktemp(f"{engine}-logs")
     with contextlib.ExitStack() as stack:
-        a = stack.enter_context(EngineDriver(engine, logs / "A.log"))
-        b = stack.enter_context(EngineDriver(engine, logs / "B.log"))
+        a = stack.enter_context(EngineDriver(engine, logs / "A.log", ready_timeout=None))
+        b = stack.enter_context(EngineDriver(engine, logs / "B.log", ready_timeout=None))
         for d in (a, b):  # ``import mooncake`` resolves to kvplane's shim, never real Mooncake
+            d.ready(300)
             assert "mooncake_shim" in (d.info["mooncake"] or ""), d.info
         yield a, b
 
