@@ -9,10 +9,15 @@ import numpy as np
 import pytest
 
 
+# where the external engines live: read by the test kit, not kvplane settings
+KEEP = {"KVPLANE_VLLM_PYTHON", "KVPLANE_MOONCAKE_PYTHON", "KVPLANE_ENGINES_VENV",
+        "KVPLANE_ENGINES_PYTHON"}
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in list(os.environ):
-        if k.startswith("KVPLANE_") and k != "KVPLANE_VLLM_PYTHON" and k != "KVPLANE_MOONCAKE_PYTHON":
+        if k.startswith("KVPLANE_") and k not in KEEP:
             monkeypatch.delenv(k, raising=False)
     random.seed(1234)
     np.random.seed(1234)

@@ -19,7 +19,6 @@ import subprocess
 from typing import Any, Literal
 
 from kvplane.common.errors import Timeout
-from kvplane.integrations.mooncake_shim import PATH as SHIM_PATH
 from kvplane.testing.needs import missing
 from kvplane.testing.procs import wait_for_line
 
@@ -27,6 +26,8 @@ ENGINES_VENV = os.environ.get("KVPLANE_ENGINES_VENV", "/opt/kvplane-engines-venv
 ENGINES_PYTHON = os.environ.get("KVPLANE_ENGINES_PYTHON", f"{ENGINES_VENV}/bin/python")
 REAL_MOONCAKE = pathlib.Path(ENGINES_VENV) / "mooncake-real"
 SRC = pathlib.Path(__file__).resolve().parents[2]  # the directory holding ``kvplane``
+# kvplane.integrations.mooncake_shim.PATH, named by path: kvplane modules never import integrations
+SHIM_PATH = SRC / "kvplane" / "integrations" / "mooncake_shim"
 Mooncake = Literal["kvplane", "real", "none"]
 HOW = "bash .ci/setup-30-engines-venv.sh && bash .ci/setup-40-engines-kvplane.sh"
 

@@ -27,16 +27,17 @@ NATIVE = {"backend_name": "kvplane", "module_path": "kvplane.integrations.sglang
 
 def backend(kind: str, addr: str, protocol: str = "auto") -> dict:
     """(--hicache-storage-backend, --hicache-storage-backend-extra-config) for ``kind``."""
-    if kind == "native":
+    if kind.startswith("native"):  # native_copying: SGLang's older non-v1 calls
         return {"backend": "dynamic",
-                "extra": {**NATIVE, "master_server_address": addr, "protocol": protocol}}
+                "extra": {**NATIVE, "master_server_address": addr, "protocol": protocol,
+                          "interface_v1": kind == "native"}}
     return {"backend": "mooncake",
             "extra": {"master_server_address": addr, "protocol": "tcp",
                       "metadata_server": "P2PHANDSHAKE", "global_segment_size": "0",
                       "local_buffer_size": "16777216"}}
 
 
-@pytest.mark.parametrize("kind", ["native", "mooncake"])
+@pytest.mark.parametrize("kind", ["native", "native_copying", "mooncake"])
 def test_instance_b_finds_and_loads_a_prefix_bit_exact(kind, engine_pair, pool, conductor,
                                                        tmp_path):
     a, b = engine_pair
@@ -77,7 +78,7 @@ def test_instance_b_finds_and_loads_a_prefix_bit_exact(kind, engine_pair, pool, 
 
     # store KV events: native keys carry SGLang's page event hash, Mooncake's keys carry none
     seen = pool_hit_tokens(conductor, master, stored[0]["event_hashes"])
-    assert seen == (4 * PAGE if kind == "native" else 0)
+    assert seen == (4 * PAGE if kind.startswith("native") else 0)
 
 
 def test_native_segment_killed_mid_load_is_a_miss(engine_pair, tmp_path):

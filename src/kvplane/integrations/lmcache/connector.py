@@ -35,35 +35,9 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.integrations.lmcache.keys import NAMESPACE, leading, store_key
-from kvplane.integrations.store_backend import StoreBackendConfig
+from kvplane.integrations.lmcache.settings import SCHEME, claims, plugin_settings
 
 log = logging.getLogger(__name__)
-SCHEME = "kvplane://"
-PLUGIN_KEYS = ("module_path", "class_name", "url")
-
-
-def plugin_settings(extra: dict[str, Any] | None, plugin: str, url: str) -> StoreBackendConfig:
-    """The kvplane settings of plugin ``plugin``: its ``remote_storage_plugin.<plugin>.*`` keys,
-    with the master taken from a ``kvplane://host:port`` URL (the plugin's ``url`` key or the one
-    LMCache passed).
-
-    Raises:
-        InvalidArgument: an unknown setting or a malformed URL.
-    """
-    extra = extra or {}
-    head = f"remote_storage_plugin.{plugin}."
-    mine = {k[len(head):]: v for k, v in extra.items() if k.startswith(head)}
-    address = url if url.startswith(SCHEME) else str(mine.get("url", ""))
-    settings = {k: v for k, v in mine.items() if k not in PLUGIN_KEYS}
-    if address:
-        if not address.startswith(SCHEME):
-            raise InvalidArgument(f"{head}url must be kvplane://host:port, got {address!r}")
-        hostport = address[len(SCHEME):].split("/", 1)[0]
-        if hostport:
-            settings["master_server_address"] = hostport
-    return StoreBackendConfig.from_mapping(settings)
-
-
 class KVPlaneConnector(RemoteConnector):
     """LMCache ``RemoteConnector`` over a kvplane store client.
 
@@ -282,9 +256,7 @@ class KVPlaneConnectorAdapter(ConnectorAdapter):
         super().__init__(SCHEME)
 
     def can_parse(self, url: str) -> bool:
-        if url.startswith(SCHEME):
-            return True
-        return url.startswith("plugin://") and url[len("plugin://"):].split(".", 1)[0] == "kvplane"
+        return claims(url)
 
     def create_connector(self, context: ConnectorContext) -> RemoteConnector:
         plugin = context.plugin_name
