@@ -6,13 +6,16 @@ Each side is a batch store, a batch exists and a batch load of N pages (SGLang H
 ``batch_get_v1``, 128 pages per call as the HiCache controller batches them) or N chunks
 (LMCache: ``--chunk``-token chunks through the remote connector's ``batched_put``/
 ``batched_contains``/``batched_get``), timed inside the engine process (the engines venv), with
-fresh keys per repeat and every load checked bit-exact. Every side gets a fresh store: a kvplane
+fresh keys per repeat, after one untimed full-size warm-up run, and every load checked
+bit-exact; between runs (untimed) the pool is emptied, so each run reuses memory the store has
+already touched (kvplane's segment faults its pages in at start, Mooncake's store server does
+not). Every side gets a fresh store: a kvplane
 master + ``kvplane segment`` process, or a ``mooncake_master`` + ``mooncake_client`` store server
 (real Mooncake 0.3.13.post1 from ``<engines venv>/mooncake-real``; skipped with the reason when
 absent). The engine side is a pure client (no segment of its own); everything is on 127.0.0.1.
 
 Usage: python benchmarks/engines.py [--engines sglang,lmcache] [--pages 32] [--chunks 8]
-       [--geometry llama8b] [--repeat 3] [--protocol tcp] [--no-real] [--out FILE]
+       [--geometry llama8b] [--repeat 5] [--protocol tcp] [--no-real] [--out FILE]
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chunks", type=int, default=8, help="LMCache chunks per batch run")
     ap.add_argument("--chunk", type=int, default=256, help="LMCache chunk size (tokens)")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama8b")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per side (after a warm-up)")
     ap.add_argument("--protocol", default="tcp", help="kvplane sides: tcp, or auto (shm)")
     ap.add_argument("--no-real", action="store_true", help="skip real Mooncake")
     ap.add_argument("--out", default="", help="write the results as JSON here")
@@ -159,7 +162,8 @@ def run_engine(engine: str, args: argparse.Namespace, drivers: dict[str, EngineD
         if side["mooncake"] == "real" and real_reason:
             rows.append({**row, "skipped": real_reason})
             continue
-        with fresh_store(side["mooncake"], int(n * unit * args.repeat * 1.3), work) as store:
+        pool = int(n * unit * (args.repeat + 1) * 1.3)  # fresh keys per run, plus the warm-up
+        with fresh_store(side["mooncake"], pool, work) as store:
             res = op(side, store)
         rows.append({**row, **summarise(res["runs"], n * unit)})
     return rows

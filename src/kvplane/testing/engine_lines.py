@@ -42,6 +42,15 @@ def stage(name: str, **info: Any) -> None:
     send({"stage": name, **info})
 
 
+def clear_pool(backend: Any) -> Any:
+    """Force-remove every object of the pool a benchmarked backend uses (between timed runs, so
+    the next run reuses memory the last one touched). kvplane's backends hold a ``client``
+    (StoreClient), the engines' Mooncake backends a ``store`` (MooncakeDistributedStore)."""
+    if hasattr(backend, "client"):
+        return backend.client.remove_by_regex(".*", force=True)
+    return backend.store.remove_by_regex(".*", True)
+
+
 def mooncake_origin() -> str | None:
     """Where ``import mooncake`` comes from here (the kvplane shim, real Mooncake, or None)."""
     spec = importlib.util.find_spec("mooncake")
