@@ -171,12 +171,15 @@ def op_bench(config: dict[str, Any], chunks: int, geometry: dict[str, Any],
     inst = Instance(config, geometry)
     try:
         backend = inst.remote()
+        wrapped = backend.connection.getWrappedConnector()
+        region = getattr(wrapped, "_region", None)  # kvplane's connector: registered allocator
         _bench_once(inst, backend, chunks)  # warm-up, not counted: connections, first touches
         runs = [_bench_once(inst, backend, chunks) for _ in range(repeat)]
     finally:
         inst.close()
     chunk_bytes = inst.g["chunk"] * inst.token_bytes()
-    return {"runs": runs, "chunk_bytes": chunk_bytes, "chunks": chunks}
+    return {"runs": runs, "chunk_bytes": chunk_bytes, "chunks": chunks,
+            "connector": type(wrapped).__name__, "zero_copy_region": region}
 
 
 def _bench_once(inst: Instance, backend: Any, chunks: int) -> dict[str, Any]:
