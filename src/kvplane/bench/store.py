@@ -135,13 +135,14 @@ def _redis(svc: Services) -> str:
 
 
 def _worker(py: str, impl: str, label: str, master: str, opt: Options, clients: int,
-            protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", segment_mb: int = 0) -> list[dict]:
+            protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", segment_mb: int = 0,
+            extra_env: dict[str, str] | None = None) -> list[dict]:
     cmd = [py, WORKER, "--impl", impl, "--label", label, "--master", master, "--metadata", metadata,
            "--protocol", protocol, "--clients", str(clients), "--segment-mb", str(segment_mb),
            "--sizes", ",".join(map(str, opt.sizes)), "--batch", str(opt.batch),
            "--duration", str(opt.duration), "--cap-mb", str(opt.cap_mb),
            "--local-buffer-mb", str(max(64, opt.batch * max(opt.sizes) >> 20))]
-    env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2")
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2", **(extra_env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not rows or not all(r["verified"] for r in rows):
@@ -220,9 +221,11 @@ def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | N
     segment_mb = 0 if remote else opt.segment_mb // 2  # a local client contributes this much
     if cell.side.startswith("kvplane"):
         master = _kvplane(svc, remote, opt.segment_mb)
-        protocol = "tcp" if cell.side == "kvplane-tcp" else "auto"
+        protocol = "tcp" if cell.side.startswith("kvplane-tcp") else "auto"
+        # "-csum" sides: the same client with store checksums on (their cost, side by side)
+        env = {"KVPLANE_STORE_CHECKSUM": "1" if cell.side.endswith("-csum") else "0"}
         return _worker(sys.executable, "kvplane", cell.side, master, opt, cell.clients, protocol,
-                       segment_mb=segment_mb)
+                       segment_mb=segment_mb, extra_env=env)
     if cell.side == "mooncake":
         assert mooncake_python is not None  # _cells skips Mooncake when it is not installed
         master, url = _mooncake(svc, mooncake_python, remote, opt.segment_mb)

@@ -7,6 +7,7 @@
     │   └── AddressNotRegistered      an address/length outside every registered region
     ├── NotFound                      unknown key, segment, batch, ...
     ├── Conflict                      already exists / overlapping / busy
+    │   └── Fenced                    a transfer against a freed allocation (stale generation)
     ├── NoSpace                       allocation failed
     ├── Unavailable      (retryable)  peer or service unreachable, connection dropped
     ├── Timeout          (retryable)  a deadline passed
@@ -50,6 +51,13 @@ class Conflict(KVPlaneError):
     """The object exists already, overlaps another, or is busy."""
 
     code = -1004
+
+
+class Fenced(Conflict):
+    """The allocation a transfer targeted was freed, or belongs to another master epoch: the
+    data listener refused the stale generation and touched no memory."""
+
+    code = -1020
 
 
 class NoSpace(KVPlaneError):
@@ -98,6 +106,7 @@ _BY_CODE: dict[int, type[KVPlaneError]] = {
         AddressNotRegistered,
         NotFound,
         Conflict,
+        Fenced,
         NoSpace,
         Unavailable,
         Timeout,

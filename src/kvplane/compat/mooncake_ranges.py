@@ -181,7 +181,8 @@ class RangesMixin:
         if self._c is None:
             return [INVALID_PARAMS] * len(keys)
         with self._session_lock:
-            held = [k for k in keys if self._put_sessions.pop(k, None) is not None]
+            held = [(k, r) for k in keys
+                    if (r := self._put_sessions.pop(k, None)) is not None]
         out = {k: OBJECT_NOT_FOUND for k in keys}
         if held:
             io = self._range_io()
@@ -189,7 +190,7 @@ class RangesMixin:
                 codes = io.commit(held) if commit else io.revoke(held)
             except KVPlaneError as exc:
                 codes = [code_of(exc)] * len(held)
-            out.update(zip(held, codes))
+            out.update(zip([k for k, _ in held], codes))
         return [out[k] for k in keys]
 
     # -- shared ------------------------------------------------------------------------------------

@@ -117,14 +117,15 @@ class TensorMixin(ParallelMixin):
     # -- zero-copy ------------------------------------------------------------------------------------
     def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
         """Read into registered memory; a tensor sharing that buffer (after the header), or None."""
-        return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+        got = self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+        return None if isinstance(got, int) else got
 
     def batch_get_tensor_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int],
                               sizes: Sequence[int]) -> list[Any]:
         fmt.torch()
         if self._c is None or not len(keys) == len(buffer_ptrs) == len(sizes) or \
                 any(int(p) == 0 for p in buffer_ptrs):
-            return [None] * len(keys)
+            return [INVALID_PARAMS] * len(keys)  # the whole call is refused (per-key misses: None)
         got = self.batch_get_into(list(keys), buffer_ptrs, sizes)  # type: ignore[attr-defined]
         return [self._decode_at(p, n) if n > 0 else None for p, n in zip(buffer_ptrs, got)]
 

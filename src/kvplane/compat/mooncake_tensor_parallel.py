@@ -99,6 +99,8 @@ class ParallelMixin:
         gshape: tuple[int, ...] = ()
         shard = tensor
         if full_input:
+            if tensor.shape[split] % size:  # a full tensor is only cut into equal shards
+                return INVALID_PARAMS
             chunks = tensor.chunk(size, split)
             if len(chunks) != size:
                 return INVALID_PARAMS

@@ -20,7 +20,10 @@ import os
 import threading
 from typing import Any
 
-from kvplane.common.errors import KVPlaneError, Timeout, Unavailable
+from kvplane.common.errors import (
+    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, Timeout, Unavailable,
+)
+from kvplane.store.errors import ChecksumMismatch
 from kvplane.store.types import ReplicateConfig as NativeConfig
 
 log = logging.getLogger(__name__)
@@ -55,13 +58,22 @@ MAX_SOFT_PIN_TTL_MS = 24 * 3600 * 1000  # Mooncake's max_kv_soft_pin_ttl default
 def code_of(exc: BaseException) -> int:
     """Mooncake's integer code for a kvplane error (the facade's one mapping).
 
-    Store errors carry Mooncake's own code; a timeout is RPC_TIMEOUT, an unreachable service
-    RPC_FAIL, anything else from kvplane RPC_FAIL (as a failed master call is in Mooncake).
+    Store errors carry Mooncake's own code (-704, -706, -200 ...; a ChecksumMismatch is
+    CHECKSUM_MISMATCH, -801). Of the general classes:
+    bad input (InvalidArgument, Conflict, NotFound) is INVALID_PARAMS, NoSpace is
+    NO_AVAILABLE_HANDLE, Timeout is RPC_TIMEOUT, and an unreachable service or any other
+    kvplane error is RPC_FAIL, as a failed master call is in Mooncake.
     """
+    if isinstance(exc, ChecksumMismatch):
+        return CHECKSUM_MISMATCH
     if isinstance(exc, KVPlaneError) and -1000 < exc.code < 0:
         return exc.code
     if isinstance(exc, Timeout):
         return RPC_TIMEOUT
+    if isinstance(exc, (InvalidArgument, Conflict, NotFound)):
+        return INVALID_PARAMS
+    if isinstance(exc, NoSpace):
+        return NO_AVAILABLE_HANDLE
     if isinstance(exc, (Unavailable, KVPlaneError)):
         return RPC_FAIL
     return INTERNAL_ERROR

@@ -19,6 +19,7 @@
     │   └── InvalidParams         -600
     ├── LeaseExpired              -707
     └── TransferFail              -800 (retryable)
+        └── ChecksumMismatch      -1021 every replica read back with bytes that fail the checksum
 """
 
 from __future__ import annotations
@@ -111,6 +112,13 @@ class TransferFail(KVPlaneError):
 
     code = -800
     retryable = True
+
+
+@register_code
+class ChecksumMismatch(TransferFail):
+    """Every replica that could be read failed the object's checksum (corrupt or stale bytes)."""
+
+    code = -1021
 
 
 def key_error(code: int, key: str) -> KVPlaneError:

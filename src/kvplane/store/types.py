@@ -41,6 +41,7 @@ class Replica(msgspec.Struct, array_like=True):
     size: int
     endpoint: str = ""  # transfer-engine endpoint (host:port) of the segment
     host_id: str = ""
+    gen: int = 0  # the allocation's generation: data frames carry it, the segment checks it
 
 
 class SegmentInfo(msgspec.Struct):
@@ -63,11 +64,34 @@ class MountReq(msgspec.Struct):
 
 class PingReq(msgspec.Struct):
     client_id: str
+    fenced: list[int] = msgspec.field(default_factory=list)  # generations this client's segments fenced
+    suspects: list[str] = msgspec.field(default_factory=list)  # segments a transfer to failed
+
+
+class RepairTask(msgspec.Struct, array_like=True):
+    """Copy one object from ``sources`` into this client's segment at ``addr`` (allocation ``gen``)."""
+
+    key: str
+    version: int
+    gen: int
+    addr: int
+    size: int
+    checksum: int
+    sources: list[Replica]
 
 
 class PingRep(msgspec.Struct):
     status: str  # "ok" | "need_remount"
     view_version: int
+    fences: list[int] = msgspec.field(default_factory=list)  # fence these, then acknowledge
+    repairs: list[RepairTask] = msgspec.field(default_factory=list)
+
+
+class RepairDoneReq(msgspec.Struct):
+    client_id: str
+    keys: list[str]
+    gens: list[int]
+    ok: list[bool]
 
 
 class PutStartReq(msgspec.Struct):
@@ -76,6 +100,7 @@ class PutStartReq(msgspec.Struct):
     sizes: list[int]
     config: ReplicateConfig
     upsert: bool = False
+    ttl: float = 0.0  # seconds this client may go on writing (its call deadline); 0: the default
 
 
 class KeyResult(msgspec.Struct, array_like=True):
@@ -84,11 +109,25 @@ class KeyResult(msgspec.Struct, array_like=True):
     code: int
     replicas: list[Replica] = msgspec.field(default_factory=list)
     size: int = 0
+    version: int = 0  # the object's version (the generation of the put that made it)
+    checksum: int = 0  # of the object's bytes (0: none recorded)
 
 
 class KeysReq(msgspec.Struct):
     client_id: str
     keys: list[str]
+    suspects: list[str] = msgspec.field(default_factory=list)  # segments a transfer to failed
+
+
+class PutEndReq(msgspec.Struct):
+    """PutEnd / PutRevoke: each key with the version PutStart gave it (and, for PutEnd, the
+    checksum of its bytes)."""
+
+    client_id: str
+    keys: list[str]
+    versions: list[int]
+    checksums: list[int] = msgspec.field(default_factory=list)
+    suspects: list[str] = msgspec.field(default_factory=list)
 
 
 class RemoveReq(msgspec.Struct):
@@ -105,6 +144,7 @@ class RegexReq(msgspec.Struct):
 
 class ResultsRep(msgspec.Struct):
     results: list[KeyResult]
+    ttl: float = 0.0  # seconds the replicas stay valid from the master's receipt (lease or write window)
 
 
 class CodesRep(msgspec.Struct):

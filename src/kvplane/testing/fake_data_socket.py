@@ -184,7 +184,7 @@ class FakeDataSocket:
     def _serve(self) -> None:
         """Answer every complete request in the inbox, in order."""
         while not (self.stalled or self.hung_up) and len(self._inbox) >= protocol.REQ.size:
-            magic, version, op, _flags, rid, addr, length = protocol.REQ.unpack_from(self._inbox)
+            magic, version, op, _flags, rid, addr, length, _gen = protocol.REQ.unpack_from(self._inbox)
             if magic != protocol.MAGIC or version != protocol.VERSION or op not in protocol.OPS:
                 self.hung_up = True  # the real server closes the connection on a bad frame
                 return

@@ -3,6 +3,7 @@
 Values are derived from their keys (``value_of``), so any process can verify any object.
 
     python -m kvplane.testing.store_client_proc --master HOST:PORT [--protocol tcp] [--segment-mb 0]
+        [--timeout 5] [--checksum | --no-checksum]
 """
 
 from __future__ import annotations
@@ -85,6 +86,50 @@ def read_loop(c: StoreClient, keys: dict[str, int], seconds: float) -> dict[str,
     return out
 
 
+def churn(c: StoreClient, seconds: float, prefix: str, seed: int, replicas: int,
+          keep: int = 300) -> dict[str, object]:
+    """Puts (``replicas`` each) and verified gets for ``seconds``, keeping at most ``keep`` live
+    keys (older ones are removed). Reports what was acknowledged, what went wrong, and the
+    slowest single call."""
+    rng = random.Random(seed)
+    cfg = ReplicateConfig(replica_num=replicas)
+    live: dict[str, int] = {}
+    out = {"put": 0, "put_failed": 0, "get": 0, "get_failed": 0, "corrupt": 0, "max_call_s": 0.0}
+
+    def timed(fn):  # type: ignore[no-untyped-def]
+        t = time.monotonic()
+        try:
+            return fn()
+        finally:
+            out["max_call_s"] = max(out["max_call_s"], time.monotonic() - t)  # type: ignore[type-var]
+
+    end, i = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        i += 1
+        if rng.random() < 0.5 or not live:
+            key, size = f"{prefix}-{i}", rng.choice([4096, 20000, 65536, 262144])
+            value = value_of(key, size).tobytes()
+            try:
+                timed(lambda: c.put(key, value, cfg))
+                live[key] = size
+                out["put"] += 1  # type: ignore[operator]
+            except KVPlaneError:
+                out["put_failed"] += 1  # type: ignore[operator]
+            if len(live) > keep:
+                old = next(iter(live))
+                if timed(lambda: c.batch_remove([old], force=True))[0] is None:
+                    del live[old]
+        else:
+            key = rng.choice(list(live))
+            res = timed(lambda: check(c, key, live[key]))
+            out["get"] += 1  # type: ignore[operator]
+            if res == "corrupt":  # wrong bytes returned as a success
+                out["corrupt"] += 1  # type: ignore[operator]
+            elif res == "missing":
+                out["get_failed"] += 1  # type: ignore[operator]
+    return {"live": live, "corrupt_reads": c.corrupt_reads, **out}
+
+
 def health(c: StoreClient) -> str:
     """"ok", or the class name of the error the master ping raised."""
     try:
@@ -100,15 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocol", default="auto")
     ap.add_argument("--segment-mb", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=False,
+                    help="store checksums (off by default, as in StoreConfig)")
     a = ap.parse_args(argv)
     c = StoreClient(StoreConfig(master=a.master, protocol=a.protocol, timeout=a.timeout,
-                                global_segment_size=a.segment_mb << 20, local_buffer_size=16 << 20))
+                                global_segment_size=a.segment_mb << 20, local_buffer_size=16 << 20,
+                                checksum=a.checksum))
     print(json.dumps({"segment": c.segment_name}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "put":
-            cfg = ReplicateConfig(replica_num=cmd.get("replicas", 1))
+            cfg = ReplicateConfig(replica_num=cmd.get("replicas", 1),
+                                  preferred_segment=cmd.get("preferred", ""))
             keys, size = cmd["keys"], cmd["size"]
             results = c.put_batch(keys, [value_of(k, size).tobytes() for k in keys], cfg)
             res: object = [0 if r is None else r.code for r in results]
@@ -116,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             res = {k: check(c, k, s) for k, s in cmd["keys"].items()}
         elif op == "mixed":
             res = mixed(c, cmd["n"], cmd["prefix"], cmd["seed"])
+        elif op == "churn":
+            res = churn(c, cmd["seconds"], cmd["prefix"], cmd["seed"], cmd.get("replicas", 2),
+                        cmd.get("keep", 300))
+        elif op == "remove":
+            res = [0 if r is None else r.code
+                   for r in c.batch_remove(cmd["keys"], force=cmd.get("force", True))]
         elif op == "read_loop":
             res = read_loop(c, cmd["keys"], cmd["seconds"])
         elif op == "health":

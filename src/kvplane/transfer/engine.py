@@ -67,20 +67,14 @@ class TransferEngine:
         self._server = DataServer(self.memory, self._describe_bytes, cfg.host, cfg.port, cfg.token,
                                   cfg.max_frame, cfg.max_connections)
         self.port = self._server.port
+        self.fence = self._server.fence  # store generations this engine's listener refuses
         self.transports: dict[str, Transport] = {}
         try:  # a failed start leaves no listener or transport behind
             self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
-            ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
-                                   cfg.file_root, retries=cfg.retries, segment=self.name)
-            for n in cfg.transports:
-                self.transports[n] = TRANSPORTS.load(n)(ctx)
-            if "tcp" not in self.transports:
-                raise InvalidArgument("the tcp transport is required (handshakes use it)")
+            self._open_transports(cfg)
             self._meta: MetadataBackend | None = open_metadata(cfg.metadata, cfg.token)
         except BaseException:
-            self._server.close()
-            for t in self.transports.values():
-                t.close()
+            self._abort_start()
             raise
         self._segments: dict[int, OpenSegment] = {}
         self._by_name: dict[str, int] = {}
@@ -97,9 +91,7 @@ class TransferEngine:
                 self.publish()
             except BaseException:
                 self._closed = True
-                self._server.close()
-                for t in self.transports.values():
-                    t.close()
+                self._abort_start()
                 self._exec.shutdown(wait=True)
                 self._meta.close()
                 raise
@@ -107,6 +99,20 @@ class TransferEngine:
                                                  name=f"te-republish-{self.port}")
             self._republisher.start()
         klog.event("engine_started", segment=self.name, port=self.port, metadata=cfg.metadata)
+
+    def _open_transports(self, cfg: EngineConfig) -> None:
+        ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
+                               cfg.file_root, retries=cfg.retries, segment=self.name)
+        for n in cfg.transports:
+            self.transports[n] = TRANSPORTS.load(n)(ctx)
+        if "tcp" not in self.transports:
+            raise InvalidArgument("the tcp transport is required (handshakes use it)")
+
+    def _abort_start(self) -> None:
+        """Undo a start that failed half way: listener and transports go."""
+        self._server.close()
+        for t in self.transports.values():
+            t.close()
 
     # -- descriptor and metadata -----------------------------------------------------------
     def describe(self) -> SegmentDesc:
@@ -265,6 +271,10 @@ class TransferEngine:
         if seg is None:
             raise NotFound(f"no open segment with handle {handle}")
         return seg
+
+    def prune(self) -> int:
+        """Drop cached same-host mappings of segments whose process has exited; returns how many."""
+        return sum(t.prune() for t in self.transports.values() if hasattr(t, "prune"))
 
     # -- planning --------------------------------------------------------------------------
     def _choose(self, req: TransferRequest, route: Route) -> Transport:

@@ -1,7 +1,9 @@
 """The TCP data protocol: fixed binary headers and exact send/receive helpers.
 
-Request (32 bytes, little endian): magic u32, version u8, op u8, flags u16, id u64, addr u64,
-length u64. A WRITE is followed by ``length`` payload bytes; HELLO by a ``length``-byte token.
+Request (40 bytes, little endian): magic u32, version u8, op u8, flags u16, id u64, addr u64,
+length u64, gen u64. ``gen`` is the store allocation's generation (0: unfenced; see
+``kvplane.transfer.fence``): the listener refuses a READ or WRITE whose generation was fenced or
+belongs to another master epoch. A WRITE is followed by ``length`` payload bytes; HELLO by a ``length``-byte token.
 Response (24 bytes): magic u32, status i32 (0 ok, else a kvplane error code), id u64, length
 u64, followed by ``length`` bytes (READ data, a DESCRIBE descriptor, or an error message).
 """
@@ -16,9 +18,9 @@ from kvplane.common.sockets import recv_exact, recv_spin, set_io_timeout  # noqa
 
 MAGIC = 0x4C50564B  # "KVPL"
 RESP_MAGIC = 0x5250564B  # "KVPR"
-VERSION = 1
+VERSION = 2  # 2: the request header carries the allocation generation
 
-REQ = struct.Struct("<IBBHQQQ")
+REQ = struct.Struct("<IBBHQQQQ")
 RESP = struct.Struct("<IiQQ")
 
 OP_HELLO = 1
@@ -32,9 +34,9 @@ MAX_TOKEN = 4096
 MAX_ERROR = 4096
 
 
-def pack_req(op: int, rid: int, addr: int, length: int) -> bytes:
-    """Encode a request header."""
-    return REQ.pack(MAGIC, VERSION, op, 0, rid, addr, length)
+def pack_req(op: int, rid: int, addr: int, length: int, gen: int = 0) -> bytes:
+    """Encode a request header (``gen`` 0: no fencing)."""
+    return REQ.pack(MAGIC, VERSION, op, 0, rid, addr, length, gen)
 
 
 def pack_resp(status: int, rid: int, length: int) -> bytes:

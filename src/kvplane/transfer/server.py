@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 from kvplane.common import metrics
 from kvplane.common.listener import Listener
-from kvplane.common.errors import KVPlaneError, ProtocolError, Unauthorized
+from kvplane.common.errors import Fenced, KVPlaneError, ProtocolError, Unauthorized
 from kvplane.transfer import protocol
+from kvplane.transfer.fence import Fence
 from kvplane.transfer.memory import MemoryTable, Region
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class DataServer:
         self.max_frame = max_frame
         self.max_connections = max_connections
         self.rejected = 0
+        self.fence = Fence()  # generations this listener refuses (store allocations)
         self.frames = 0  # frames served (tests use it to prove a path did not touch TCP)
         self._frames = {op: metrics.SERVER_FRAMES.labels(name) for op, name in protocol.OPS.items()}
         self._listener = Listener(self._serve, host, port, "te", max_connections,
@@ -91,12 +93,12 @@ class DataServer:
                     return
                 if got < protocol.REQ.size:
                     protocol.recv_exact(conn, hview[got:])
-                magic, ver, op, _flags, rid, addr, length = protocol.REQ.unpack(hdr)
+                magic, ver, op, _flags, rid, addr, length, gen = protocol.REQ.unpack(hdr)
                 if magic != protocol.MAGIC or ver != protocol.VERSION:
                     raise _Reject("bad_magic")
                 if not authed and op != protocol.OP_HELLO:
                     raise _Reject("unauthenticated")
-                authed = self._handle(conn, op, rid, addr, length) or authed
+                authed = self._handle(conn, op, rid, addr, length, gen) or authed
                 done_at = time.perf_counter()
         except _Reject as exc:
             self._count_reject(exc.reason)
@@ -106,15 +108,16 @@ class DataServer:
         finally:
             metrics.SERVER_CONNECTIONS.dec()
 
-    def _handle(self, conn: socket.socket, op: int, rid: int, addr: int, length: int) -> bool:
+    def _handle(self, conn: socket.socket, op: int, rid: int, addr: int, length: int,
+                gen: int = 0) -> bool:
         counter = self._frames.get(op)
         if counter is not None:
             counter.inc()
         self.frames += 1
         if op == protocol.OP_READ:
-            self._read(conn, rid, addr, length)
+            self._read(conn, rid, addr, length, gen)
         elif op == protocol.OP_WRITE:
-            self._write(conn, rid, addr, length)
+            self._write(conn, rid, addr, length, gen)
         elif op == protocol.OP_DESCRIBE:
             body = self._describe()
             protocol.send_all(conn, [protocol.pack_resp(0, rid, len(body)), body])
@@ -141,10 +144,12 @@ class DataServer:
         if length > self.max_frame:
             raise _Reject("oversized", f"frame of {length} bytes > max_frame {self.max_frame}")
 
-    def _read(self, conn: socket.socket, rid: int, addr: int, length: int) -> None:
+    def _read(self, conn: socket.socket, rid: int, addr: int, length: int, gen: int = 0) -> None:
         self._check_length(length)
         try:
             region = self.memory.find(addr, length)
+            if not self.fence.admit(gen):
+                raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
         except KVPlaneError as exc:
             self._error(conn, rid, exc)
             return
@@ -155,19 +160,24 @@ class DataServer:
         off = addr - region.addr
         protocol.send_all(conn, [protocol.pack_resp(0, rid, length), region.view[off:off + length]])  # type: ignore[index]
 
-    def _write(self, conn: socket.socket, rid: int, addr: int, length: int) -> None:
+    def _write(self, conn: socket.socket, rid: int, addr: int, length: int, gen: int = 0) -> None:
         self._check_length(length)
         try:
             region = self.memory.find(addr, length)
+            if not self.fence.begin_write(gen):  # counted in progress until end_write
+                raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
         except KVPlaneError as exc:
             _drain(conn, length)  # keep the stream in sync, touch no memory
             self._error(conn, rid, exc)
             return
         off = addr - region.addr
-        if region.kind == "file":
-            _recv_to_file(conn, region, off, length)
-        else:
-            protocol.recv_exact(conn, region.view[off:off + length])  # type: ignore[index]
+        try:
+            if region.kind == "file":
+                _recv_to_file(conn, region, off, length)
+            else:
+                protocol.recv_exact(conn, region.view[off:off + length])  # type: ignore[index]
+        finally:
+            self.fence.end_write(gen)
         conn.sendall(protocol.pack_resp(0, rid, 0))
 
     @staticmethod

@@ -46,6 +46,9 @@ class TransferRequest:
         target_offset: remote address (memory regions) inside the target's registered memory.
         length: bytes to move.
         transport: ``None``/"auto" picks per target; "tcp", "shm" or "file" forces one.
+        gen: the store allocation's generation, checked by the target's listener (0: none; see
+            ``kvplane.transfer.fence``). Same-host copies with a generation are also checked
+            against the deadline after the copy.
     """
 
     op: OpCode
@@ -54,6 +57,7 @@ class TransferRequest:
     target_offset: int
     length: int
     transport: str | None = None
+    gen: int = 0
 
 
 class RegionDesc(msgspec.Struct, frozen=True):

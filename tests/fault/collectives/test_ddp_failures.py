@@ -28,7 +28,7 @@ from kvplane.testing.ranks import RankContext, RankGroup
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 
 VICTIM, FAIL_AT, STEPS, AFTER_JOIN = 2, 4, 12, 4
-TIMEOUT = 4.0
+TIMEOUT = 10.0  # per-op deadline; ops over live ranks must not time out on a loaded box
 # heartbeat_timeout leaves room for a loaded box: a rank silent this long is declared dead, and
 # DDP setup over a group that lost a live rank fails ("inconsistent 0 params")
 OPTS = dict(timeout=TIMEOUT, heartbeat_interval=0.1, heartbeat_timeout=3.0)

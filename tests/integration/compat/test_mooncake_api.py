@@ -259,6 +259,9 @@ def test_put_and_get_sessions_move_layers_without_master_calls(segments, client)
         assert np.array_equal(dst[layer], src[layer])
     assert client.batch_get_into_multi_buffer_ranges(["sess-missing"], [[dst[0].ctypes.data]],
                                                      [[1]], [[0]]) == [-600]
+    time.sleep(LEASE + 0.1)
+    assert client.batch_get_into_multi_buffer_ranges(
+        keys[:1], [[dst[0].ctypes.data]], [[page]], [[0]]) == [-707]  # the lease ended
     assert client.batch_get_session_end(keys) == 0
     assert client.batch_put_session_start(["sess-rv"], [64]) == [0]
     assert client.batch_put_session_revoke(["sess-rv"]) == [0] and client.is_exist("sess-rv") == 0

@@ -18,8 +18,8 @@ from kvplane.store.client import client as client_module
 from kvplane.store.client.client import StoreClient
 from kvplane.store.errors import ObjectNotFound, TransferFail
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, MountReq, PingRep, PingReq, PutStartReq, Replica, ReplicateConfig,
-    ResultsRep,
+    CodesRep, KeyResult, KeysReq, MountReq, PingRep, PingReq, PutEndReq, PutStartReq, Replica,
+    ReplicateConfig, ResultsRep,
 )
 from kvplane.testing.faults import FaultKind, FaultPlan
 from kvplane.testing.mem_rpc import MemRpcNetwork
@@ -39,27 +39,36 @@ class ScriptedMaster:
         self.replicas: dict[str, list[Replica]] = {}
         self.ended: list[str] = []
         self.revoked: list[str] = []
+        self.end_code = 0  # what put_end answers
+        self.checksums: dict[str, int] = {}
+        self.suspects: list[str] = []
+        self.ttl = 0.0
         for name, fn, typ in (("mount", lambda r: 0, MountReq), ("unmount", lambda r: 0, MountReq),
                               ("ping", lambda r: PingRep("ok", 0), PingReq),
                               ("get_replicas", self.get_replicas, KeysReq),
                               ("put_start", self.put_start, PutStartReq),
-                              ("put_end", self.put_end, KeysReq),
-                              ("put_revoke", self.put_revoke, KeysReq)):
+                              ("put_end", self.put_end, PutEndReq),
+                              ("put_revoke", self.put_revoke, PutEndReq)):
             self.server.add(name, fn, typ)
 
     def get_replicas(self, req: KeysReq) -> ResultsRep:
-        return ResultsRep([KeyResult(0, self.replicas[k], self.replicas[k][0].size)
+        self.suspects += req.suspects
+        return ResultsRep([KeyResult(0, self.replicas[k], self.replicas[k][0].size, 1,
+                                     self.checksums.get(k, 0))
                            if k in self.replicas else KeyResult(ObjectNotFound.code)
-                           for k in req.keys])
+                           for k in req.keys], self.ttl)
 
     def put_start(self, req: PutStartReq) -> ResultsRep:
         return ResultsRep([KeyResult(0, self.replicas[k], size) for k, size in zip(req.keys, req.sizes)])
 
-    def put_end(self, req: KeysReq) -> CodesRep:
+    def put_end(self, req: PutEndReq) -> CodesRep:
         self.ended += req.keys
-        return CodesRep([0] * len(req.keys))
+        self.checksums.update(zip(req.keys, req.checksums))
+        self.suspects += req.suspects
+        return CodesRep([self.end_code] * len(req.keys))
 
-    def put_revoke(self, req: KeysReq) -> CodesRep:
+    def put_revoke(self, req: PutEndReq) -> CodesRep:
+        self.suspects += req.suspects
         self.revoked += req.keys
         return CodesRep([0] * len(req.keys))
 
@@ -209,7 +218,7 @@ def test_a_master_that_does_not_answer_is_a_timeout_and_a_reset_is_unavailable(c
     plan.drop(op="get_replicas").disconnect(op="get_replicas")
     with pytest.raises(Timeout):
         client.get("k")
-    assert client.waits == [2]  # the client's timeout, waited out once
+    assert len(client.waits) == 1 and 1.9 < client.waits[0] <= 2  # the call's deadline, once
     with pytest.raises(Unavailable):
         client.get("k")
     assert client.get("k") == VALUE

@@ -12,6 +12,11 @@ one entry per key, where a failed key holds its exception instance instead of a 
 ``asyncio.gather(return_exceptions=True)`` does); a failure of the whole call (master
 unreachable, bad arguments) raises. Mooncake's integer codes exist only in ``kvplane.compat``.
 
+Integrity (docs/store.md, "Guarantees"): one deadline per call (``moves``), puts committed only
+when the master's PutEnd says so, reads inside the master's lease and checked against the
+object's checksum, failed segments reported to the master; a client with a segment also fences
+generations and runs re-replication tasks for the master (``duty``).
+
 Why blocking and not asyncio at the core: a store op is two round trips of ~30 us each here, and
 an event-loop hop per call costs as much again. The asyncio facade (``aio.AsyncStoreClient``)
 runs this core in a thread pool, as Mooncake's async store does.
@@ -29,21 +34,22 @@ from typing import Any
 import numpy as np
 
 from kvplane.common import log as klog
+from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError, Timeout, Unavailable
 from kvplane.common.rpc import RpcClient
 from kvplane.store.config import StoreConfig
+from kvplane.store.client import moves
+from kvplane.store.client.duty import SegmentDuty
 from kvplane.store.client.staging import Staging
-from kvplane.store.errors import (
-    InvalidParams, LeaseExpired, ObjectExists, TransferFail, key_error,
-)
+from kvplane.store.errors import InvalidParams, ObjectExists, TransferFail, key_error
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, MountReq, PingRep, PingReq, PutStartReq, RegexReq, RemoveReq,
-    Replica, ReplicateConfig, ResultsRep, SegmentInfo,
+    CodesRep, KeyResult, KeysReq, MountReq, PingRep, PingReq, PutEndReq, PutStartReq, RegexReq,
+    RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
 )
-from kvplane.transfer import EngineConfig, OpCode, TransferEngine, TransferRequest, TransferStatus
+from kvplane.transfer import EngineConfig, OpCode, TransferEngine
 
 log = logging.getLogger(__name__)
-OK = TransferStatus.COMPLETED
+WRITE_RESERVE = 0.2  # share of a put's time (at most 1 s) kept for PutEnd / PutRevoke
 
 
 class StoreClient:
@@ -65,6 +71,9 @@ class StoreClient:
         self._segments: list[SegmentInfo] = []
         self._closed = threading.Event()
         self.remounts = 0
+        self.suspects = moves.Suspects()
+        self.duty = SegmentDuty(self)
+        self.corrupt_reads = 0  # replica reads whose bytes failed the checksum
         try:
             self.rpc = RpcClient(cfg.master, cfg.token, cfg.timeout)
             self.staging = Staging(self.engine, cfg.local_buffer_size)
@@ -87,26 +96,38 @@ class StoreClient:
 
     # -- liveness ------------------------------------------------------------------------------
     def mount(self) -> None:
-        """(Re)register this client and its segments with the master."""
-        self.rpc.call("mount", MountReq(self.config.client_id, self._segments), int)
+        """(Re)register this client and its segments with the master; the master's epoch
+        becomes the one this segment's listener admits."""
+        epoch = self.rpc.call("mount", MountReq(self.config.client_id, self._segments), int)
+        if self._segments and epoch > 0:
+            self.engine.fence.set_epoch(epoch)
 
     def _heartbeat(self) -> None:
-        failures = 0
-        while not self._closed.wait(self.config.heartbeat_interval):
+        failures, acks = 0, []
+        while acks or not self._closed.wait(self.config.heartbeat_interval):
             try:
-                rep = self.rpc.call("ping", PingReq(self.config.client_id), PingRep,
-                                    timeout=min(self.config.timeout, 5.0))
+                acks = self._ping(acks)
                 failures = 0
-                if rep.status == "need_remount":
-                    self.mount()
-                    self.engine.publish()
-                    self.remounts += 1
-                    klog.event("store_remounted", client_id=self.config.client_id)
             except KVPlaneError as exc:
+                acks = []  # the master sends its fences again until they are acknowledged
                 failures += 1
                 if failures in (1, 3) or failures % 30 == 0:
                     log.warning("heartbeat to master %s failed (%d): %s",
                                 self.config.master, failures, exc)
+
+    def _ping(self, acks: list[int]) -> list[int]:
+        """One heartbeat; returns fence acknowledgements to send at once (else [])."""
+        rep = self.rpc.call("ping", PingReq(self.config.client_id, acks, self.suspects.take()),
+                            PingRep, timeout=min(self.config.timeout, 5.0))
+        if rep.status == "need_remount":
+            self.mount()
+            self.engine.publish()
+            self.remounts += 1
+            klog.event("store_remounted", client_id=self.config.client_id)
+        if rep.repairs:
+            self.duty.submit(rep.repairs)
+        self.engine.prune()  # unmap the shared memory of segments whose process is gone
+        return self.duty.fence(rep.fences)
 
     def health_check(self, timeout: float = 2.0) -> None:
         """Ping the master.
@@ -120,38 +141,18 @@ class StoreClient:
         self.rpc.call("ping", PingReq(self.config.client_id), PingRep, timeout=timeout)
 
     # -- transfers ----------------------------------------------------------------------------
-    def _handle(self, segment: str, refresh: bool = False) -> int:
+    def _handle(self, segment: str, deadline: Deadline | None = None) -> int:
         h = self._handles.get(segment)
-        if h is None or refresh:
-            h = self.engine.open_segment(segment, timeout=min(self.config.timeout, 5.0))
+        if h is None:
+            left = self.config.timeout if deadline is None else deadline.check("segment lookup")
+            h = self.engine.open_segment(segment, timeout=min(left, 5.0))
             self._handles[segment] = h
         return h
 
-    def _ordered(self, replicas: list[Replica]) -> list[Replica]:
-        mine = self.engine.host_id
-        return sorted(replicas, key=lambda r: r.host_id != mine)  # same host first (stable)
-
-    def _run(self, reqs: list[tuple[int, Replica, OpCode, int, int]]) -> list[bool]:
-        """Run (index, replica, op, local_addr, size) moves; True where each completed."""
-        out = [False] * len(reqs)
-        batch: list[TransferRequest] = []
-        where: list[int] = []
-        for i, (_, rep, op, addr, size) in enumerate(reqs):
-            try:
-                h = self._handle(rep.segment)
-            except KVPlaneError as exc:
-                log.debug("segment %s unreachable: %s", rep.segment, exc)
-                continue
-            batch.append(TransferRequest(op, addr, h, rep.addr, size))
-            where.append(i)
-        if batch:
-            for i, st in zip(where, self.engine.transfer(batch, self.config.timeout)):
-                out[i] = st == OK
-            if not all(out[i] for i in where):  # a segment may have restarted: refresh once
-                for i in where:
-                    if not out[i]:
-                        self._handles.pop(reqs[i][1].segment, None)
-        return out
+    def _call(self, method: str, req: Any, typ: type, deadline: Deadline) -> Any:
+        """A master RPC bounded by what is left of the call's deadline."""
+        return self.rpc.call(method, req, typ,
+                             timeout=moves.coarse(deadline.check(f"store {method}")))
 
     # -- zero-copy batch primitives ---------------------------------------------------------------
     def batch_put_from(self, keys: list[str], addrs: list[int], sizes: list[int],
@@ -178,19 +179,31 @@ class StoreClient:
 
     def _put_codes(self, keys: list[str], addrs: list[int], sizes: list[int],
                    cfg: ReplicateConfig, upsert: bool) -> list[int]:
-        rep = self.rpc.call("put_start", PutStartReq(self.config.client_id, keys, sizes, cfg,
-                                                     upsert), ResultsRep)
+        deadline = Deadline.after(self.config.timeout)
+        sent = time.monotonic()
+        rep = self._call("put_start", PutStartReq(self.config.client_id, keys, sizes, cfg, upsert,
+                                                  deadline.remaining()), ResultsRep, deadline)
         codes = [r.code for r in rep.results]
-        moves = [(i, replica, OpCode.WRITE, addrs[i], sizes[i])
-                 for i, r in enumerate(rep.results) if r.code == 0 for replica in r.replicas]
-        done = self._run(moves)
-        failed = {m[0] for m, ok in zip(moves, done) if not ok}
-        ends = [keys[i] for i, c in enumerate(codes) if c == 0 and i not in failed]
-        revokes = [keys[i] for i in sorted(failed)]
+        ok = [i for i, c in enumerate(codes) if c == 0]
+        sums = moves.checksums(self, [addrs[i] for i in ok], [sizes[i] for i in ok])
+        reserve = min(WRITE_RESERVE * self.config.timeout, 1.0)
+        window = sent + rep.ttl if rep.ttl > 0 else deadline.at  # copies must start inside it
+        writes = [(i, replica, OpCode.WRITE, addrs[i], sizes[i])
+                  for i in ok for replica in rep.results[i].replicas]
+        failed = moves.write(self, writes, Deadline(min(deadline.at - reserve, window)))
+        ends = [(keys[i], rep.results[i].version, c, i) for i, c in zip(ok, sums) if i not in failed]
+        revokes = [(keys[i], rep.results[i].version) for i in sorted(failed)]
         if ends:
-            self.rpc.call("put_end", KeysReq(self.config.client_id, ends), CodesRep)
+            got = self._call("put_end", PutEndReq(
+                self.config.client_id, [e[0] for e in ends], [e[1] for e in ends],
+                [e[2] for e in ends], self.suspects.take()), CodesRep, deadline).codes
+            for (_, _, _, i), code in zip(ends, got):
+                if code:  # not committed (pre-empted, or lost with its segment): not a success
+                    codes[i] = TransferFail.code
         if revokes:
-            self.rpc.call("put_revoke", KeysReq(self.config.client_id, revokes), CodesRep)
+            self._call("put_revoke", PutEndReq(self.config.client_id, [k for k, _ in revokes],
+                                               [v for _, v in revokes], [], self.suspects.take()),
+                       CodesRep, deadline)
         for i in failed:
             codes[i] = TransferFail.code
         return codes
@@ -207,38 +220,19 @@ class StoreClient:
             raise InvalidParams("keys, buffers and sizes differ in length")
         if not keys:
             return []
-        t0 = time.monotonic()
-        results = self._get_replicas(keys)
-        got = self._read(results, [int(a) for a in addrs], [int(s) for s in sizes], t0)
+        deadline = Deadline.after(self.config.timeout)
+        results, lease_end = self._get_replicas(keys, deadline)
+        got = moves.read(self, results, [int(a) for a in addrs], [int(s) for s in sizes],
+                         deadline, lease_end)
         return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
 
-    def _get_replicas(self, keys: list[str]) -> list[KeyResult]:
-        return self.rpc.call("get_replicas", KeysReq(self.config.client_id, list(keys)),
-                             ResultsRep).results
-
-    def _read(self, results: list[KeyResult], addrs: list[int], caps: list[int], t0: float) -> list[int]:
-        out = [r.code if r.code else r.size for r in results]
-        todo: dict[int, list[Replica]] = {}
-        for i, r in enumerate(results):
-            if r.code:
-                continue
-            if r.size > caps[i]:
-                out[i] = InvalidParams.code
-                continue
-            todo[i] = self._ordered(r.replicas)
-        while todo:
-            moves = [(i, reps.pop(0), OpCode.READ, addrs[i], results[i].size)
-                     for i, reps in todo.items()]
-            for m, ok in zip(moves, self._run(moves)):
-                i = m[0]
-                if ok:
-                    todo.pop(i)
-                elif not todo[i]:
-                    todo.pop(i)
-                    out[i] = TransferFail.code
-        if time.monotonic() - t0 > self.config.lease_ttl:
-            return [LeaseExpired.code if o > 0 else o for o in out]
-        return out
+    def _get_replicas(self, keys: list[str], deadline: Deadline) -> tuple[list[KeyResult], float]:
+        """The replicas and the local time their read lease ends (the master's TTL, counted
+        from before the request was sent)."""
+        sent = time.monotonic()
+        rep = self._call("get_replicas", KeysReq(self.config.client_id, list(keys),
+                                                 self.suspects.take()), ResultsRep, deadline)
+        return rep.results, sent + (rep.ttl if rep.ttl > 0 else self.config.lease_ttl)
 
     # -- the rest of the API --------------------------------------------------------------------------
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
@@ -274,15 +268,15 @@ class StoreClient:
 
     def get_batch(self, keys: list[str]) -> list[bytes | KVPlaneError]:
         """Copying form: per key the bytes, or the exception that key failed with."""
-        t0 = time.monotonic()
-        results = self._get_replicas(keys)
+        deadline = Deadline.after(self.config.timeout)
+        results, lease_end = self._get_replicas(keys, deadline)
         hits = [i for i, r in enumerate(results) if r.code == 0]
         out: list[bytes | KVPlaneError] = [key_error(r.code, k) if r.code else b""
                                            for k, r in zip(keys, results)]
         with ExitStack() as stack:
             blocks = [stack.enter_context(self.staging.block(results[i].size)) for i in hits]
-            got = self._read([results[i] for i in hits], [a for a, _ in blocks],
-                             [results[i].size for i in hits], t0)
+            got = moves.read(self, [results[i] for i in hits], [a for a, _ in blocks],
+                             [results[i].size for i in hits], deadline, lease_end)
             for i, n, (_, view) in zip(hits, got, blocks):
                 out[i] = view[:n].tobytes() if n >= 0 else key_error(n, keys[i])
         return out
@@ -298,7 +292,8 @@ class StoreClient:
 
     def batch_exists(self, keys: list[str]) -> list[bool]:
         """Per key, whether a complete object exists (each hit takes a read lease, as in Mooncake)."""
-        codes = self.rpc.call("exist", KeysReq(self.config.client_id, list(keys)), CodesRep).codes
+        codes = self.rpc.call("exist", KeysReq(self.config.client_id, list(keys),
+                                               self.suspects.take()), CodesRep).codes
         return [c == 1 for c in codes]
 
     def exists(self, key: str) -> bool:
@@ -347,6 +342,7 @@ class StoreClient:
             return
         self._closed.set()
         self._hb.join(self.config.heartbeat_interval + 1)
+        self.duty.close()
         if self._segments:
             try:
                 self.rpc.call("unmount", MountReq(self.config.client_id, self._segments), int,

@@ -7,7 +7,8 @@ and its get/put sessions (layer-wise KV: one master round trip, then many range 
   A range outside the object is INVALID_PARAMS; ranges read after the lease ended fail with
   LEASE_EXPIRED (the object may have been replaced since).
 * ``reserve(keys, sizes, cfg)`` is a PutStart; ``write(result, ranges)`` copies ranges into every
-  replica; ``commit``/``revoke`` are PutEnd/PutRevoke.
+  replica; ``commit``/``revoke`` are PutEnd/PutRevoke with each put's version. Frames carry
+  the allocation's generation, so a segment that fenced it refuses them.
 
 Results are per range: bytes moved, or a negative store code. Calls that reach the master
 raise from the kvplane tree when it cannot be reached. Imports the engine and store types.
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.errors import InvalidParams, LeaseExpired, TransferFail
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, PutStartReq, Replica, ReplicateConfig, ResultsRep,
+    CodesRep, KeyResult, KeysReq, PutEndReq, PutStartReq, Replica, ReplicateConfig, ResultsRep,
 )
 from kvplane.transfer import OpCode, TransferRequest, TransferStatus
 
@@ -45,7 +46,7 @@ class Ranges:
         t0 = time.monotonic()
         rep = self.c.rpc.call("get_replicas", KeysReq(self.c.config.client_id, list(keys)),
                               ResultsRep)
-        ttl = getattr(rep, "ttl", 0.0) or self.c.config.lease_ttl  # the master's, when it says
+        ttl = rep.ttl or self.c.config.lease_ttl  # the master's lease, as it states it
         return rep.results, t0 + ttl
 
     def read(self, result: KeyResult, ranges: Sequence[Range], lease_end: float) -> list[int]:
@@ -64,13 +65,17 @@ class Ranges:
         """Write each range into every replica of a reserved object."""
         return self._each(result, ranges, OpCode.WRITE, float("inf"), first_only=False)
 
-    def commit(self, keys: Sequence[str]) -> list[int]:
-        return self.c.rpc.call("put_end", KeysReq(self.c.config.client_id, list(keys)),
-                               CodesRep).codes
+    def commit(self, results: Sequence[tuple[str, KeyResult]]) -> list[int]:
+        """PutEnd of reserved objects, each with the version its PutStart gave. No checksum is
+        recorded (the bytes arrived range by range): reads of these objects are not verified."""
+        return self.c.rpc.call("put_end", PutEndReq(
+            self.c.config.client_id, [k for k, _ in results], [r.version for _, r in results]),
+            CodesRep).codes
 
-    def revoke(self, keys: Sequence[str]) -> list[int]:
-        return self.c.rpc.call("put_revoke", KeysReq(self.c.config.client_id, list(keys)),
-                               CodesRep).codes
+    def revoke(self, results: Sequence[tuple[str, KeyResult]]) -> list[int]:
+        return self.c.rpc.call("put_revoke", PutEndReq(
+            self.c.config.client_id, [k for k, _ in results], [r.version for _, r in results]),
+            CodesRep).codes
 
     # -- transfers --------------------------------------------------------------------------------
     def _each(self, result: KeyResult, ranges: Sequence[Range], op: OpCode, lease_end: float,
@@ -111,7 +116,7 @@ class Ranges:
                 handle = self.c.engine.open_segment(rep.segment,
                                                     timeout=min(self.c.config.timeout, 5.0))
                 self._handles[rep.segment] = handle
-            reqs = [TransferRequest(op, addr, handle, rep.addr + off, size)
+            reqs = [TransferRequest(op, addr, handle, rep.addr + off, size, gen=rep.gen)
                     for off, addr, size in ranges]
             statuses = self.c.engine.transfer(reqs, self.c.config.timeout)
         except KVPlaneError:

@@ -125,7 +125,8 @@ class ReplicaOps:
                                                     timeout=min(self.c.config.timeout, 5.0))
                 self._handles[replica.segment] = handle
             status = self.c.engine.transfer(
-                [TransferRequest(op, addr, handle, replica.addr, size)], self.c.config.timeout)
+                [TransferRequest(op, addr, handle, replica.addr, size, gen=replica.gen)],
+                self.c.config.timeout)
         except KVPlaneError as exc:
             log.warning("task %s of %s failed: %s", op.name, replica.segment, exc)
             self._handles.pop(replica.segment, None)

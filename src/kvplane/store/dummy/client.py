@@ -26,7 +26,7 @@ import numpy as np
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.rpc import RpcClient
 from kvplane.store.dummy.types import (
-    AttachReq, GetReq, Hello, KeysOp, LookupRep, PatternReq, PerKey, PutReq, RangeOp, ReserveReq,
+    AttachReq, CommitReq, GetReq, Hello, KeysOp, LookupRep, PatternReq, PerKey, PutReq, RangeOp, ReserveReq,
     SessionReq, TaskOp,
 )
 from kvplane.store.errors import InvalidParams, key_error
@@ -98,10 +98,8 @@ class DummyClient:
             raise
         with self._lock:
             self._pools.append(pool)
-        region = Region(pool.buf.addr, size, view_at(pool.buf.addr, size), kind="shm",
-                        shm=pool.buf.name, keep=pool.buf)
-        self.engine.memory.add(region)
-        self._shared.append(region)
+        self._shared.append(Region(pool.buf.addr, size, None, kind="shm", shm=pool.buf.name,
+                                   keep=pool.buf))
         return pool
 
     def alloc_from_mem_pool(self, size: int) -> int:
@@ -223,14 +221,12 @@ class DummyClient:
         return self.rpc.call("remove_all", PatternReq(self.session, "", force), int)
 
     def register_buffer(self, obj: Any, length: int | None = None) -> int:
+        """Make memory usable by the zero-copy calls: shared memory (from the pool) is reached
+        by the server directly, other memory is staged; both are bounds-checked by size."""
         addr, n, keep = address_of(obj) if length is None else (int(obj), int(length), None)
-        if self._is_shared(addr, n):
-            return addr  # already reachable by the server
         return self.engine.memory.add(Region(addr, n, view_at(addr, n), keep=keep)).addr
 
     def unregister_buffer(self, addr: int) -> None:
-        if any(r.addr == addr for r in self._shared):
-            return
         self.engine.memory.remove(addr)
 
     def health_check(self, timeout: float = 2.0) -> None:
@@ -252,11 +248,8 @@ class DummyClient:
         self.rpc.close()
         with self._lock:
             pools, self._pools = self._pools, []
-        for region in self._shared:
-            try:
-                self.engine.memory.remove(region.addr)
-            except KVPlaneError:
-                pass
+        for region in self.engine.memory.regions():
+            self.engine.memory.remove(region.addr)
         self._shared = []
         for pool in pools:
             pool.buf.close()
@@ -361,11 +354,13 @@ class _RemoteRanges:
         return self.d.rpc.call("reserve", ReserveReq(self.d.session, list(keys), list(sizes), cfg),
                                LookupRep).results
 
-    def commit(self, keys: Sequence[str]) -> list[int]:
-        return self.d.rpc.call("commit", KeysOp(self.d.session, list(keys)), PerKey).codes
+    def commit(self, held: Sequence[tuple[str, KeyResult]]) -> list[int]:
+        return self.d.rpc.call("commit", CommitReq(self.d.session, [k for k, _ in held],
+                                                   [r for _, r in held]), PerKey).codes
 
-    def revoke(self, keys: Sequence[str]) -> list[int]:
-        return self.d.rpc.call("revoke", KeysOp(self.d.session, list(keys)), PerKey).codes
+    def revoke(self, held: Sequence[tuple[str, KeyResult]]) -> list[int]:
+        return self.d.rpc.call("revoke", CommitReq(self.d.session, [k for k, _ in held],
+                                                   [r for _, r in held]), PerKey).codes
 
 
 def _raise(result: Any) -> None:

@@ -30,7 +30,7 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.client.ranges import Ranges
 from kvplane.store.client.replica_ops import ReplicaOps
 from kvplane.store.dummy.types import (
-    AttachReq, GetReq, Hello, KeysOp, LookupRep, PatternReq, PerKey, PutReq, RangeOp, ReserveReq,
+    AttachReq, CommitReq, GetReq, Hello, KeysOp, LookupRep, PatternReq, PerKey, PutReq, RangeOp, ReserveReq,
     SessionReq, TaskOp,
 )
 from kvplane.store.errors import InvalidParams
@@ -101,7 +101,7 @@ class ClientServer:
             ("clear", self._clear, KeysOp), ("task_create", self._task_create, TaskOp),
             ("task_query", self._task_query, TaskOp), ("lookup", self._lookup, KeysOp),
             ("range", self._range, RangeOp), ("reserve", self._reserve, ReserveReq),
-            ("commit", self._commit, KeysOp), ("revoke", self._revoke, KeysOp),
+            ("commit", self._commit, CommitReq), ("revoke", self._revoke, CommitReq),
         ):
             self.rpc.add(name, fn, typ)
         self._stop = threading.Event()
@@ -249,11 +249,11 @@ class ClientServer:
     def _reserve(self, req: ReserveReq) -> LookupRep:
         return LookupRep(self.ranges.reserve(req.keys, req.sizes, req.config), 0.0)
 
-    def _commit(self, req: KeysOp) -> PerKey:
-        return PerKey(self.ranges.commit(req.keys))
+    def _commit(self, req: CommitReq) -> PerKey:
+        return PerKey(self.ranges.commit(list(zip(req.keys, req.results))))
 
-    def _revoke(self, req: KeysOp) -> PerKey:
-        return PerKey(self.ranges.revoke(req.keys))
+    def _revoke(self, req: CommitReq) -> PerKey:
+        return PerKey(self.ranges.revoke(list(zip(req.keys, req.results))))
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

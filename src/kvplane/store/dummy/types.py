@@ -86,6 +86,14 @@ class ReserveReq(msgspec.Struct):
     config: ReplicateConfig | None = None
 
 
+class CommitReq(msgspec.Struct):
+    """PutEnd / PutRevoke of reserved objects, with the results their reservation gave."""
+
+    session: str
+    keys: list[str]
+    results: list[KeyResult]
+
+
 class LookupRep(msgspec.Struct):
     results: list[KeyResult]
     lease_left: float

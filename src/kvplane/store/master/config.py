@@ -24,6 +24,12 @@ class MasterConfig:
         allow_evict_soft_pinned: soft-pinned objects may go when nothing else can.
         allocation_strategy: "random" or "free_ratio_first".
         max_keys: the master refuses new keys past this many (a memory bound).
+        write_window: seconds a put may write its replicas when the client names no deadline;
+            space of an unfinished put is not reused before its window is over.
+        suspect_min: a segment suspected after a failed transfer is trusted again on a
+            heartbeat of its owner at least this many seconds after the suspicion.
+        repair_timeout: seconds a re-replication task may take before it is abandoned.
+        repairs_per_ping: most re-replication tasks handed to one segment per heartbeat.
     """
 
     lease_ttl: float = 10.0
@@ -37,6 +43,10 @@ class MasterConfig:
     allow_evict_soft_pinned: bool = True
     allocation_strategy: Literal["random", "free_ratio_first"] = "random"
     max_keys: int = 50_000_000
+    write_window: float = 10.0
+    suspect_min: float = 1.0
+    repair_timeout: float = 30.0
+    repairs_per_ping: int = 256
 
     def __post_init__(self) -> None:
         if not 0 < self.high_watermark <= 1 or not 0 < self.evict_ratio <= 1:

@@ -53,8 +53,8 @@ class ReplicaRpc:
     def _replica_infos(self, obj: Obj) -> list[ReplicaInfo]:
         status = "COMPLETE" if obj.complete else "PROCESSING"
         segs = self.state.segments
-        return [ReplicaInfo(MEMORY, status, obj.size, segs[s].replica(o, obj.size))
-                for s, o in obj.replicas if s in segs]
+        return [ReplicaInfo(MEMORY, status, obj.size, segs[s].replica(o, obj.size, g))
+                for s, o, g in obj.replicas if s in segs]
 
     def descs(self, req: KeysReq) -> DescRep:
         out = []
@@ -85,6 +85,8 @@ class ReplicaRpc:
                 st.drop_replicas(obj, {req.segment}, now)
                 if not obj.replicas:
                     st.remove(key, True, now)
+                else:  # asked for: re-replication must not put it back
+                    obj.want = min(obj.want, len(obj.replicas))
                 cleared.append(key)
         return cleared
 

@@ -7,6 +7,7 @@ The only module of the store master that binds sockets.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,8 @@ from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.replica_rpc import ReplicaRpc
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import (
-    CodesRep, KeysReq, MountReq, PingRep, PingReq, PutStartReq, RegexReq, RemoveReq, ResultsRep,
+    CodesRep, KeysReq, MountReq, PingRep, PingReq, PutEndReq, PutStartReq, RegexReq, RemoveReq,
+    RepairDoneReq, ResultsRep,
 )
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,10 @@ SEGMENTS = metrics.Gauge("master_mounted_segments", "Mounted segments")
 EVICTED = metrics.Counter("master_evicted_key_count", "Objects evicted")
 EXPIRED = metrics.Counter("master_expired_clients_total", "Clients dropped after their TTL")
 RPCS = metrics.Counter("master_rpc_requests_total", "Master RPCs served", ["method"])
+SHORT = metrics.Gauge("master_under_replicated_keys", "Objects holding fewer replicas than asked for")
+FENCES = metrics.Gauge("master_pending_fences", "Freed allocations waiting for their segment's fence")
+SUSPECTS = metrics.Gauge("master_suspected_segments", "Segments a client reported failing")
+REPAIRED = metrics.Counter("master_repaired_replicas_total", "Replicas re-created by re-replication")
 
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
 
@@ -56,7 +62,8 @@ class MasterServer:
                  admin_port: int | None = 0, token: str = "",
                  clock: Callable[[], float] = time.monotonic,
                  kv_events_port: int | None = None) -> None:
-        self.state = MasterState(config)
+        self.state = MasterState(config, epoch=secrets.randbits(23) | 1)  # new on every start
+        self._evicted_seen = 0
         self.events: PoolEvents | None = None
         if kv_events_port is not None:
             self.events = PoolEvents(host, kv_events_port)
@@ -67,10 +74,11 @@ class MasterServer:
         for name, fn, typ in (
             ("mount", self._mount, MountReq), ("unmount", self._unmount, MountReq),
             ("ping", self._ping, PingReq), ("put_start", self._put_start, PutStartReq),
-            ("put_end", self._put_end, KeysReq), ("put_revoke", self._put_revoke, KeysReq),
+            ("put_end", self._put_end, PutEndReq), ("put_revoke", self._put_revoke, PutEndReq),
             ("get_replicas", self._get_replicas, KeysReq), ("exist", self._exist, KeysReq),
             ("get_size", self._get_size, KeysReq), ("remove", self._remove, RemoveReq),
             ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
+            ("repair_done", self._repair_done, RepairDoneReq),
         ):
             self.rpc.add(name, self._counted(name, fn), typ)
         self.replicas = ReplicaRpc(self)
@@ -110,9 +118,10 @@ class MasterServer:
             self.state.changes = []
 
     def _mount(self, req: MountReq) -> int:
+        """Returns this master's epoch: the segments refuse data frames of any other."""
         self.state.mount(req.client_id, req.segments, self.clock())
         self.state.view_version += 1
-        return 0
+        return self.state.epoch
 
     def _unmount(self, req: MountReq) -> int:
         for s in req.segments:
@@ -121,7 +130,19 @@ class MasterServer:
         return 0
 
     def _ping(self, req: PingReq) -> PingRep:
-        return PingRep(self.state.ping(req.client_id, self.clock()), self.state.view_version)
+        now = self.clock()
+        st = self.state
+        st.suspect(req.suspects, now)
+        status = st.ping(req.client_id, now, req.fenced)
+        return PingRep(status, st.view_version, st.fences_for(req.client_id),
+                       st.repairs.take(req.client_id))
+
+    def _repair_done(self, req: RepairDoneReq) -> int:
+        now = self.clock()
+        joined = sum(self.state.repairs.done(k, g, ok, now)
+                     for k, g, ok in zip(req.keys, req.gens, req.ok, strict=True))
+        REPAIRED.inc(joined)
+        return joined
 
     def _local(self, client_id: str) -> frozenset[str]:
         client = self.state.clients.get(client_id)
@@ -134,27 +155,37 @@ class MasterServer:
     def _put_start(self, req: PutStartReq) -> ResultsRep:
         now = self.clock()
         local = self._local(req.client_id) if req.config.prefer_alloc_in_same_node else frozenset()
-        out = ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local)
-                          for k, n in zip(req.keys, req.sizes, strict=True)])
+        window = self.state.write_window(req.ttl)
+        out = ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local,
+                                               req.client_id, window)
+                          for k, n in zip(req.keys, req.sizes, strict=True)], window)
         for k, r in zip(req.keys, out.results):
             if r.code == 0:
-                self.state.objects[k].owner = req.client_id
+                self.state.objects[k].owner = req.client_id  # Mooncake's metadata.client_id
         return out
 
-    def _put_end(self, req: KeysReq) -> CodesRep:
+    def _put_end(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
-        return CodesRep([self.state.put_end(k, now) for k in req.keys])
+        self.state.suspect(req.suspects, now)
+        sums = req.checksums or [0] * len(req.keys)
+        return CodesRep([self.state.put_end(k, now, v, c)
+                         for k, v, c in zip(req.keys, req.versions, sums, strict=True)])
 
-    def _put_revoke(self, req: KeysReq) -> CodesRep:
+    def _put_revoke(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
-        return CodesRep([self.state.put_revoke(k, now) for k in req.keys])
+        self.state.suspect(req.suspects, now)
+        return CodesRep([self.state.put_revoke(k, now, v)
+                         for k, v in zip(req.keys, req.versions, strict=True)])
 
     def _get_replicas(self, req: KeysReq) -> ResultsRep:
         now = self.clock()
-        return ResultsRep([self.state.get_replicas(k, now) for k in req.keys])
+        self.state.suspect(req.suspects, now)
+        return ResultsRep([self.state.get_replicas(k, now) for k in req.keys],
+                          self.state.config.lease_ttl)
 
     def _exist(self, req: KeysReq) -> CodesRep:
         now = self.clock()
+        self.state.suspect(req.suspects, now)
         return CodesRep([self.state.exist(k, now) for k in req.keys])
 
     def _get_size(self, req: KeysReq) -> CodesRep:
@@ -193,10 +224,17 @@ class MasterServer:
             self.replicas.tick()
             n = self.state.evict(now)
             if n:
-                EVICTED.inc(n)
                 klog.event("evicted", count=n)
+            # every eviction counts, also those a failed allocation triggered inside put_start
+            EVICTED.inc(self.state.evicted - self._evicted_seen)
+            self._evicted_seen = self.state.evicted
+            self.state.repairs.expire(now)
+            self.state.repairs.plan(now)
             self._flush_changes()
             segs = self.state.segments.values()
+            SHORT.set(self.state.repairs.under_replicated())
+            FENCES.set(self.state.graveyard.pending_fences())
+            SUSPECTS.set(sum(1 for s in segs if s.suspect_since is not None))
             KEYS.set(len(self.state.objects))
             ALLOCATED.set(sum(s.alloc.used for s in segs))
             CAPACITY.set(sum(s.alloc.capacity for s in segs))
@@ -222,7 +260,7 @@ class MasterServer:
                     raise HTTPException(404, detail={"error_code": -704})
                 data = [{"size_": obj.size, "buffer_address_": st.segments[s].info.base + o,
                          "protocol_": "tcp", "transport_endpoint_": st.segments[s].info.endpoint,
-                         "segment": s} for s, o in obj.replicas]
+                         "segment": s} for s, o, _ in obj.replicas]
             return {"success": True, "data": data}
 
         @app.get("/get_all_keys")

@@ -4,6 +4,11 @@ Every method takes ``now`` (seconds, monotonic) from the caller, so tests replay
 Holds segments (with their allocators), clients (with heartbeats), and objects (with replicas,
 leases, pins and LRU order). Replicas of one object sit on distinct segments. The caller
 serialises access (one lock in the server).
+
+Integrity: every allocation gets a generation (``epoch << EPOCH_SHIFT | counter``) that data
+frames carry; freed space goes through a ``Quarantine`` (leases, write windows, segment fences)
+before reuse; a segment a client reported failing is suspected (no placement, read last) until
+its owner heartbeats again; objects short of their replicas are re-replicated (``repair.py``).
 """
 
 from __future__ import annotations
@@ -20,29 +25,40 @@ from kvplane.store.errors import (
 )
 from kvplane.store.master.allocator import OffsetAllocator
 from kvplane.store.master.config import MasterConfig
+from kvplane.store.master.fences import Quarantine
+from kvplane.store.master.repair import Repairs
 from kvplane.store.types import MAX_KEY, MAX_VALUE, KeyResult, Replica, ReplicateConfig, SegmentInfo
+from kvplane.transfer.fence import EPOCH_SHIFT
+
+Rep = tuple[str, int, int]  # (segment, offset, generation)
 
 
 @dataclass
 class Segment:
     info: SegmentInfo
     alloc: OffsetAllocator
+    suspect_since: float | None = None  # a client reported a failed transfer to it
 
-    def replica(self, off: int, size: int) -> Replica:
+    def replica(self, off: int, size: int, gen: int = 0) -> Replica:
         return Replica(self.info.name, self.info.base + off, size, self.info.endpoint,
-                       self.info.host_id)
+                       self.info.host_id, gen)
 
 
 @dataclass
 class Obj:
     size: int
-    replicas: list[tuple[str, int]]  # (segment, offset)
+    replicas: list[Rep]
     complete: bool
     started: float
     lease_until: float = 0.0
     hard_pin: bool = False
     soft_pin_until: float = 0.0
     soft_pin_ttl: float = 0.0
+    version: int = 0  # generation of the put that made it
+    checksum: int = 0
+    want: int = 1  # replicas asked for
+    writer: str = ""  # client id of the put
+    window_until: float = 0.0  # the writer may copy into its replicas until then
     owner: str = ""  # client id of the put that made it (Mooncake's metadata.client_id)
 
 
@@ -55,14 +71,16 @@ class Client:
 class MasterState:
     """All store metadata. See the module docstring for the threading and clock contract."""
 
-    def __init__(self, config: MasterConfig | None = None, seed: int = 0) -> None:
+    def __init__(self, config: MasterConfig | None = None, seed: int = 0, epoch: int = 1) -> None:
         self.config = config or MasterConfig()
         self.rng = random.Random(seed)
+        self.epoch = epoch
+        self._next_gen = epoch << EPOCH_SHIFT
         self.objects: OrderedDict[str, Obj] = OrderedDict()  # LRU order: oldest first
         self.segments: dict[str, Segment] = {}
         self.clients: dict[str, Client] = {}
-        self.graveyard: list[tuple[float, str, int]] = []  # (free_after, segment, offset)
-        self._held: dict[tuple[str, int], int] = {}  # graveyard block -> bytes
+        self.graveyard = Quarantine()  # freed space not yet reusable
+        self.repairs = Repairs(self)
         self.view_version = 1
         self.evicted = 0
         self.alloc_failures = 0
@@ -97,8 +115,8 @@ class MasterState:
         client = self.clients.get(seg.info.client_id)
         if client:
             client.segments.discard(name)
-        self.graveyard = [g for g in self.graveyard if g[1] != name]
-        self._held = {k: v for k, v in self._held.items() if k[0] != name}
+        self.graveyard.drop_segment(name)
+        self.repairs.drop_segment(name)
         lost = 0
         for key in list(self.objects):
             obj = self.objects[key]
@@ -110,15 +128,46 @@ class MasterState:
                     if obj.complete:
                         self.changes.append(("removed", key))
                     lost += 1
+                elif obj.complete:
+                    self.repairs.short.add(key)
         return lost
 
-    def ping(self, client_id: str, now: float) -> str:
-        """Heartbeat: "ok", or "need_remount" for a client this master does not know."""
+    def ping(self, client_id: str, now: float, fenced: list[int] | None = None) -> str:
+        """Heartbeat: "ok", or "need_remount" for a client this master does not know.
+
+        ``fenced``: generations the client's segments have fenced (acknowledgements). A heartbeat
+        clears a suspicion older than ``suspect_min`` on the client's segments.
+        """
         client = self.clients.get(client_id)
         if client is None:
             return "need_remount"
         client.last_seen = now
+        for name in client.segments:
+            if fenced:
+                self.graveyard.ack(name, fenced)
+            seg = self.segments.get(name)
+            if seg is not None and seg.suspect_since is not None and \
+                    now - seg.suspect_since >= self.config.suspect_min:
+                seg.suspect_since = None
         return "ok"
+
+    def fences_for(self, client_id: str) -> list[int]:
+        """Generations the segments of ``client_id`` must fence before their space is reused."""
+        client = self.clients.get(client_id)
+        if client is None:
+            return []
+        return [g for name in sorted(client.segments) for g in self.graveyard.to_fence(name)]
+
+    def suspect(self, names: list[str], now: float) -> None:
+        """A client failed to transfer to these segments: place nothing there, read them last."""
+        for name in names:
+            seg = self.segments.get(name)
+            if seg is not None:
+                seg.suspect_since = now
+
+    def _gen(self) -> int:
+        self._next_gen += 1
+        return self._next_gen
 
     def expire_clients(self, now: float) -> list[str]:
         """Unmount the segments of clients silent for longer than the TTL."""
@@ -128,14 +177,23 @@ class MasterState:
             for name in list(self.clients[cid].segments):
                 self.unmount(name)
             del self.clients[cid]
+        if dead:  # their unfinished puts will never end: fence and free them
+            gone = set(dead)
+            for key in [k for k, o in self.objects.items() if not o.complete and o.writer in gone]:
+                self._drop(key, self.objects[key], now)
         return dead
 
     # -- writes ----------------------------------------------------------------------------------
     def put_start(self, key: str, size: int, cfg: ReplicateConfig, now: float,
-                  upsert: bool = False, local_segments: frozenset[str] = frozenset()) -> KeyResult:
+                  upsert: bool = False, local_segments: frozenset[str] = frozenset(),
+                  client_id: str = "", window: float = 0.0) -> KeyResult:
         """Allocate replicas for a new object; it stays invisible until put_end.
 
-        Returns a KeyResult with code 0 and the replicas, or a negative error code.
+        ``window``: seconds the writer may copy (its deadline); its space is not reused before
+        the window is over, even if the put is pre-empted. 0 means ``config.write_window``.
+
+        Returns a KeyResult with code 0, the replicas and the object's version, or a negative
+        error code.
         """
         try:
             self._check_key(key)
@@ -157,29 +215,45 @@ class MasterState:
             replicas = self._place(size, cfg, now, local_segments)
         except KVPlaneError as exc:
             return KeyResult(exc.code)
-        obj = Obj(size, replicas, False, now, hard_pin=cfg.with_hard_pin, soft_pin_ttl=pin,
+        obj = Obj(size, replicas, False, now, hard_pin=cfg.with_hard_pin, version=replicas[0][2],
+                  want=cfg.replica_num, writer=client_id,
+                  window_until=now + self.write_window(window), soft_pin_ttl=pin,
                   soft_pin_until=kept_pin if cfg.pin_action() == "preserve" else 0.0)
         self.objects[key] = obj
-        return KeyResult(0, [self.segments[s].replica(o, size) for s, o in replicas], size)
+        return KeyResult(0, [self.segments[s].replica(o, size, g) for s, o, g in replicas], size,
+                         obj.version)
 
-    def put_end(self, key: str, now: float) -> int:
-        """Make a written object visible (0, or an error code)."""
+    def write_window(self, asked: float) -> float:
+        """The write window granted for a client's ``asked`` seconds (0: the default)."""
+        return min(asked or self.config.write_window, self.config.put_discard_timeout)
+
+    def put_end(self, key: str, now: float, version: int = 0, checksum: int = 0) -> int:
+        """Make a written object visible (0, or an error code).
+
+        ``version``: the one PutStart gave (0: not checked). A put that was pre-empted, revoked
+        or lost with its segments gets ObjectNotFound: it was not committed.
+        """
         obj = self.objects.get(key)
-        if obj is None:
+        if obj is None or (version and obj.version != version):
             return ObjectNotFound.code
         if not obj.complete:
             obj.complete = True
+            obj.checksum = checksum
+            obj.writer = ""
             self.changes.append(("stored", key))
             if obj.soft_pin_ttl:
                 obj.soft_pin_until = now + obj.soft_pin_ttl
             self.objects.move_to_end(key)
+            if len(obj.replicas) < obj.want:
+                self.repairs.short.add(key)
         return 0
 
-    def put_revoke(self, key: str, now: float) -> int:
-        """Abandon an unfinished put and free its space."""
+    def put_revoke(self, key: str, now: float, version: int = 0) -> int:
+        """Abandon an unfinished put. Its space is fenced on its segments before reuse."""
         obj = self.objects.get(key)
-        if obj is None or obj.complete:
+        if obj is None or obj.complete or (version and obj.version != version):
             return ObjectNotFound.code
+        obj.window_until = now  # the writer's own copies are over; only frames may be in flight
         self._drop(key, obj, now)
         return 0
 
@@ -193,8 +267,11 @@ class MasterState:
             return KeyResult(ReplicaNotReady.code)
         obj.lease_until = max(obj.lease_until, now + self.config.lease_ttl)
         self.objects.move_to_end(key)
-        return KeyResult(0, [self.segments[s].replica(o, obj.size) for s, o in obj.replicas],
-                         obj.size)
+        reps = obj.replicas
+        if len(reps) > 1 and any(self.segments[r[0]].suspect_since is not None for r in reps):
+            reps = sorted(reps, key=lambda r: self.segments[r[0]].suspect_since is not None)
+        return KeyResult(0, [self.segments[s].replica(o, obj.size, g) for s, o, g in reps],
+                         obj.size, obj.version, obj.checksum)
 
     def exist(self, key: str, now: float) -> int:
         """1 if a complete object exists (and lease it, as Mooncake's ExistKey does), else 0."""
@@ -232,11 +309,9 @@ class MasterState:
 
     # -- background passes (the server calls these on a timer) -----------------------------------
     def reclaim(self, now: float) -> int:
-        """Free graveyard space whose leases ran out and puts abandoned past the release timeout."""
-        due = [g for g in self.graveyard if g[0] <= now]
-        self.graveyard = [g for g in self.graveyard if g[0] > now]
-        for _, seg, off in due:
-            self._held.pop((seg, off), None)
+        """Free quarantined space that is due and puts abandoned past the release timeout."""
+        due = self.graveyard.due(now)
+        for seg, off in due:
             if seg in self.segments:
                 self.segments[seg].alloc.free(off)
         stale = [k for k, o in self.objects.items()
@@ -244,10 +319,6 @@ class MasterState:
         for k in stale:
             self._drop(k, self.objects[k], now)
         return len(due) + len(stale)
-
-    def objects_size_of(self, grave: tuple[float, str, int]) -> int:
-        """Bytes held by one graveyard entry."""
-        return self._held.get((grave[1], grave[2]), 0)
 
     def used_ratio(self) -> float:
         cap = sum(s.alloc.capacity for s in self.segments.values())
@@ -265,7 +336,7 @@ class MasterState:
         used = sum(s.alloc.used for s in self.segments.values())
         # space held for readers of removed objects frees itself when their leases end:
         # it must not push live objects out
-        held = sum(self.objects_size_of(g) for g in self.graveyard)
+        held = self.graveyard.held_bytes()
         over = used - held - self.config.high_watermark * cap
         target = max(need, over + self.config.evict_ratio * cap if over > 0 else 0)
         if target <= 0:
@@ -318,36 +389,39 @@ class MasterState:
         left: the caller decides). Space under a live lease waits for it. Returns how many."""
         gone = [r for r in obj.replicas if r[0] in segments]
         obj.replicas = [r for r in obj.replicas if r[0] not in segments]
-        for seg, off in gone:
+        for seg, off, _gen in gone:
             if seg not in self.segments:
                 continue
             if obj.lease_until > now:
-                self.graveyard.append((obj.lease_until, seg, off))
-                self._held[(seg, off)] = obj.size
+                self.graveyard.hold(seg, off, obj.size, obj.lease_until, readers_only=True)
             else:
                 self.segments[seg].alloc.free(off)
         return len(gone)
 
     def _drop(self, key: str, obj: Obj, now: float) -> None:
-        """Forget an object; space under a live lease is freed only once the lease ends."""
+        """Forget an object. Space under a live lease is freed only once the lease ends; space of
+        an unfinished put only once its write window is over and its segment fenced it."""
         self.objects.pop(key, None)
+        self.repairs.forget(key, now)
         if obj.complete:
             self.changes.append(("removed", key))
-        for seg, off in obj.replicas:
+        for seg, off, gen in obj.replicas:
             if seg not in self.segments:
                 continue
-            if obj.lease_until > now:
-                self.graveyard.append((obj.lease_until, seg, off))
-                self._held[(seg, off)] = obj.size
+            if not obj.complete:
+                self.graveyard.hold(seg, off, obj.size, max(obj.window_until, now), gen)
+            elif obj.lease_until > now:
+                self.graveyard.hold(seg, off, obj.size, obj.lease_until, readers_only=True)
             else:
                 self.segments[seg].alloc.free(off)
 
     def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]) -> list[str]:
-        names = list(self.segments)
+        names = [n for n, s in self.segments.items() if s.suspect_since is None]
         if not names:
             return []
         pref = [p for p in ([cfg.preferred_segment] if cfg.preferred_segment else [])
-                + cfg.preferred_segments if p in self.segments]
+                + cfg.preferred_segments if p in self.segments
+                and self.segments[p].suspect_since is None]
         if cfg.prefer_alloc_in_same_node:
             pref += [n for n in names if n in local]
         start = self.rng.randrange(len(names))
@@ -358,27 +432,28 @@ class MasterState:
         return [n for n in pref + rest if not (n in seen or seen.add(n))]  # type: ignore[func-returns-value]
 
     def _place(self, size: int, cfg: ReplicateConfig, now: float,
-               local: frozenset[str]) -> list[tuple[str, int]]:
+               local: frozenset[str]) -> list[Rep]:
         for attempt in range(3):
-            got: list[tuple[str, int]] = []
+            got: list[Rep] = []
+            gen = self._gen()  # one generation per put: replicas sit on distinct segments
             for name in self._candidates(cfg, local):
                 off = self.segments[name].alloc.allocate(size)
                 if off is not None:
-                    got.append((name, off))
+                    got.append((name, off, gen))
                     if len(got) == cfg.replica_num:
                         break
             if got:  # best effort: at least one replica
                 return got
             self.alloc_failures += 1
-            if attempt == 0 and self.graveyard:
+            leased = self.graveyard.release_leased() if attempt == 0 else []
+            if leased:
                 # Out of room: first reuse the space of force-removed objects whose read leases
                 # have not ended (``force`` accepted that such a reader may see new bytes, and
-                # Mooncake frees it at once), before evicting anything still live.
-                for _, seg, off in self.graveyard:
+                # Mooncake frees it at once; the reader's checksum turns them into a failed
+                # read), before evicting anything still live. Space waiting for a fence never.
+                for seg, off in leased:
                     if seg in self.segments:
                         self.segments[seg].alloc.free(off)
-                self.graveyard = []
-                self._held.clear()
             elif attempt <= 1:
                 self.evict(now, need=size * cfg.replica_num)
             else:

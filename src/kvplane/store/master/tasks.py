@@ -49,7 +49,8 @@ class Task:
     since: float
     status: str = "PENDING"
     message: str = ""
-    allocated: list[tuple[str, int]] = field(default_factory=list)  # (segment, offset)
+    size: int = 0
+    allocated: list[tuple[str, int, int]] = field(default_factory=list)  # (segment, offset, gen)
 
 
 class Tasks:
@@ -113,6 +114,7 @@ class Tasks:
             self._fail(task, "source replica is gone", wall_ms)
             return TaskWork(InvalidParams.code)
         holders = {r[0] for r in obj.replicas}
+        task.size = obj.size
         for name in task.targets:
             seg = st.segments.get(name)
             if name in holders or seg is None:
@@ -122,13 +124,13 @@ class Tasks:
                 self._free(task)
                 self._fail(task, "NO_AVAILABLE_HANDLE: no room on " + name, wall_ms)
                 return TaskWork(-200)
-            task.allocated.append((name, off))
+            task.allocated.append((name, off, st._gen()))  # the runner's frames carry it
         task.status, task.updated_ms, task.since = "PROCESSING", wall_ms, now
         task.client_id = client_id
         obj.lease_until = max(obj.lease_until, now + self.processing_timeout)
-        sources = [st.segments[s].replica(o, obj.size) for s, o in obj.replicas
+        sources = [st.segments[s].replica(o, obj.size, g) for s, o, g in obj.replicas
                    if task.kind == "copy" or s == task.source]
-        targets = [st.segments[s].replica(o, obj.size) for s, o in task.allocated]
+        targets = [st.segments[s].replica(o, obj.size, g) for s, o, g in task.allocated]
         return TaskWork(0, obj.size, sources, targets)
 
     def finish(self, tid: TaskId, ok: list[bool], message: str, now: float, wall_ms: int) -> int:
@@ -142,7 +144,7 @@ class Tasks:
         obj = st.objects.get(task.key)
         done = [a for a, good in zip(task.allocated, ok) if good]
         failed = [a for a, good in zip(task.allocated, ok) if not good]
-        for seg, off in failed:
+        for seg, off, _gen in failed:  # the runner reported: nothing of it is in flight
             if seg in st.segments:
                 st.segments[seg].alloc.free(off)
         if obj is None or not obj.complete:
@@ -151,6 +153,7 @@ class Tasks:
             self._fail(task, "object removed during the task", wall_ms)
             return 0
         obj.replicas.extend(a for a in done if a[0] in st.segments)
+        obj.want = max(obj.want, len(obj.replicas) - (task.kind == "move"))  # repairs keep them
         # the task's protection ends with it; a reader's lease taken meanwhile is kept
         obj.lease_until = min(obj.lease_until, now + st.config.lease_ttl)
         if failed or (task.kind == "move" and not done and task.allocated):
@@ -187,7 +190,7 @@ class Tasks:
             limit = {"PENDING": self.pending_timeout,
                      "PROCESSING": self.processing_timeout}.get(task.status)
             if limit and now - task.since > limit:
-                self._free(task)
+                self._free(task, now)
                 self._fail(task, f"timed out {task.status.lower()}", wall_ms)
                 n += 1
         return n
@@ -197,10 +200,18 @@ class Tasks:
         for task in self.tasks.values():
             task.allocated = [a for a in task.allocated if a[0] != name]
 
-    def _free(self, task: Task) -> None:
-        for seg, off in task.allocated:
-            if seg in self._st.segments:
-                self._st.segments[seg].alloc.free(off)
+    def _free(self, task: Task, now: float | None = None) -> None:
+        """Give a task's target space back: at once when its runner is not writing (never
+        started, or reported), else (``now`` given: abandoned while PROCESSING) only after
+        the target segment fenced the allocation, as an abandoned put's space."""
+        st = self._st
+        for seg, off, gen in task.allocated:
+            if seg not in st.segments:
+                continue
+            if now is not None and task.status == "PROCESSING":
+                st.graveyard.hold(seg, off, task.size, now, gen)
+            else:
+                st.segments[seg].alloc.free(off)
         task.allocated = []
 
     def _fail(self, task: Task, message: str, wall_ms: int) -> None:

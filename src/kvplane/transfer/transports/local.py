@@ -31,6 +31,9 @@ class LocalTransport(Transport):
 
     def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
         for s in slices:
+            if s.task.req.gen and deadline.expired():  # a store allocation past its window
+                s.done(TransferStatus.TIMEOUT, "deadline passed")
+                continue
             remote = np.frombuffer(view_at(s.remote, s.length), np.uint8)
             local = np.frombuffer(s.local, np.uint8)
             if s.op == OpCode.WRITE:

@@ -4,6 +4,14 @@
 * other memory regions are copied with ``process_vm_readv``/``process_vm_writev`` (Linux
   cross-memory attach), one kernel copy and no socket. If the kernel refuses (ptrace policy),
   the transport says it cannot reach the target and the engine falls back to TCP.
+
+A mapping is tied to its owner process through a pidfd: once the owner has exited, slices to
+it fail (the engine then tries TCP, which is refused) instead of landing in a dead process's
+memory, and the mapping is dropped, so dead segments cost no memory (``prune`` drops every
+dead one). A slice that carries a store generation is checked against its deadline before
+and after the copy: no server mediates here, so a copy that finished past the allocation's
+window is reported TIMEOUT, never COMPLETED (the master keeps freed space out of reuse until
+every window granted on it has passed).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import ctypes
 import mmap
 import os
 import re
+import select
 import threading
 
 import numpy as np
@@ -46,8 +55,42 @@ def _cma(pid: int, local_addr: int, remote: int, length: int, write: bool) -> No
         done += n
 
 
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _addr_of(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+class _Owner:
+    """The process that owns a mapping, watched through a pidfd (exit makes it readable)."""
+
+    __slots__ = ("fd", "_poll", "_lock")
+
+    def __init__(self, pid: int) -> None:
+        self.fd = os.pidfd_open(pid)  # raises ProcessLookupError when it is gone
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+        self._lock = threading.Lock()  # a poll object takes one caller at a time
+
+    def alive(self) -> bool:
+        with self._lock:
+            return not self._poll.poll(0)
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
 
 
 class ShmTransport(Transport):
@@ -58,7 +101,7 @@ class ShmTransport(Transport):
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray, _Owner]] = {}
         self._lock = threading.Lock()
         self._cma_ok: bool | None = None
 
@@ -66,8 +109,13 @@ class ShmTransport(Transport):
         if not route.same_host or route.region.kind == "file":
             return False
         if route.region.kind == "shm":
+            with self._lock:
+                hit = self._maps.get(route.region.shm)
+            if hit is not None:
+                return hit[2].alive()
             return _SHM_NAME.match(route.region.shm) is not None and \
-                os.path.exists(os.path.join(SHM_DIR, route.region.shm))
+                os.path.exists(os.path.join(SHM_DIR, route.region.shm)) and \
+                _pid_alive(route.segment.pid)
         return self._probe_cma(route.segment.pid)
 
     def _probe_cma(self, pid: int) -> bool:
@@ -80,34 +128,48 @@ class ShmTransport(Transport):
                 self._cma_ok = False
         return self._cma_ok and pid > 0
 
-    def _mapped(self, region: RegionDesc) -> np.ndarray:
+    def _mapped(self, region: RegionDesc, pid: int) -> np.ndarray:
+        """The mapping of ``region``; raises OSError once its owner ``pid`` has exited."""
         with self._lock:
             hit = self._maps.get(region.shm)
-            if hit is None:
-                if not _SHM_NAME.match(region.shm):
-                    raise ValueError(f"refusing shared-memory name {region.shm!r}")
-                fd = os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_NOFOLLOW)
-                try:
-                    mm = mmap.mmap(fd, region.length)
-                finally:
-                    os.close(fd)
-                try:  # map every page now: no minor fault per page on the data path later
-                    mm.madvise(_MADV_POPULATE_WRITE)
-                except OSError:
-                    pass
-                hit = (mm, np.frombuffer(mm, dtype=np.uint8))
-                self._maps[region.shm] = hit
-            return hit[1]
+        if hit is not None and not hit[2].alive():
+            self.forget(region.shm)
+            raise OSError(f"the process owning {region.shm} has exited")
+        if hit is None:
+            hit = self._map(region, pid)
+        return hit[1]
+
+    def _map(self, region: RegionDesc, pid: int) -> tuple[mmap.mmap, np.ndarray, _Owner]:
+        if not _SHM_NAME.match(region.shm):
+            raise ValueError(f"refusing shared-memory name {region.shm!r}")
+        owner = _Owner(pid)
+        fd = os.open(os.path.join(SHM_DIR, region.shm), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            mm = mmap.mmap(fd, region.length)
+        finally:
+            os.close(fd)
+        try:  # map every page now: no minor fault per page on the data path later
+            mm.madvise(_MADV_POPULATE_WRITE)
+        except OSError:
+            pass
+        hit = (mm, np.frombuffer(mm, dtype=np.uint8), owner)
+        with self._lock:
+            old = self._maps.setdefault(region.shm, hit)
+        if old is not hit:  # another thread mapped it first
+            _unmap(hit)
+        return old
 
     def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
         region = route.region
+        arr = None
         for s in slices:
             if deadline.expired():
                 s.done(TransferStatus.TIMEOUT, "deadline passed")
                 continue
             try:
                 if region.kind == "shm":
-                    arr = self._mapped(region)
+                    if arr is None:  # one liveness check per run, not per slice
+                        arr = self._mapped(region, route.segment.pid)
                     off = s.remote - region.addr
                     remote = arr[off:off + s.length]
                     local = np.frombuffer(s.local, dtype=np.uint8)
@@ -121,6 +183,9 @@ class ShmTransport(Transport):
             except (OSError, ValueError) as exc:
                 s.done(TransferStatus.FAILED, f"same-host copy failed: {exc}")
                 continue
+            if s.task.req.gen and deadline.expired():  # finished past the allocation's window
+                s.done(TransferStatus.TIMEOUT, "copy finished past its deadline")
+                continue
             s.done(TransferStatus.COMPLETED)
 
     def forget(self, shm_name: str) -> None:
@@ -128,13 +193,35 @@ class ShmTransport(Transport):
         with self._lock:
             hit = self._maps.pop(shm_name, None)
         if hit is not None:
-            try:
-                hit[0].close()
-            except BufferError:
-                pass
+            _unmap(hit)
+
+    def prune(self) -> int:
+        """Unmap every mapping whose owner process has exited; returns how many went."""
+        with self._lock:
+            dead = [n for n, hit in self._maps.items() if not hit[2].alive()]
+        for name in dead:
+            self.forget(name)
+        return len(dead)
+
+    def mapped(self) -> list[str]:
+        """Names of the shared-memory regions mapped now."""
+        with self._lock:
+            return list(self._maps)
 
     def close(self) -> None:
         with self._lock:
             names = list(self._maps)
         for n in names:
             self.forget(n)
+
+
+def _unmap(hit: tuple[mmap.mmap, np.ndarray, _Owner]) -> None:
+    """Release a mapping: its array view first, so the unmap happens now (if no slice still
+    holds a view, else when the last one goes)."""
+    mm, _, owner = hit
+    owner.close()
+    del hit
+    try:
+        mm.close()
+    except BufferError:
+        pass

@@ -196,10 +196,11 @@ class Conn:
                     break
                 rid = self.next_id()
                 protocol.send_all(self.sock, [protocol.pack_req(protocol.OP_WRITE, rid, s.remote,
-                                                                s.length), s.local])
+                                                                s.length, s.task.req.gen), s.local])
             else:
                 rid = self.next_id()
-                read_headers.append(protocol.pack_req(protocol.OP_READ, rid, s.remote, s.length))
+                read_headers.append(protocol.pack_req(protocol.OP_READ, rid, s.remote, s.length,
+                                                      s.task.req.gen))
                 flight.reads_awaiting += 1
             flight.awaiting.append((s, rid))
             flight.sent += 1

@@ -1,0 +1,182 @@
+"""The store client's data path: replica writes and reads under one deadline per call.
+
+* Every call has one ``Deadline``; the master RPCs and every transfer attempt draw on it, so a
+  call never outlives its timeout, however many replicas hang.
+* Replica reads fail over: each attempt gets an equal share of what is left (a hung replica
+  cannot eat the time of the next one), and never runs past the read lease the master granted
+  (measured from before the request was sent, so it ends no later than the master's). A read
+  that finishes is therefore inside the lease: its bytes are the object's.
+* With checksums on, read bytes are checked against the object's checksum; a mismatch fails
+  over to the next replica and, when none is left, raises ``ChecksumMismatch``: it is never
+  returned as a success.
+* A segment a transfer failed on is remembered (tried last for a while) and reported to the
+  master with the next RPC, which then stops placing objects there.
+
+Imports the transfer engine and store types; never binds sockets itself.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvplane.common.deadline import Deadline
+from kvplane.common.errors import KVPlaneError
+from kvplane.store.checksum import digest
+from kvplane.store.errors import ChecksumMismatch, InvalidParams, LeaseExpired, TransferFail
+from kvplane.store.types import KeyResult, Replica
+from kvplane.transfer import OpCode, TransferRequest, TransferStatus
+
+if TYPE_CHECKING:
+    from kvplane.store.client.client import StoreClient
+
+OK = TransferStatus.COMPLETED
+BAD_FOR = 5.0  # seconds a failed segment is tried last by this client
+Move = tuple[int, Replica, OpCode, int, int]  # (key index, replica, op, local address, size)
+
+
+class Suspects:
+    """Segments this client saw fail: tried last locally, reported to the master once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._report: set[str] = set()
+        self._until: dict[str, float] = {}
+
+    def add(self, segments: Iterable[str]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for s in segments:
+                self._report.add(s)
+                self._until[s] = now + BAD_FOR
+
+    def take(self) -> list[str]:
+        """The segments to report with the next RPC (cleared)."""
+        if not self._report:
+            return []
+        with self._lock:
+            out, self._report = sorted(self._report), set()
+        return out
+
+    def any(self) -> bool:
+        """True while some segment is remembered as failed."""
+        return bool(self._until)
+
+    def bad(self, segment: str) -> bool:
+        until = self._until.get(segment)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        self._until.pop(segment, None)  # expired: forget it (keeps ``any`` cheap)
+        return False
+
+
+GRAIN = 0.05  # timeouts handed to sockets are rounded down to this
+
+
+def coarse(seconds: float) -> float:
+    """``seconds`` rounded down to ``GRAIN`` (above 0.2 s), so consecutive calls hand the same
+    timeout to sockets that re-arm their kernel timeouts only when it changes."""
+    return seconds if seconds < 0.2 else math.floor(seconds / GRAIN) * GRAIN
+
+
+def ordered(client: "StoreClient", replicas: list[Replica]) -> list[Replica]:
+    """Healthy first, then same host first; otherwise the master's order (suspects last)."""
+    if len(replicas) == 1:
+        return list(replicas)
+    mine = client.engine.host_id
+    if not client.suspects.any():
+        return sorted(replicas, key=lambda r: r.host_id != mine)
+    return sorted(replicas, key=lambda r: (client.suspects.bad(r.segment), r.host_id != mine))
+
+
+def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bool]:
+    """Run the moves once, all by ``deadline``; True where each completed."""
+    out = [False] * len(moves)
+    if deadline.remaining() <= 0:
+        return out
+    batch: list[TransferRequest] = []
+    where: list[int] = []
+    failed: set[str] = set()
+    for i, (_, rep, op, addr, size) in enumerate(moves):
+        try:
+            h = client._handle(rep.segment, deadline)
+        except KVPlaneError:  # unreachable segment (or no time left to look it up): that move fails
+            failed.add(rep.segment)
+            continue
+        batch.append(TransferRequest(op, addr, h, rep.addr, size, gen=rep.gen))
+        where.append(i)
+    if batch and deadline.remaining() > 0:
+        for i, st in zip(where, client.engine.transfer(batch, coarse(deadline.remaining()))):
+            out[i] = st == OK
+    for i in where:
+        if not out[i]:
+            failed.add(moves[i][1].segment)
+            client._handles.pop(moves[i][1].segment, None)  # it may have restarted: refresh
+    if failed:
+        client.suspects.add(failed)
+    return out
+
+
+def write(client: "StoreClient", moves: list[Move], deadline: Deadline) -> set[int]:
+    """Write every replica; returns the key indexes where one failed."""
+    done = run(client, moves, deadline)
+    return {m[0] for m, ok in zip(moves, done) if not ok}
+
+
+def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps: list[int],
+         deadline: Deadline, lease_end: float) -> list[int]:
+    """Read each key from its replicas with failover; per key the size read or an error code."""
+    out = [r.code if r.code else r.size for r in results]
+    todo: dict[int, list[Replica]] = {}
+    corrupt: set[int] = set()
+    for i, r in enumerate(results):
+        if r.code:
+            continue
+        if r.size > caps[i]:
+            out[i] = InvalidParams.code
+            continue
+        todo[i] = ordered(client, r.replicas)
+    lease = Deadline(min(deadline.at, lease_end))
+    while todo and lease.remaining() > 0:
+        share = lease.remaining() / max(len(reps) for reps in todo.values())
+        attempt = Deadline(min(lease.at, time.monotonic() + share))
+        moves = [(i, reps.pop(0), OpCode.READ, addrs[i], results[i].size) for i, reps in todo.items()]
+        for m, ok in zip(moves, run(client, moves, attempt)):
+            i = m[0]
+            if ok and not _verified(client, results[i], addrs[i]):
+                ok = False
+                corrupt.add(i)
+                client.corrupt_reads += 1
+            if ok:
+                todo.pop(i)
+            elif not todo[i]:
+                todo.pop(i)
+                out[i] = _failure(i in corrupt, lease_end)
+    for i in todo:  # time ran out with replicas left to try
+        out[i] = _failure(i in corrupt, lease_end)
+    return out
+
+
+def _failure(corrupt: bool, lease_end: float) -> int:
+    if corrupt:
+        return ChecksumMismatch.code
+    # the lease ran out (to within the rounding of the last attempt's timeout)
+    return LeaseExpired.code if time.monotonic() >= lease_end - GRAIN else TransferFail.code
+
+
+def _verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:
+    if not (client.config.checksum and result.checksum):
+        return True
+    return digest(client.engine.memory.view(addr, result.size)) == result.checksum
+
+
+def checksums(client: "StoreClient", addrs: list[int], sizes: list[int]) -> list[int]:
+    """Per object the checksum of its source bytes (0s with checksums off)."""
+    if not client.config.checksum:
+        return [0] * len(addrs)
+    return [digest(client.engine.memory.view(a, n)) for a, n in zip(addrs, sizes)]

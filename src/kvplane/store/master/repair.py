@@ -1,0 +1,147 @@
+"""Re-replication: objects that lost replicas get them back, copied by the segments themselves.
+
+Pure bookkeeping on a ``MasterState`` (no I/O, no clock). The master holds no bytes, so a
+repair is a task for the owner of the target segment: "read object K (version V, checksum C)
+from one of these replicas into your memory at ADDR (allocation GEN), then report". The task
+rides that client's heartbeat reply; the client reads, verifies the checksum and answers with
+``repair_done``. Only then does the replica join the object. A task not answered within
+``repair_timeout`` is abandoned, and its space is fenced like an unfinished put's (the copy may
+still be in flight inside the target process).
+
+A segment later holding the authoritative inventory (issue 10) would record the same tuple a
+task carries (key, version, gen, offset, size, checksum) when it reports the repair done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvplane.store.types import RepairTask
+
+if TYPE_CHECKING:
+    from kvplane.store.master.state import MasterState
+
+SCAN = 4096  # short keys looked at per planning pass
+
+
+@dataclass
+class _Pending:
+    segment: str
+    offset: int
+    task: RepairTask
+    deadline: float
+    delivered: bool = False
+
+
+class Repairs:
+    """Objects short of replicas and the repair tasks in flight."""
+
+    def __init__(self, state: "MasterState") -> None:
+        self._st = state
+        self.short: set[str] = set()  # keys that may have fewer replicas than asked for
+        self.pending: dict[str, _Pending] = {}
+        self.done_count = 0
+
+    def under_replicated(self) -> int:
+        """Complete objects holding fewer replicas than asked for, now."""
+        objs = self._st.objects
+        return sum(1 for k in self.short
+                   if k in objs and objs[k].complete and len(objs[k].replicas) < objs[k].want)
+
+    def plan(self, now: float) -> int:
+        """Allocate targets for short objects (no eviction); returns tasks created."""
+        st, made = self._st, 0
+        for key in list(self.short)[:SCAN]:
+            obj = st.objects.get(key)
+            if obj is None or not obj.complete or len(obj.replicas) >= obj.want:
+                self.short.discard(key)
+                continue
+            if key in self.pending:
+                continue
+            target = self._target(obj.size, {r[0] for r in obj.replicas})
+            if target is None:
+                continue
+            name, off = target
+            seg = st.segments[name]
+            gen = st._gen()
+            sources = sorted(obj.replicas, key=lambda r: st.segments[r[0]].suspect_since is not None)
+            task = RepairTask(key, obj.version, gen, seg.info.base + off, obj.size, obj.checksum,
+                              [st.segments[s].replica(o, obj.size, g) for s, o, g in sources])
+            self.pending[key] = _Pending(name, off, task, now + st.config.repair_timeout)
+            made += 1
+        return made
+
+    def _target(self, size: int, holders: set[str]) -> tuple[str, int] | None:
+        st = self._st
+        names = [n for n, s in st.segments.items() if n not in holders and s.suspect_since is None
+                 and s.info.client_id in st.clients and s.alloc.largest_free() >= size]
+        st.rng.shuffle(names)
+        for name in names:
+            off = st.segments[name].alloc.allocate(size)
+            if off is not None:
+                return name, off
+        return None
+
+    def take(self, client_id: str) -> list[RepairTask]:
+        """Undelivered tasks for the segments of ``client_id`` (marked delivered)."""
+        client = self._st.clients.get(client_id)
+        if client is None:
+            return []
+        out = []
+        for p in self.pending.values():
+            if not p.delivered and p.segment in client.segments:
+                p.delivered = True
+                out.append(p.task)
+                if len(out) >= self._st.config.repairs_per_ping:
+                    break
+        return out
+
+    def done(self, key: str, gen: int, ok: bool, now: float) -> bool:
+        """The target reported task ``gen`` for ``key``; True when the replica joined."""
+        p = self.pending.get(key)
+        if p is None or p.task.gen != gen:
+            return False
+        del self.pending[key]
+        st = self._st
+        obj = st.objects.get(key)
+        seg = st.segments.get(p.segment)
+        if seg is None:
+            return False
+        if ok and obj is not None and obj.complete and obj.version == p.task.version:
+            obj.replicas.append((p.segment, p.offset, gen))
+            self.done_count += 1
+            if len(obj.replicas) >= obj.want:
+                self.short.discard(key)
+            return True
+        seg.alloc.free(p.offset)  # the target's copy is over (it reported): nothing can land
+        return False
+
+    def expire(self, now: float) -> int:
+        """Abandon tasks past their deadline; their space waits for a fence."""
+        late = [k for k, p in self.pending.items() if p.deadline <= now]
+        for key in late:
+            self._abandon(self.pending.pop(key), now)
+        return len(late)
+
+    def forget(self, key: str, now: float) -> None:
+        """``key`` was dropped: abandon its repair, if any."""
+        p = self.pending.pop(key, None)
+        if p is not None:
+            self._abandon(p, now)
+        self.short.discard(key)
+
+    def _abandon(self, p: _Pending, now: float) -> None:
+        st = self._st
+        if p.segment not in st.segments:
+            return
+        if p.delivered:  # the target may be copying: fence before reuse
+            st.graveyard.hold(p.segment, p.offset, p.task.size, now, p.task.gen)
+        else:
+            st.segments[p.segment].alloc.free(p.offset)
+
+    def drop_segment(self, name: str) -> None:
+        """``name`` was unmounted: tasks targeting it go (their space went with it)."""
+        for key in [k for k, p in self.pending.items() if p.segment == name]:
+            del self.pending[key]
+            self.short.add(key)

@@ -1,0 +1,108 @@
+"""Fence: which allocation generations this engine's data listener still serves.
+
+A store master stamps every allocation with a generation: a u64 with the master's epoch in the
+top bits (``EPOCH_SHIFT``) and a counter below, so generations never repeat across master
+restarts. READ and WRITE frames carry the generation of the allocation they target (0 means
+unfenced: plain transfer-engine use, never checked).
+
+The listener refuses a frame whose generation
+
+* belongs to another master epoch than the one this segment is mounted with (a frame queued
+  before a master restart), or
+* was fenced: the master freed that allocation while a write against it could still be in
+  flight (a revoked or abandoned put), and will not reuse the space until this segment has
+  acknowledged the fence (see ``install``).
+
+``install`` acknowledges only generations with no WRITE in progress, so once the master has the
+acknowledgement no byte of a stale frame can land. Pure bookkeeping under one lock; imports no
+sockets and nothing from the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+
+EPOCH_SHIFT = 40
+COUNTER_MASK = (1 << EPOCH_SHIFT) - 1
+KEEP = 1 << 20  # fenced generations remembered per epoch (oldest forgotten first)
+
+
+def epoch_of(gen: int) -> int:
+    """The master epoch a generation was issued in."""
+    return gen >> EPOCH_SHIFT
+
+
+class Fence:
+    """The fence table of one data listener. Thread-safe.
+
+    Args:
+        keep: how many fenced generations to remember (a bound on memory).
+    """
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self._lock = threading.Lock()
+        self._keep = keep
+        self.epoch = 0  # 0: not mounted with a master yet; every epoch is admitted
+        self._fenced: OrderedDict[int, None] = OrderedDict()
+        self._writing: Counter[int] = Counter()
+        self.refused = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Serve the master of ``epoch`` from now on; fences of an older epoch are dropped
+        (their frames fail the epoch check instead)."""
+        with self._lock:
+            if epoch != self.epoch:
+                self.epoch = epoch
+                self._fenced.clear()
+
+    def _admit(self, gen: int) -> bool:
+        ok = not ((self.epoch and epoch_of(gen) != self.epoch) or gen in self._fenced)
+        if not ok:
+            self.refused += 1
+        return ok
+
+    def admit(self, gen: int) -> bool:
+        """True when a READ of generation ``gen`` may be served (0 always may)."""
+        if not gen:
+            return True
+        with self._lock:
+            return self._admit(gen)
+
+    def begin_write(self, gen: int) -> bool:
+        """Admit a WRITE of ``gen`` and count it in progress until :meth:`end_write`."""
+        if not gen:
+            return True
+        with self._lock:
+            if not self._admit(gen):
+                return False
+            self._writing[gen] += 1
+            return True
+
+    def end_write(self, gen: int) -> None:
+        """The WRITE admitted by :meth:`begin_write` is over (landed or abandoned)."""
+        if not gen:
+            return
+        with self._lock:
+            self._writing[gen] -= 1
+            if self._writing[gen] <= 0:
+                del self._writing[gen]
+
+    def install(self, gens: list[int]) -> list[int]:
+        """Fence ``gens`` (idempotent); returns those now safe to acknowledge.
+
+        A generation with a WRITE still in progress is fenced (no new frame of it is admitted)
+        but not returned: acknowledge it on a later call, once that WRITE is over.
+        """
+        with self._lock:
+            for gen in gens:
+                self._fenced[gen] = None
+                self._fenced.move_to_end(gen)
+            while len(self._fenced) > self._keep:
+                self._fenced.popitem(last=False)
+            return [g for g in gens if not self._writing.get(g)]
+
+    def fenced(self, gen: int) -> bool:
+        """True when ``gen`` is fenced."""
+        with self._lock:
+            return gen in self._fenced
