@@ -47,6 +47,7 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 SGLANG_NATIVE = {"backend_name": "kvplane", "module_path": "kvplane.integrations.sglang.hicache",
                  "class_name": "KVPlaneHiCacheStorage", "interface_v1": True}
 PLUGIN = "remote_storage_plugin.kvplane."
+REAL_VERSION = "0.3.13.post1"  # the wheel .ci/setup-30-engines-venv.sh installs
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -81,7 +82,7 @@ def sglang_sides(args: argparse.Namespace) -> list[dict[str, Any]]:
          "args": lambda s: {"backend": "dynamic", "extra": {
              **SGLANG_NATIVE, "master_server_address": s["master"], "protocol": args.protocol}}},
         {"name": "MooncakeStore on kvplane (tcp)", "mooncake": "kvplane", "args": mooncake},
-        {"name": "MooncakeStore on Mooncake 0.3.13.post1 (tcp)", "mooncake": "real",
+        {"name": f"MooncakeStore on Mooncake {REAL_VERSION} (tcp)", "mooncake": "real",
          "args": mooncake},
     ]
 
@@ -111,9 +112,9 @@ def lmcache_sides(args: argparse.Namespace) -> list[dict[str, Any]]:
         {"name": "mooncakestore on kvplane (default)", "mooncake": "kvplane", "args": mooncake(False)},
         {"name": "mooncakestore on kvplane (save_chunk_meta=false)", "mooncake": "kvplane",
          "args": mooncake(True)},
-        {"name": "mooncakestore on Mooncake 0.3.13.post1 (default)", "mooncake": "real",
+        {"name": f"mooncakestore on Mooncake {REAL_VERSION} (default)", "mooncake": "real",
          "args": mooncake(False)},
-        {"name": "mooncakestore on Mooncake 0.3.13.post1 (save_chunk_meta=false)",
+        {"name": f"mooncakestore on Mooncake {REAL_VERSION} (save_chunk_meta=false)",
          "mooncake": "real", "args": mooncake(True)},
     ]
 
@@ -216,6 +217,12 @@ def report(engine: str, rows: list[dict[str, Any]], args: argparse.Namespace) ->
         if "skipped" not in r and "skipped" not in base:
             print(f"ratio {r['side']} / native: store {r['store_s'] / base['store_s']:.2f}x, "
                   f"load {r['load_s'] / base['load_s']:.2f}x (time; > 1 = native faster)")
+    by_side = {r["side"]: r for r in rows}
+    for r in rows:  # the same Mooncake backend: real Mooncake against kvplane
+        twin = by_side.get(r["side"].replace(f"on Mooncake {REAL_VERSION}", "on kvplane"))
+        if REAL_VERSION in r["side"] and twin and "skipped" not in r and "skipped" not in twin:
+            print(f"ratio {r['side']} / {twin['side']}: store {r['store_s'] / twin['store_s']:.2f}x, "
+                  f"load {r['load_s'] / twin['load_s']:.2f}x (time; > 1 = kvplane faster)")
 
 
 def main(argv: list[str] | None = None) -> int:

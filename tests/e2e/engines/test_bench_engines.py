@@ -37,4 +37,8 @@ def test_bench_engines_smoke(capsys, tmp_path):
     if reason:
         for side in real:
             assert f"{side}" in out and "skipped: real Mooncake is not installed" in out, out
-    assert out.count("ratio ") == (6 if not reason else 3), out
+    # against native: 2 + 4 rows (1 + 2 without real Mooncake); real against kvplane: 1 + 2
+    assert out.count("ratio ") == (9 if not reason else 3), out
+    if not reason:
+        assert re.search(r"^ratio MooncakeStore on Mooncake \S+ \(tcp\) / MooncakeStore on kvplane "
+                         r"\(tcp\): store [\d.]+x, load [\d.]+x", out, re.M), out
