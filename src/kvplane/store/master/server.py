@@ -122,12 +122,8 @@ class MasterServer:
         self.rpc.start()
         self.election: Any = None
         if ha:
-            from kvplane.store.etcd import HaAddress
-            from kvplane.store.master.ha import Election
-
-            self.election = Election(HaAddress.parse(ha, cluster),
-                                     advertise or f"{host}:{self.port}", lease_ttl,
-                                     self._elected, self._deposed)
+            self.election = self._election(ha, cluster, advertise or f"{host}:{self.port}",
+                                           lease_ttl)
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="master-timer", daemon=True)
         self._timer.start()
@@ -141,6 +137,13 @@ class MasterServer:
                    admin_port=self.http.port if self.http else None)
 
     # -- roles -----------------------------------------------------------------------------------
+    def _election(self, ha: str, cluster: str | None, advertise: str, lease_ttl: int) -> Any:
+        from kvplane.store.etcd import HaAddress
+        from kvplane.store.master.ha import Election
+
+        return Election(HaAddress.parse(ha, cluster), advertise, lease_ttl, self._elected,
+                        self._deposed)
+
     def _fresh_state(self, epoch: int) -> MasterState:
         state = MasterState(self.config, epoch=epoch)
         state.secret = self._secret
