@@ -217,8 +217,9 @@ class MasterServer:
         st = self.state
         floor = st.mount(req.client_id, req.segments, now, adopt=req.adopt)
         st.view_version += 1
-        if req.adopt and self.election is None and not st.gate_until:
-            # a lone master learns it restarted from the first segment that remounts
+        if req.adopt and self.election is None and (not st.gate_until or st.recovering(now)):
+            # a lone master learns it restarted from the first segment that remounts; each
+            # further one that arrives while it recovers extends the wait
             st.recover(now, self.config.recovery_grace, None)
         return MountRep(st.epoch, floor)
 
