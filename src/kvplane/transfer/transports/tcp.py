@@ -27,6 +27,8 @@ WINDOW = 64  # most frames in flight on one connection
 READV_WINDOW = 4  # READV frames in flight on one connection
 READV_BYTES = 16 << 20  # most payload bytes asked in one READV frame
 STRIPE_MIN = 512 << 10  # batches smaller than this stay on one connection
+STRIPE_SLICE_MIN = 64 << 10  # and so do batches of smaller slices (READV moves them in one frame;
+# helper lanes would only contend for the GIL)
 MAX_IDLE = 16  # pooled idle connections per peer
 
 
@@ -341,7 +343,7 @@ class TcpTransport(Transport):
         lanes = 1
         if len(slices) > 1 and self.ctx.streams > 1:
             total = sum(s.length for s in slices)
-            if total >= STRIPE_MIN:
+            if total >= STRIPE_MIN and total >= STRIPE_SLICE_MIN * len(slices):
                 lanes = min(self.ctx.streams, len(slices))
         if lanes == 1:
             self._lane(peer, slices, deadline)
