@@ -11,11 +11,12 @@ the KV moves between the instances through the kvplane transfer engine, never th
 import contextlib
 import itertools
 import json
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import typer
+
+from kvplane.cli.lifecycle import no_auth_option, resolve_token, token_option
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
@@ -113,21 +114,28 @@ def pd_proxy(
     host: str = typer.Option("127.0.0.1", help="Bind address."),
     port: int = typer.Option(8000, help="Port (0 picks a free one; the ready line says which)."),
     timeout: float = typer.Option(300.0, help="Seconds for one upstream request."),
+    token: str = token_option(),
+    no_auth: bool = no_auth_option("the OpenAI endpoints (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models): anyone could run "
+                                   "requests on the instances behind it"),
 ) -> None:
     """Serve X prefill + Y decode vLLM instances (KVPlanePDConnector) behind one endpoint.
 
-    Prints one JSON line ``{"proxy": URL}`` once listening.
+    Clients send the token as ``Authorization: Bearer TOKEN`` (an OpenAI client's api_key) or
+    ``X-KVPlane-Token``; ``/health`` is open. Prints one JSON line ``{"proxy": URL}`` once
+    listening.
     """
-    import uvicorn
+    import asyncio
 
+    from kvplane.common.auth import token_authenticator
+    from kvplane.common.http import GuardedServer
+
+    tok = resolve_token(token, no_auth)
     strip = [u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode]
     app = build_app(strip[0], strip[1], timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    typer.echo(json.dumps({"proxy": f"http://{host}:{sock.getsockname()[1]}"}))
-    server.run(sockets=[sock])
+    server = GuardedServer(app, host, port, token_authenticator(tok), "pd-proxy", lifespan="on")
+    typer.echo(json.dumps({"proxy": f"http://{host}:{server.port}"}))
+    asyncio.run(server.serve())
 
 
 def register(app: typer.Typer) -> None:

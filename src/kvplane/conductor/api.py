@@ -4,20 +4,20 @@ Endpoints: ``POST /register``, ``POST /unregister``, ``POST /query`` (token ids)
 ``POST /query_by_hash`` (64-bit block hashes), ``GET /instances``, ``GET /health``,
 ``GET /metrics``. Request/response schemas live here only. Errors map from the kvplane tree:
 InvalidArgument 400, Unauthorized 401, NotFound 404, Conflict 409, oversized body 413,
-schema violations 422. Every request body is capped (``max_request_bytes``). When a token is
-configured, every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` (or
-``X-KVPlane-Token``).
+schema violations 422. Every request body is capped (``max_request_bytes``). The token
+(``Authorization: Bearer <token>`` or ``X-KVPlane-Token``, every endpoint but ``/health``) is
+checked in front of the app, before any body is read, by the token gate of
+``kvplane.common.http`` that ``server.py`` installs.
 
 Must not bind sockets (``server.py`` does) nor import ``zmq``.
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
@@ -25,6 +25,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from kvplane.common import metrics as common_metrics
 from kvplane.common.errors import (Conflict, InvalidArgument, KVPlaneError, NotFound,
                                    ProtocolError, Unauthorized)
+Secret = Annotated[str, Field(max_length=4096)]
 from kvplane.conductor import instruments
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import Conductor, QueryRequest, Registration
@@ -65,6 +66,8 @@ class RegisterBody(BaseModel):
     additionalsalt: Name = ""
     topic: Name = Field("", description="publisher topic (routes messages on a bound SUB)")
     hash_profile: HashProfileBody | None = None
+    token: Secret = Field("", description="token presented (ZMQ PLAIN) to a publisher that "
+                          "requires one: a kvplane master's KV-event stream; never shown back")
 
 
 class UnregisterBody(BaseModel):
@@ -198,7 +201,7 @@ def to_registration(body: RegisterBody | dict[str, Any]) -> Registration:
                         lora_name=body.lora_name or "", tenant_id=body.tenant_id,
                         dp_rank=body.dp_rank, dp_size=body.dp_size,
                         additional_salt=body.additionalsalt, topic=body.topic,
-                        hash_profile=_profile(body.hash_profile))
+                        hash_profile=_profile(body.hash_profile), token=body.token)
 
 
 class _BodyLimit:
@@ -245,11 +248,6 @@ def create_app(conductor: Conductor) -> FastAPI:
     app = FastAPI(title="kvplane conductor", version="1",
                   description="Global KV cache index fed by vLLM KV events (Mooncake-compatible).")
 
-    def auth(authorization: str | None = Header(None),
-             x_kvplane_token: str | None = Header(None)) -> None:
-        """Require the shared token (``Authorization: Bearer`` or ``X-KVPlane-Token``) if set."""
-        _check_token(cfg.token, x_kvplane_token, authorization)
-
     @app.exception_handler(KVPlaneError)
     async def _kv_error(_: Request, exc: KVPlaneError) -> JSONResponse:
         return JSONResponse(*_kv_error_body(exc))
@@ -258,20 +256,11 @@ def create_app(conductor: Conductor) -> FastAPI:
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(*_invalid_body(exc))
 
-    _admin_routes(app, conductor, [Depends(auth)])
-    _query_routes(app, conductor, [Depends(auth)])
+    _admin_routes(app, conductor, [])
+    _query_routes(app, conductor, [])
     app.add_middleware(_QueryFastPath, conductor=conductor)
     app.add_middleware(_BodyLimit, limit=cfg.max_request_bytes)
     return app
-
-
-def _check_token(token: str | None, x_kvplane_token: str | None, authorization: str | None) -> None:
-    """Raise Unauthorized unless the request carries ``token`` (no token configured: open)."""
-    if not token:
-        return
-    given = x_kvplane_token or (authorization or "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        raise Unauthorized("missing or wrong token")
 
 
 def _kv_error_body(exc: KVPlaneError) -> tuple[dict[str, Any], int]:
@@ -289,10 +278,10 @@ def _invalid_body(exc: RequestValidationError) -> tuple[dict[str, Any], int]:
 class _QueryFastPath:
     """ASGI middleware: ``POST /query`` and ``/query_by_hash`` without FastAPI's per-request work.
 
-    Same token check, decoding, answer and error bodies as the routes of :func:`_query_routes`
-    (which stay for the OpenAPI schema); it skips dependency solving, the request object and
-    the response-model pass, about a third of a 32k-token query's server time. Other paths and
-    methods go to the app.
+    Same decoding, answer and error bodies as the routes of :func:`_query_routes` (which stay
+    for the OpenAPI schema); it skips the request object and the response-model pass. The token
+    gate in front of the app has already checked the token. Other paths and methods go to the
+    app.
     """
 
     _PATHS = {"/query": False, "/query_by_hash": True}
@@ -307,8 +296,6 @@ class _QueryFastPath:
             return
         headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         try:
-            _check_token(self.conductor.config.token, headers.get(b"x-kvplane-token"),
-                         headers.get(b"authorization"))
             body = await _read_body(receive)
             if body is None:
                 return  # the client went away before sending its body

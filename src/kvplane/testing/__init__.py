@@ -1,5 +1,7 @@
 """Test kit shipped with kvplane (imported by tests and benchmarks, never by the product).
 
+``auth.headers()`` gives the local token for HTTP calls to services the tests started.
+
 Real processes: ``procs`` (spawn, wait for a ready line, kill), ``services`` (etcd, Redis),
 ``store_procs`` / ``store_client_proc`` (master, segments, clients), ``ranks`` (collectives
 ranks), ``vllm_harness`` / ``vllm_engine_proc`` (a real vLLM engine in its own venv),

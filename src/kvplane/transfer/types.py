@@ -65,7 +65,9 @@ class RegionDesc(msgspec.Struct, frozen=True):
 
     ``kind`` is "mem" (reachable over TCP or same-host CMA), "shm" (POSIX shared memory
     ``shm`` that same-host peers map) or "file" (a file ``path`` under the owner's file root;
-    ``addr`` is then a synthetic base address and offsets map onto the file).
+    ``addr`` is then a synthetic base address and offsets map onto the file). ``file_id``
+    (``"dev:inode"``) names the owner's file itself, so a same-host peer opens it only when
+    its own file of that name is the very same file.
     """
 
     addr: int
@@ -73,6 +75,7 @@ class RegionDesc(msgspec.Struct, frozen=True):
     kind: str = "mem"
     shm: str = ""
     path: str = ""
+    file_id: str = ""
 
 
 class SegmentDesc(msgspec.Struct, frozen=True):

@@ -1,7 +1,9 @@
 """The master process: binds MasterState to the control RPC, runs the liveness/eviction timer,
 and serves the admin HTTP API (Prometheus /metrics, /health, /query_key, /segments...).
 
-The only module of the store master that binds sockets.
+Every RPC and admin request is authenticated (``kvplane.common.auth.TokenTable``: service,
+admin and tenant tokens) and checked by ``access.Access`` (tenant namespaces, segment
+ownership). The only module of the store master that binds sockets.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import FastAPI
 
 from kvplane.common import log as klog
 from kvplane.common import metrics
+from kvplane.common.auth import TokenTable
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
+from kvplane.store.master import admin
+from kvplane.store.master.access import Access
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.replica_rpc import ReplicaRpc
@@ -54,22 +59,28 @@ class MasterServer:
         host: bind address for both listeners.
         port: RPC port (Mooncake default 50051; 0 picks one).
         admin_port: admin/metrics HTTP port (Mooncake default 9003; 0 picks one; None disables).
-        token: shared token for RPC.
+        token: the service token for RPC, admin HTTP and KV events ("" = no authentication).
         clock: monotonic clock (tests may inject one).
+        kv_events_port: publish KV events on this ZMQ port (0 picks one; None: off).
+        tenants: tenant name -> token; each tenant sees only its own keys.
+        admin_token: the admin token (unmounts anyone's segment, lists any tenant).
     """
 
     def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0,
                  admin_port: int | None = 0, token: str = "",
                  clock: Callable[[], float] = time.monotonic,
-                 kv_events_port: int | None = None) -> None:
+                 kv_events_port: int | None = None, tenants: dict[str, str] | None = None,
+                 admin_token: str = "") -> None:
         self.state = MasterState(config, epoch=secrets.randbits(23) | 1)  # new on every start
         self._evicted_seen = 0
+        self.auth = TokenTable(token, admin_token, tenants)
+        self.access = Access(self.state)
         self.events: PoolEvents | None = None
         if kv_events_port is not None:
-            self.events = PoolEvents(host, kv_events_port)
+            self.events = PoolEvents(host, kv_events_port, auth=self.auth)
         self.clock = clock
         self.lock = threading.Lock()
-        self.rpc = RpcServer(host, port, token)
+        self.rpc = RpcServer(host, port, authenticate=self.auth)
         self.port = self.rpc.port
         for name, fn, typ in (
             ("mount", self._mount, MountReq), ("unmount", self._unmount, MountReq),
@@ -78,10 +89,11 @@ class MasterServer:
             ("get_replicas", self._get_replicas, KeysReq), ("exist", self._exist, KeysReq),
             ("get_size", self._get_size, KeysReq), ("remove", self._remove, RemoveReq),
             ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
-            ("repair_done", self._repair_done, RepairDoneReq),
+            ("repair_done", self._repair_done, RepairDoneReq), ("whoami", self.access.whoami, str),
         ):
-            self.rpc.add(name, self._counted(name, fn), typ)
+            self.add_handler(name, fn, typ)
         self.replicas = ReplicaRpc(self)
+        self.access.tasks = self.replicas.tasks
         self.replicas.install()
         self.rpc.start()
         self._stop = threading.Event()
@@ -89,14 +101,16 @@ class MasterServer:
         self._timer.start()
         self.http: ServerThread | None = None
         if admin_port is not None:
-            self.http = ServerThread(self.admin_app(), host, admin_port)
+            self.http = ServerThread(self.admin_app(), host, admin_port, authenticate=self.auth,
+                                     name="master-admin")
         klog.event("master_started", port=self.port,
                    admin_port=self.http.port if self.http else None)
 
     # -- rpc handlers (each under the state lock) --------------------------------------------
     def add_handler(self, name: str, fn: Callable[[Any], Any], request_type: type[Any]) -> None:
-        """Serve ``name`` with ``fn(request)`` under the state lock (counted like the others)."""
-        self.rpc.add(name, self._counted(name, fn), request_type)
+        """Serve ``name`` with ``fn(request)`` under the state lock (counted like the others),
+        behind the access checks (tenant key scoping, ownership)."""
+        self.rpc.add(name, self._counted(name, self.access.guard(name, fn)), request_type)
 
     def _counted(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         counter = RPCS.labels(name)
@@ -200,10 +214,10 @@ class MasterServer:
         return CodesRep([self.state.remove(k, req.force, now) for k in req.keys])
 
     def _remove_regex(self, req: RegexReq) -> int:
-        return self.state.remove_regex(req.pattern, req.force, self.clock())
+        return self.access.remove_regex(req.pattern, req.force, self.clock())
 
     def _remove_all(self, req: RegexReq) -> int:
-        return self.state.remove_all(req.force, self.clock())
+        return self.access.remove_all(req.force, self.clock())
 
     # -- background --------------------------------------------------------------------------------
     def _tick_loop(self) -> None:
@@ -243,49 +257,8 @@ class MasterServer:
 
     # -- admin http -----------------------------------------------------------------------------
     def admin_app(self) -> FastAPI:
-        """Mooncake-style admin API (read-only views; no leases are taken)."""
-        app = FastAPI(title="kvplane master", version="1")
-        st = self.state
-
-        @app.get("/health")
-        def health() -> dict[str, Any]:
-            return {"status": "ok", "role": "leader", "ready": True,
-                    "keys": len(st.objects), "segments": len(st.segments)}
-
-        @app.get("/query_key")
-        def query_key(key: str = Query(..., max_length=4096)) -> dict[str, Any]:
-            with self.lock:
-                obj = st.objects.get(key)
-                if obj is None or not obj.complete:
-                    raise HTTPException(404, detail={"error_code": -704})
-                data = [{"size_": obj.size, "buffer_address_": st.segments[s].info.base + o,
-                         "protocol_": "tcp", "transport_endpoint_": st.segments[s].info.endpoint,
-                         "segment": s} for s, o, _ in obj.replicas]
-            return {"success": True, "data": data}
-
-        @app.get("/get_all_keys")
-        def all_keys(limit: int = Query(10000, ge=1, le=1_000_000)) -> list[str]:
-            with self.lock:
-                return [k for k, o in list(st.objects.items())[:limit] if o.complete]
-
-        @app.get("/get_all_segments")
-        def all_segments() -> list[str]:
-            with self.lock:
-                return list(st.segments)
-
-        @app.get("/segments")
-        def segments() -> list[dict[str, Any]]:
-            with self.lock:
-                return [{"segment_name": n, "client_id": s.info.client_id, "base_address": s.info.base,
-                         "size_bytes": s.info.size, "te_endpoint": s.info.endpoint,
-                         "allocator_used_bytes": s.alloc.used,
-                         "allocator_capacity_bytes": s.alloc.capacity,
-                         "allocator_usage_percent": round(100 * s.alloc.used / s.alloc.capacity, 2)}
-                        for n, s in st.segments.items()]
-
-        app.add_api_route("/get_segments_detail", segments, methods=["GET"])
-        app.mount("/metrics", metrics.asgi_app())
-        return app
+        """Mooncake-style admin API (read-only views, scoped by the caller's token)."""
+        return admin.build(self.state, self.lock)
 
     def close(self) -> None:
         """Stop the timer, RPC and HTTP (idempotent)."""
