@@ -8,7 +8,11 @@ order flipped every round. Prints each tree's latency percentiles over all its q
 after/before, for ``/query`` (token ids) and ``/query_by_hash``.
 
 Usage: python benchmarks/conductor_ab.py --before /path/to/old/src --after /path/to/new/src
-           [--rounds 20] [--per-turn 10] [--prompt-tokens 32768]
+           [--rounds 20] [--per-turn 10] [--prompt-tokens 32768] [--prompts 1]
+
+With ``--prompts N`` the token queries cycle through N distinct prompts (all indexed): more than
+a tree's prefix cache holds (64 x 32k-token prompts) measures cold hashing; 1 measures a
+repeated prompt.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import sys
 import time
 
 
-def serve(n_blocks: int, n_inst: int, prompt_tokens: int, bs: int) -> int:
-    """One tree's conductor, filled like benchmarks/conductor.py; prints its URL, serves until EOF."""
+def serve(n_blocks: int, n_inst: int, prompt_tokens: int, bs: int, n_prompts: int) -> int:
+    """One tree's conductor, filled like benchmarks/conductor.py; prints its URL, serves until EOF.
+    Prompts after the first are held whole by the last instance."""
     from kvplane.conductor.config import ConductorConfig
     from kvplane.conductor.hashing import HashProfile
     from kvplane.conductor.indexer import ContextKey, Holder
@@ -34,12 +39,13 @@ def serve(n_blocks: int, n_inst: int, prompt_tokens: int, bs: int) -> int:
 
     tokens = prompt(prompt_tokens)
     hashes = list(HashProfile().event_hashes(tokens, bs))
+    extra = [h for k in range(1, n_prompts) for h in HashProfile().event_hashes(prompt(prompt_tokens, k), bs)]
     rng = random.Random(3)
     with ConductorServer(ConductorConfig(port=0)) as srv:
         c, ctx, per = srv.conductor, ContextKey("default", "m", "", bs, ""), n_blocks // n_inst
         for k in range(n_inst):
             c.register(Registration(f"i{k}", "m", bs))
-            share = hashes[: len(hashes) * (k + 1) // n_inst]
+            share = hashes[: len(hashes) * (k + 1) // n_inst] + (extra if k == n_inst - 1 else [])
             with c._lock:  # direct fill, as the main benchmark does
                 c.index.store(ctx, Holder(f"i{k}", 0, Tier.GPU),
                               share + [rng.getrandbits(64) for _ in range(max(0, per - len(share)))])
@@ -48,9 +54,9 @@ def serve(n_blocks: int, n_inst: int, prompt_tokens: int, bs: int) -> int:
     return 0
 
 
-def prompt(n: int) -> list[int]:
-    """The benchmark prompt (the same on both sides)."""
-    rng = random.Random(4)
+def prompt(n: int, k: int = 0) -> list[int]:
+    """Benchmark prompt ``k`` (the same on both sides)."""
+    rng = random.Random(4 + 1000 * k)
     return [rng.randrange(32000) for _ in range(n)]
 
 
@@ -70,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=32_768)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=1,
+                    help="distinct prompts, cycled; more than a prefix cache holds = cold hashing")
     a = ap.parse_args(argv)
     import httpx
 
     sides, procs, urls = ("before", "after"), {}, {}
-    args = [str(a.blocks), str(a.instances), str(a.prompt_tokens), str(a.block_size)]
+    args = [str(a.blocks), str(a.instances), str(a.prompt_tokens), str(a.block_size), str(a.prompts)]
     try:
         for side in sides:
             env = {**os.environ, "PYTHONPATH": os.path.abspath(getattr(a, side))}
@@ -84,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides:
             url, hashes = procs[side].stdout.readline().split(" ", 1)  # type: ignore[union-attr]
             urls[side] = url
-            bodies["/query_by_hash"] = json.dumps({"model": "m", "seq_hashes": json.loads(hashes),
-                                                   "block_size": a.block_size})
-        bodies["/query"] = json.dumps({"model": "m", "token_ids": prompt(a.prompt_tokens),
-                                       "block_size": a.block_size})
+            bodies["/query_by_hash"] = [json.dumps({"model": "m", "seq_hashes": json.loads(hashes),
+                                                    "block_size": a.block_size})]
+        bodies["/query"] = [json.dumps({"model": "m", "token_ids": prompt(a.prompt_tokens, k),
+                                        "block_size": a.block_size}) for k in range(a.prompts)]
         run(a, urls, bodies, httpx)
     finally:
         for p in procs.values():
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(a: argparse.Namespace, urls: dict[str, str], bodies: dict[str, str], httpx: object) -> None:
+def run(a: argparse.Namespace, urls: dict[str, str], bodies: dict[str, list[str]], httpx: object) -> None:
     """Alternate the two servers and print the percentiles."""
     lat: dict[tuple[str, str], list[float]] = {}
     clients = {s: httpx.Client(base_url=u, timeout=30) for s, u in urls.items()}  # type: ignore[attr-defined]
@@ -107,7 +115,8 @@ def run(a: argparse.Namespace, urls: dict[str, str], bodies: dict[str, str], htt
         for c in clients.values():
             c.close()
     print(f"load average {os.getloadavg()[0]:.1f}; {a.rounds} rounds x {a.per_turn} queries per side; "
-          f"prompt {a.prompt_tokens} tokens, {a.blocks} blocks, {a.instances} instances")
+          f"prompt {a.prompt_tokens} tokens ({a.prompts} distinct, cycled), {a.blocks} blocks, "
+          f"{a.instances} instances")
     for path in bodies:
         b, f = lat[(path, "before")], lat[(path, "after")]
         print(f"{path:15s} p50 before {statistics.median(b) * 1e3:6.2f} ms after "
@@ -116,16 +125,17 @@ def run(a: argparse.Namespace, urls: dict[str, str], bodies: dict[str, str], htt
               f"min before {min(b) * 1e3:5.2f} after {min(f) * 1e3:5.2f}")
 
 
-def _alternate(a: argparse.Namespace, clients: dict[str, object], bodies: dict[str, str],
+def _alternate(a: argparse.Namespace, clients: dict[str, object], bodies: dict[str, list[str]],
                lat: dict[tuple[str, str], list[float]]) -> None:
     hdr = {"content-type": "application/json"}
-    answers = {s: c.post("/query", content=bodies["/query"], headers=hdr).json() for s, c in clients.items()}  # type: ignore[attr-defined]
+    answers = {s: c.post("/query", content=bodies["/query"][0], headers=hdr).json() for s, c in clients.items()}  # type: ignore[attr-defined]
     if answers["before"] != answers["after"]:
         raise RuntimeError("the two trees answer differently")
     for r in range(a.rounds):
         for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
-            for path, body in bodies.items():
-                for _ in range(a.per_turn):
+            for path, variants in bodies.items():
+                for j in range(a.per_turn):
+                    body = variants[(r * a.per_turn + j) % len(variants)]
                     t = time.perf_counter()
                     resp = clients[side].post(path, content=body, headers=hdr)  # type: ignore[attr-defined]
                     lat.setdefault((path, side), []).append(time.perf_counter() - t)
@@ -134,5 +144,5 @@ def _alternate(a: argparse.Namespace, clients: dict[str, object], bodies: dict[s
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        sys.exit(serve(*map(int, sys.argv[2:6])))
+        sys.exit(serve(*map(int, sys.argv[2:7])))
     sys.exit(main())

@@ -35,7 +35,7 @@ def test_bench_conductor_ab_smoke(capsys):
     spec.loader.exec_module(mod)
     src = str(BENCH.parents[1] / "src")
     assert mod.main(["--before", src, "--after", src, "--rounds", "2", "--per-turn", "2",
-                     "--blocks", "2000", "--instances", "4", "--prompt-tokens", "1024"]) == 0
+                     "--blocks", "2000", "--instances", "4", "--prompt-tokens", "1024", "--prompts", "2"]) == 0
     out = capsys.readouterr().out
     for path in ("/query_by_hash", "/query"):
         assert re.search(rf"^{path} +p50 before +[\d.]+ ms after +[\d.]+ ms after/before [\d.]+ \|", out, re.M), out

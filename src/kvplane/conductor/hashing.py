@@ -136,6 +136,8 @@ _BATCH_GROWTH = 8
 _MIN_BATCH = 8  # fewer blocks than this are cheaper block by block
 _PICKLE_SMALL_TUPLE = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
 _FRAME_LIMIT = 1 << 16  # the pickler starts a new frame past 64 KiB; such blocks go generic
+CHUNK_BLOCKS = 64  # prefix-cache granularity: whole chunks of this many blocks are remembered
+CACHE_CHUNKS = 2048  # chunks remembered per profile (about 6 KiB each with 16-token blocks)
 
 
 def _as_tokens(token_ids: Sequence[int]) -> np.ndarray | None:
@@ -258,6 +260,8 @@ class HashProfile:
     strategy: Literal["vllm_v1", "vllm_v1_tagged"] = "vllm_v1"
     index_projection: Literal["low64_be"] = "low64_be"
     _none_hash: bytes = field(init=False, repr=False, compare=False, default=b"")
+    _chunks: dict[tuple[bytes, bytes], bytes] = field(init=False, repr=False, compare=False,
+                                                      default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.algorithm not in _HASH_FNS:
@@ -340,10 +344,50 @@ class HashProfile:
         """Blocks ``start..stop`` without extra keys: batched (_fast_chain) when it applies."""
         if stop - start >= _MIN_BATCH:
             tok = _as_tokens(token_ids[start * bs:stop * bs])
-            out = None if tok is None else _fast_chain(self.algorithm, tok, bs, parent)
+            out = None if tok is None else self._cached_chain(tok, bs, parent)
             if out is not None:
                 return out
         return self._generic(token_ids, bs, start, stop, parent, None, None, None, None)
+
+    def _cached_chain(self, tok: np.ndarray, bs: int, parent: bytes) -> list[bytes] | None:
+        """:func:`_fast_chain` with an exact prefix cache of ``CHUNK_BLOCKS``-block chunks.
+
+        A chunk's key is its parent digest and its token ids (the exact bytes, so a hit can
+        only be the same chain); its value is the chunk's digests. Hits are taken from the
+        start; the rest is hashed in one batch and its whole chunks are remembered (at most
+        ``CACHE_CHUNKS``, oldest dropped first).
+        """
+        out: list[bytes] = []
+        step = CHUNK_BLOCKS * bs
+        if tok.size and (int(tok.min()) < 0 or int(tok.max()) >= 1 << 31):
+            return _fast_chain(self.algorithm, tok, bs, parent)
+        ids = tok.astype(np.int32)
+        done = 0
+        while done + step <= tok.size:
+            got = self._chunks.get((parent, ids[done:done + step].tobytes()))
+            if got is None:
+                break
+            out += [got[i:i + 32] for i in range(0, len(got), 32)]
+            parent, done = out[-1], done + step
+        if done == tok.size:
+            return out
+        rest = _fast_chain(self.algorithm, tok[done:], bs, parent)
+        if rest is None:
+            return None if not out else out + self._generic(tok[done:], bs, 0, (tok.size - done) // bs,
+                                                            parent, None, None, None, None)
+        for k in range(0, len(rest) - CHUNK_BLOCKS + 1, CHUNK_BLOCKS):
+            key = ids[done + k * bs:done + (k + CHUNK_BLOCKS) * bs].tobytes()
+            self._chunks[(parent if k == 0 else rest[k - 1], key)] = b"".join(rest[k:k + CHUNK_BLOCKS])
+        while len(self._chunks) > CACHE_CHUNKS:
+            try:
+                del self._chunks[next(iter(self._chunks))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread trimmed it
+                break
+        return out + rest
+
+    def clear_cache(self) -> None:
+        """Forget the remembered chunks (benchmarks measure the cold path with this)."""
+        self._chunks.clear()
 
     def _generic(self, token_ids: Sequence[int], bs: int, start: int, stop: int, parent: bytes,
                  lora_name: str | None, lora_path: str | None, cache_salt: str | None,

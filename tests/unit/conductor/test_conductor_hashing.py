@@ -177,3 +177,34 @@ def test_batched_path_falls_back_where_it_does_not_apply(algo, monkeypatch):
     assert list(p.digests(odd, 16)) == _reference(p, odd, 16)
     with pytest.raises(TypeError):
         list(p.digests([1.5] * 64, 4))
+
+
+@pytest.mark.parametrize("algo", sorted(GOLDEN))
+def test_prefix_cache_is_exact_and_reused_by_a_longer_prompt(algo):
+    import random
+    from kvplane.conductor import hashing
+    rng = random.Random(9)
+    p, bs = HashProfile(algo), 16
+    turn1 = [rng.randrange(50_000) for _ in range(bs * 300 + 5)]
+    turn2 = turn1[:bs * 200] + [rng.randrange(50_000) for _ in range(bs * 150)]  # shares 200 blocks
+    want1, want2 = _reference(p, turn1, bs), _reference(p, turn2, bs)
+    assert list(p.digests(turn1, bs)) == want1  # cold: fills the cache
+    filled = len(p._chunks)
+    assert filled == (300 - hashing._FIRST_BATCH) // hashing.CHUNK_BLOCKS + 1
+    assert list(p.digests(turn1, bs)) == want1  # warm: the same chain from the cache
+    assert list(p.digests(turn2, bs)) == want2  # shares whole chunks, then diverges
+    other = HashProfile(algo)
+    assert list(other.digests(turn1[:bs * 150], 8)) == _reference(other, turn1[:bs * 150], 8)
+    assert list(p.digests(turn1[:bs * 150], 8)) == _reference(p, turn1[:bs * 150], 8)  # other block size
+    p.clear_cache()
+    assert not p._chunks and list(p.digests(turn2, bs)) == want2
+
+
+def test_prefix_cache_is_bounded(monkeypatch):
+    from kvplane.conductor import hashing
+    monkeypatch.setattr(hashing, "CACHE_CHUNKS", 3)
+    p = HashProfile()
+    for seed in range(4):
+        toks = [(seed * 7919 + i) % 30_000 for i in range(16 * 64 * 4)]
+        assert list(p.digests(toks, 16)) == _reference(p, toks, 16)
+        assert len(p._chunks) <= 3
