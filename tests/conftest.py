@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 
-_KEEP = ("KVPLANE_VLLM_PYTHON", "KVPLANE_MOONCAKE_PYTHON", "KVPLANE_TOKEN_FILE")
+# where the external engines live (read by the test kit, not kvplane settings), and the token file
+_KEEP = ("KVPLANE_VLLM_PYTHON", "KVPLANE_MOONCAKE_PYTHON", "KVPLANE_ENGINES_VENV",
+         "KVPLANE_ENGINES_PYTHON", "KVPLANE_TOKEN_FILE")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "kvplane.cli.store",
     "kvplane.cli.conductor",
     "kvplane.cli.simulate",
+    "kvplane.cli.router",
     "kvplane.cli.pd_proxy",
     "kvplane.cli.serve",
     "kvplane.cli.bench",
