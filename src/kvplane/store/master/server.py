@@ -164,8 +164,9 @@ class MasterServer:
         with self.lock:
             self._switch(self._fresh_state(term))
             self._evicted_seen = 0
-            if expected:
-                self.state.recover(self.clock(), self.config.recovery_grace, expected)
+            # misses wait for the segments the last leader listed, or (no list: it died before
+            # publishing one) the whole grace
+            self.state.recover(self.clock(), self.config.recovery_grace, expected)
 
     def _deposed(self, why: str) -> None:
         """Lost the lease: forget everything (a standby holds no state)."""
@@ -221,7 +222,7 @@ class MasterServer:
             # a lone master learns it restarted from the first segment that remounts; each
             # further one that arrives while it recovers extends the wait
             st.recover(now, self.config.recovery_grace, None)
-        return MountRep(st.epoch, floor)
+        return MountRep(st.epoch, floor, self._secret if req.segments else b"")
 
     def _adopt(self, req: AdoptReq) -> list[int]:
         return self.state.adopt(req.client_id, req.segment, req.records, req.history, req.done,
