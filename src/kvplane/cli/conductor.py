@@ -114,7 +114,8 @@ def run(
               f"PYTHONHASHSEED={hash_seed} --prefix-caching-hash-algo {hash_algo})")
     def ready() -> None:
         note(banner)
-        announce("conductor", {"conductor": server.url, "zmq_bind": server.zmq_endpoints}, None)
+        announce("conductor", {"conductor": server.url, "zmq_bind": server.zmq_endpoints}, None,
+                 signals=False)
 
     try:
         server.serve_forever(on_ready=ready)

@@ -95,17 +95,30 @@ def raise_fd_limit(want: int = 65536) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
+_stop = threading.Event()
+
+
+def _catch_signals() -> None:
+    """From now on SIGTERM and SIGINT end ``wait_for_signal`` (set before the ready line, so a
+    signal sent as soon as it is read still stops the service cleanly)."""
+    signal.signal(signal.SIGTERM, lambda *_: _stop.set())
+    signal.signal(signal.SIGINT, lambda *_: _stop.set())
+
+
 def wait_for_signal() -> None:
     """Block until SIGTERM or SIGINT."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    _catch_signals()
+    _stop.wait()
 
 
-def announce(service: str, info: dict[str, object], ready_file: str | None) -> None:
+def announce(service: str, info: dict[str, object], ready_file: str | None,
+             signals: bool = True) -> None:
     """Print the ready line ``{"service": service, "pid": ..., **info}`` on stdout (after the
-    held notes and log lines); also write it to ``ready_file``."""
+    held notes and log lines); also write it to ``ready_file``. With ``signals`` SIGTERM and
+    SIGINT are caught first, for ``wait_for_signal`` (servers that handle them themselves, like
+    uvicorn's, pass False)."""
+    if signals:
+        _catch_signals()
     release(show=True)
     line = json.dumps({"service": service, "pid": os.getpid(), **info})
     typer.echo(line, nl=True)

@@ -133,7 +133,7 @@ def serve(cfg: GatewayConfig) -> None:
         ready["proxy"] = server.url  # the ready line `kvplane pd-proxy` always printed
     try:
         server.serve_forever(on_ready=lambda: announce(
-            "pd-proxy" if "proxy" in ready else "router", ready, None))
+            "pd-proxy" if "proxy" in ready else "router", ready, None, signals=False))
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the SIGINT it handled; the shutdown already happened
 
