@@ -42,7 +42,10 @@ def set_debug(on: bool) -> None:
 
 def debugging() -> bool:
     """True with ``--debug`` or ``KVPLANE_DEBUG`` set to a true value."""
-    return _state["debug"] or bool(envs.get("KVPLANE_DEBUG"))
+    try:
+        return _state["debug"] or bool(envs.get("KVPLANE_DEBUG"))
+    except KVPlaneError:  # KVPLANE_DEBUG=maybe: no traceback rather than a second failure
+        return False
 
 
 _ROOT_VALUED = ("--log-level",)  # root options that take a value
