@@ -163,3 +163,12 @@ def test_missing_files_are_usage_errors(tmp_path):
              "kvplane conductor:", "--register-file", gone)
     one_line(run(["p2p", "publish", "x", gone, "--tracker", f"http://127.0.0.1:{free_port()}"]), 2,
              "kvplane p2p publish:", gone)
+
+
+def test_tools_fail_in_one_line_too(tmp_path):
+    one_line(run(["simulate", "--trace", str(tmp_path / "none.jsonl")]), 2, "kvplane simulate:",
+             "none.jsonl")
+    one_line(run(["bench", "transfer", "--sizes", "4KiB,huge"]), 2, "kvplane bench transfer:",
+             "'huge'")
+    one_line(run(["p2p", "ls", "--tracker", f"http://127.0.0.1:{free_port()}"]), 1,
+             "kvplane p2p ls:", "unreachable")
