@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -59,6 +60,17 @@ logged, shown in /instances ("hash_status": "mismatch"), and turn
 
 
 def _load_registrations(path: Path) -> list[dict[str, object]]:
+    """The /register bodies of ``--register-file``; an unreadable or malformed file is a usage
+    error."""
+    try:
+        return _read_registrations(path)
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(f"no such file: {path}", param_hint="--register-file") from exc
+    except (InvalidArgument, OSError, json.JSONDecodeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--register-file") from exc
+
+
+def _read_registrations(path: Path) -> list[dict[str, object]]:
     data = json.loads(path.read_text(encoding="utf-8"))
     if isinstance(data, dict):
         data = [data]
@@ -101,26 +113,24 @@ def run(
         raise typer.BadParameter(str(exc)) from exc
     try:
         regs = [to_registration(d) for d in _load_registrations(register_file)] if register_file else []
-    except FileNotFoundError as exc:
-        raise typer.BadParameter(f"no such file: {register_file}", param_hint="--register-file") from exc
-    except (InvalidArgument, OSError, json.JSONDecodeError) as exc:
+    except InvalidArgument as exc:
         raise typer.BadParameter(str(exc), param_hint="--register-file") from exc
     check_ports(host, {"--port": port})
     server = ConductorServer(cfg)
     for reg in regs:
         server.conductor.register(reg)
-    banner = (f"kvplane conductor on {server.url} (zmq bind: {', '.join(server.zmq_endpoints) or 'none'}; "
-              f"default hash profile {hash_algo} seed {hash_seed!r}: engines need "
-              f"PYTHONHASHSEED={hash_seed} --prefix-caching-hash-algo {hash_algo})")
-    def ready() -> None:
-        note(banner)
-        announce("conductor", {"conductor": server.url, "zmq_bind": server.zmq_endpoints}, None,
-                 signals=False)
-
     try:
-        server.serve_forever(on_ready=ready)
+        server.serve_forever(on_ready=lambda: _ready(server, hash_algo, hash_seed))
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the SIGINT it handled; the shutdown already happened
+
+
+def _ready(server: Any, hash_algo: str, hash_seed: str) -> None:
+    note(f"kvplane conductor on {server.url} (zmq bind: {', '.join(server.zmq_endpoints) or 'none'}; "
+         f"default hash profile {hash_algo} seed {hash_seed!r}: engines need "
+         f"PYTHONHASHSEED={hash_seed} --prefix-caching-hash-algo {hash_algo})")
+    announce("conductor", {"conductor": server.url, "zmq_bind": server.zmq_endpoints}, None,
+             signals=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -38,10 +38,6 @@ def serve(
     master HOST:MASTER_PORT and metadata http://HOST:METADATA_PORT/metadata; on this host they
     find the token in the token file. Ctrl-C stops it.
     """
-    from kvplane.store.config import StoreConfig
-    from kvplane.store.master.server import MasterServer
-    from kvplane.p2p.tracker_api import mount
-    from kvplane.transfer.metadata_server import serve_in_thread
     from kvplane.cli.store import load_tenants
 
     tok = resolve_token(token, no_auth)
@@ -49,6 +45,18 @@ def serve(
     tenant_tokens = load_tenants(tenants)
     check_ports(host, {"--master-port": master_port, "--metadata-port": metadata_port,
                        "--admin-port": admin_port})
+    _run(host, master_port, metadata_port, admin_port, segment_size, tok, adm, tenant_tokens,
+         ready_file)
+
+
+def _run(host: str, master_port: int, metadata_port: int, admin_port: int, segment_size: int,
+         tok: str, adm: str, tenant_tokens: dict[str, str], ready_file: str | None) -> None:
+    """Start the three parts, announce, wait; whatever started is closed on the way out."""
+    from kvplane.p2p.tracker_api import mount
+    from kvplane.store.config import StoreConfig
+    from kvplane.store.master.server import MasterServer
+    from kvplane.transfer.metadata_server import serve_in_thread
+
     meta = serve_in_thread(host, metadata_port, tok, plugins=[mount])  # also the P2P tracker
     master = seg = None
     try:

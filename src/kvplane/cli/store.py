@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from kvplane.cli.errors import check_ports
@@ -54,8 +56,6 @@ def master(
     Clients connect with master address HOST:PORT; bytes never pass through the master.
     """
     from kvplane.store.master.config import MasterConfig
-    from kvplane.store.master.server import MasterServer
-    from kvplane.transfer.metadata_server import serve_in_thread
 
     tok = resolve_token(token, no_auth)
     adm = resolve_token(admin_token, no_auth, admin=True)
@@ -66,6 +66,18 @@ def master(
     tenant_tokens = load_tenants(tenants)
     check_ports(host, {"--port": port, "--admin-port": admin_port,
                        "--metadata-port": metadata_port, "--kv-events-port": kv_events_port})
+    _run_master(cfg, host, port, admin_port, metadata_port, kv_events_port,
+                (tok, adm, tenant_tokens), ready_file)
+
+
+def _run_master(cfg: Any, host: str, port: int, admin_port: int, metadata_port: int | None,
+                kv_events_port: int | None, auth: tuple[str, str, dict[str, str]],
+                ready_file: str | None) -> None:
+    """Start the master (and metadata server), announce, wait; close whatever started."""
+    from kvplane.store.master.server import MasterServer
+    from kvplane.transfer.metadata_server import serve_in_thread
+
+    tok, adm, tenant_tokens = auth
     meta = serve_in_thread(host, metadata_port, tok) if metadata_port is not None else None
     srv = None
     try:
