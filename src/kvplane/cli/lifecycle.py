@@ -31,7 +31,7 @@ class _Hold(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.holding = True
+        self.holding = False
         self.records: list[logging.LogRecord] = []
         self.notes: list[str] = []
         self.lock = threading.Lock()
@@ -48,9 +48,13 @@ _hold = _Hold()
 
 
 def hold_logs() -> None:
-    """Hold this command's INFO log lines and notes until ``release`` (the root callback)."""
+    """A server starts: hold its INFO log lines and notes until ``announce`` (or ``release``).
+
+    Called by ``resolve_token`` (every service resolves its token first); tools that print
+    as they go (simulate, bench) never hold.
+    """
     with _hold.lock:
-        _hold.holding, _hold.records, _hold.notes = True, [], []
+        _hold.holding = True
     for handler in logging.getLogger("kvplane").handlers:
         if _hold not in handler.filters:
             handler.addFilter(_hold)
@@ -153,12 +157,14 @@ def admin_token_option() -> Any:
 def resolve_token(token: str | None, no_auth: bool, admin: bool = False) -> str:
     """The (admin) token this service requires ("" with --no-auth); says where it is on stderr.
 
-    Also raises the descriptor limit (every service resolves its token once, at start).
+    Also raises the descriptor limit and starts holding the start-up lines (every service
+    resolves its token once, at start).
     """
     from kvplane.common.auth import server_token
     from kvplane.common.errors import InvalidArgument
 
     raise_fd_limit()
+    hold_logs()
     try:
         found = server_token(token, no_auth, admin=admin)
     except InvalidArgument as exc:

@@ -12,7 +12,6 @@ import sys
 import typer
 
 from kvplane.cli import errors
-from kvplane.cli.lifecycle import hold_logs
 from kvplane.common import envs, log
 
 COMMAND_MODULES = [
@@ -53,7 +52,6 @@ def _root(
     errors.set_debug(debug)
     log.setup(log_level or envs.get("KVPLANE_LOG_LEVEL"),
               envs.get("KVPLANE_LOG_JSON") if log_json is None else log_json)
-    hold_logs()
 
 
 def build() -> typer.Typer:

@@ -15,7 +15,7 @@ from typing import Any
 import typer
 
 from kvplane.cli.errors import check_ports
-from kvplane.cli.lifecycle import announce, size_option, wait_for_signal
+from kvplane.cli.lifecycle import announce, hold_logs, release, size_option, wait_for_signal
 
 app = typer.Typer(help="P2P store: publish files once, fetch them on many nodes (docs/p2p.md).",
                   no_args_is_help=True)
@@ -50,6 +50,7 @@ def publish(
     for path in paths:
         if not os.path.isfile(path):
             raise typer.BadParameter(f"no such file: {path}", param_hint="PATHS")
+    hold_logs()
     check_ports(host, {"--port": port})
     node = _node(tracker, token, host, port=port, chunk_size=chunk_size)
     try:
@@ -97,6 +98,7 @@ def get(
     """
     import threading
 
+    hold_logs()  # a failed fetch prints only its one line; a good one its lines, then the summary
     node = _node(tracker, token, host, strategy=strategy, parallel=parallel)
     maps: list[mmap.mmap] = []
     try:
@@ -109,6 +111,7 @@ def get(
             from kvplane.p2p.manifest import encode
 
             f.write(encode(res.manifest))
+        release(show=True)
         typer.echo(json.dumps({"name": name, "version": res.manifest.version,
                                "size": res.manifest.total_size, "seconds": res.stats.seconds,
                                "sources": res.stats.sources, "failures": res.stats.failures}))
