@@ -162,6 +162,7 @@ def check_ports(host: str, ports: dict[str, int | None]) -> None:
     Run before a server binds anything, so a taken port leaves nothing half-started. Port 0
     (any), None and negative ports (off) are skipped.
     """
+    _check_host(host)
     seen: dict[int, str] = {}
     for option, port in ports.items():
         if port is None or port <= 0:
@@ -187,6 +188,22 @@ def check_ports(host: str, ports: dict[str, int | None]) -> None:
             raise
         finally:
             sock.close()
+
+
+def _check_host(host: str) -> None:
+    """``--host`` must be an address of this host (bound on port 0 and released at once)."""
+    try:
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+    except socket.gaierror as exc:
+        raise typer.BadParameter(f"cannot resolve {host!r}: {exc.strerror}",
+                                 param_hint="--host") from exc
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise typer.BadParameter(f"{host} is not an address of this host",
+                                     param_hint="--host") from exc
+        raise
 
 
 def port_holder(port: int) -> tuple[int, str] | None:

@@ -172,3 +172,9 @@ def test_tools_fail_in_one_line_too(tmp_path):
              "'huge'")
     one_line(run(["p2p", "ls", "--tracker", f"http://127.0.0.1:{free_port()}"]), 1,
              "kvplane p2p ls:", "unreachable")
+
+
+def test_a_host_that_is_not_here_is_a_usage_error():
+    one_line(run(["metadata", "--host", "192.0.2.1", "--port", "0"]), 2, "kvplane metadata:",
+             "--host", "192.0.2.1 is not an address of this host")
+    one_line(run(["segment", "--host", "192.0.2.1", "--size", "64MiB"]), 2, "--host")
