@@ -4,7 +4,8 @@
 what is wrong and what to do; the traceback is printed only with ``--debug`` or
 ``KVPLANE_DEBUG=1``. ``check_ports`` is the pre-flight every server runs before it binds
 anything, and ``port_holder`` names the process listening on a port (from /proc, Linux only).
-Imports only typer, the stdlib and ``kvplane.common``; no service module.
+Imports only typer, the stdlib, ``kvplane.common`` and ``kvplane.cli.lifecycle``; no service
+module.
 """
 
 from __future__ import annotations
