@@ -80,7 +80,8 @@ class MasterServer:
             self.events = PoolEvents(host, kv_events_port, auth=self.auth)
         self.clock = clock
         self.lock = threading.Lock()
-        self.rpc_calls: dict[str, int] = {}  # RPCs served, by method (the status view's ops)
+        self.rpc_calls: dict[str, int] = {}  # RPCs served, by method
+        self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
         self.history = status.History()
         self.started = (clock(), time.time())
         self.rpc = RpcServer(host, port, authenticate=self.auth)
@@ -123,6 +124,9 @@ class MasterServer:
             counter.inc()
             with self.lock:
                 self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
+                keys = getattr(req, "keys", None)
+                self.key_ops[name] = self.key_ops.get(name, 0) + (
+                    len(keys) if isinstance(keys, list) else 1)
                 try:
                     return fn(req)
                 finally:
@@ -260,7 +264,7 @@ class MasterServer:
             CLIENTS.set(len(self.state.clients))
             SEGMENTS.set(len(self.state.segments))
             if self.history.due(now):
-                self.history.add(status.sample(self.state, self.rpc_calls, now, time.time()))
+                self.history.add(status.sample(self.state, self.key_ops, now, time.time()))
 
     # -- admin http -----------------------------------------------------------------------------
     def admin_app(self) -> FastAPI:
@@ -276,8 +280,8 @@ class MasterServer:
                      "admin_port": self.http.port if self.http else None,
                      "uptime_s": round(now - self.started[0], 3),
                      "started_at": round(self.started[1], 3)}
-            return status.document(self.state, self.history, self.rpc_calls, now, time.time(),
-                                   ident, admin=admin, with_history=with_history)
+            return status.document(self.state, self.history, self.key_ops, self.rpc_calls, now,
+                                   time.time(), ident, admin=admin, with_history=with_history)
 
     def close(self) -> None:
         """Stop the timer, RPC and HTTP (idempotent)."""

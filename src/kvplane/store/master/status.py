@@ -16,7 +16,7 @@ from typing import Any
 
 from kvplane.store.master.state import MasterState
 
-# RPC methods counted as each kind of operation in the ops/s figures
+# RPC methods counted as each kind of operation in the ops figures (one op per key a call names)
 OPS = {"put": ("put_start",), "get": ("get_replicas",), "exist": ("exist",),
        "remove": ("remove", "remove_regex", "remove_all")}
 SAMPLE_EVERY = 1.0  # seconds between samples
@@ -74,15 +74,15 @@ class History:
         return out
 
 
-def op_totals(rpc_calls: dict[str, int]) -> dict[str, int]:
-    """RPC call counts grouped into the op kinds of ``OPS``."""
-    return {kind: sum(rpc_calls.get(m, 0) for m in methods) for kind, methods in OPS.items()}
+def op_totals(key_ops: dict[str, int]) -> dict[str, int]:
+    """Keys named by RPCs, by method, grouped into the op kinds of ``OPS``."""
+    return {kind: sum(key_ops.get(m, 0) for m in methods) for kind, methods in OPS.items()}
 
 
-def sample(state: MasterState, rpc_calls: dict[str, int], now: float, wall: float) -> Sample:
-    """The counters and levels of ``state`` now."""
+def sample(state: MasterState, key_ops: dict[str, int], now: float, wall: float) -> Sample:
+    """The counters and levels of ``state`` now (``key_ops``: keys named by RPCs, by method)."""
     segs = state.segments.values()
-    return Sample(now, wall, op_totals(rpc_calls), state.evicted, len(state.objects),
+    return Sample(now, wall, op_totals(key_ops), state.evicted, len(state.objects),
                   sum(s.alloc.used for s in segs), sum(s.alloc.capacity for s in segs),
                   len(state.segments))
 
@@ -133,21 +133,24 @@ def objects(state: MasterState) -> dict[str, int]:
             "hard_pinned": sum(1 for o in complete if o.hard_pin)}
 
 
-def document(state: MasterState, history: History, rpc_calls: dict[str, int], now: float,
-             wall: float, master: dict[str, Any], admin: bool = False,
+def document(state: MasterState, history: History, key_ops: dict[str, int],
+             rpc_calls: dict[str, int], now: float, wall: float, master: dict[str, Any],
+             admin: bool = False,
              with_history: bool = False) -> dict[str, Any]:
     """The whole ``/status`` document.
 
     Args:
         state: the master's state (read under the caller's lock).
         history: its samples (for rates, and the series with ``with_history``).
+        key_ops: keys named by the RPCs served so far, by method (a remove_regex or
+            remove_all counts one).
         rpc_calls: RPCs served so far, by method.
         now: monotonic seconds; wall: epoch seconds (for the samples' timestamps).
         master: identity of the master (address, epoch, uptime...), passed through.
         admin: include segment owners.
         with_history: include the samples (oldest first).
     """
-    current = sample(state, rpc_calls, now, wall)
+    current = sample(state, key_ops, now, wall)
     cfg = state.config
     doc: dict[str, Any] = {
         "master": {**master, "role": "leader", "epoch": state.epoch,
