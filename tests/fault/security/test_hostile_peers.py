@@ -240,12 +240,13 @@ def test_conductor_http(http):
 
 
 def test_pd_proxy_http(http):
-    # the upstream "instance" is any HTTP server in its own process: the proxy relays
-    # GET /v1/models to it (a metadata server answers 404, which the proxy passes on)
+    # pd-proxy is the router; the upstream "instance" is any HTTP server in its own process with
+    # a /health (a metadata server). The legitimate client reads the router's own view of its
+    # backends (GET /backends, token required), so the number is the router's, not a relay's
     with Proc([*CLI, "metadata", "--port", "0", "--no-auth"], stop_signal=signal.SIGTERM) as up:
         base = up.info["metadata"].removesuffix("/metadata")
         with Proc([*CLI, "pd-proxy", "--prefill", base + ",id=p", "--decode", base + ",id=d",
                    "--port", "0"],
                   stop_signal=signal.SIGTERM) as px:
             url = px.info["proxy"]
-            check(attack(int(url.rsplit(":", 1)[1]), "http", http(url + "/v1/models"), px.pid))
+            check(attack(int(url.rsplit(":", 1)[1]), "http", http(url + "/backends"), px.pid))
