@@ -74,6 +74,8 @@ def segment(
     master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address."),
     metadata: str = typer.Option("P2PHANDSHAKE", help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
     host: str = typer.Option("127.0.0.1", help="Address the data listener binds and advertises."),
+    data_port: int = typer.Option(0, help="Port of the data listener (0 = any free port; fix it "
+                                  "to open one port in a firewall). The segment is named HOST:PORT."),
     token: str = token_option(),
     no_auth: bool = no_auth_option("the data port (anyone can read and overwrite this segment's "
                                    "memory) and the /metrics port"),
@@ -91,6 +93,7 @@ def segment(
 
     tok = resolve_token(token, no_auth)
     c = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
+                                port=data_port,
                                 global_segment_size=parse_size(size), local_buffer_size=0, token=tok,
                                 peer_tokens=tuple(load_tenants(tenants).values())))
     http = None
