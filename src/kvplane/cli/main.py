@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "kvplane.cli.serve",
     "kvplane.cli.bench",
     "kvplane.cli.p2p",
+    "kvplane.cli.status",
 ]
 
 app = typer.Typer(

@@ -100,6 +100,8 @@ def segment(
     master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address."),
     metadata: str = typer.Option("P2PHANDSHAKE", help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
     host: str = typer.Option("127.0.0.1", help="Address the data listener binds and advertises."),
+    data_port: int = typer.Option(0, min=0, max=65535, help="Port of the data listener (0 = any free port; fix it "
+                                  "to open one port in a firewall). The segment is named HOST:PORT."),
     token: str = token_option(),
     no_auth: bool = no_auth_option("the data port (anyone can read and overwrite this segment's "
                                    "memory) and the /metrics port"),
@@ -119,9 +121,9 @@ def segment(
     with usage_checked("--master"):
         parse_hostport(master_addr)
         cfg = StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
-                          global_segment_size=size, local_buffer_size=0, token=tok,
-                          peer_tokens=peers)
-    check_ports(host, {"--metrics-port": metrics_port})
+                          port=data_port, global_segment_size=size, local_buffer_size=0,
+                          token=tok, peer_tokens=peers)
+    check_ports(host, {"--metrics-port": metrics_port, "--data-port": data_port})
     c = store_client(cfg)
     http = None
     try:

@@ -10,6 +10,7 @@ leases are taken.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -18,6 +19,7 @@ from kvplane.common import metrics
 from kvplane.common.auth import ADMIN, DEFAULT_TENANT, Principal
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.http_guard import principal_of
+from kvplane.store.master import dashboard
 from kvplane.store.master.access import check_tenant, keys_of, scoped
 from kvplane.store.master.state import MasterState
 
@@ -45,8 +47,10 @@ def _infra(request: Request) -> Principal:
     return who
 
 
-def build(state: MasterState, lock: threading.Lock) -> FastAPI:
-    """The admin app over ``state`` (read under ``lock``)."""
+def build(state: MasterState, lock: threading.Lock,
+          status: Callable[[bool, bool], dict[str, Any]] | None = None) -> FastAPI:
+    """The admin app over ``state`` (read under ``lock``); ``status(admin, with_history)``
+    serves ``/status`` and ``/dashboard`` (``kvplane.store.master.dashboard``)."""
     app = FastAPI(title="kvplane master", version="1")
 
     @app.get("/health")
@@ -54,6 +58,8 @@ def build(state: MasterState, lock: threading.Lock) -> FastAPI:
         return {"status": "ok", "role": "leader", "ready": True,
                 "keys": len(state.objects), "segments": len(state.segments)}
 
+    if status is not None:
+        dashboard.install(app, status, _infra)
     _key_routes(app, state, lock)
     _segment_routes(app, state, lock)
     metrics.add_route(app)  # no 307 to /metrics/: plain curl prints it

@@ -22,7 +22,7 @@ from kvplane.common import metrics
 from kvplane.common.auth import TokenTable
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
-from kvplane.store.master import admin
+from kvplane.store.master import admin, status
 from kvplane.store.master.access import Access
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
@@ -80,6 +80,10 @@ class MasterServer:
             self.events = PoolEvents(host, kv_events_port, auth=self.auth)
         self.clock = clock
         self.lock = threading.Lock()
+        self.rpc_calls: dict[str, int] = {}  # RPCs served, by method
+        self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
+        self.history = status.History()
+        self.started = (clock(), time.time())
         self.rpc = RpcServer(host, port, authenticate=self.auth)
         self.port = self.rpc.port
         for name, fn, typ in (
@@ -96,6 +100,7 @@ class MasterServer:
         self.access.tasks = self.replicas.tasks
         self.replicas.install()
         self.rpc.start()
+        self.host = host
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="master-timer", daemon=True)
         self._timer.start()
@@ -118,6 +123,10 @@ class MasterServer:
         def handler(req: Any) -> Any:
             counter.inc()
             with self.lock:
+                self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
+                keys = getattr(req, "keys", None)
+                self.key_ops[name] = self.key_ops.get(name, 0) + (
+                    len(keys) if isinstance(keys, list) else 1)
                 try:
                     return fn(req)
                 finally:
@@ -254,11 +263,25 @@ class MasterServer:
             CAPACITY.set(sum(s.alloc.capacity for s in segs))
             CLIENTS.set(len(self.state.clients))
             SEGMENTS.set(len(self.state.segments))
+            if self.history.due(now):
+                self.history.add(status.sample(self.state, self.key_ops, now, time.time()))
 
     # -- admin http -----------------------------------------------------------------------------
     def admin_app(self) -> FastAPI:
         """Mooncake-style admin API (read-only views, scoped by the caller's token)."""
-        return admin.build(self.state, self.lock)
+        return admin.build(self.state, self.lock, self.status)
+
+    def status(self, admin: bool = False, with_history: bool = False) -> dict[str, Any]:
+        """The ``/status`` document (``kvplane.store.master.status``): segments, objects,
+        evictions, ops and their rates; ``admin`` adds segment owners."""
+        with self.lock:
+            now = self.clock()
+            ident = {"address": f"{self.host}:{self.port}",
+                     "admin_port": self.http.port if self.http else None,
+                     "uptime_s": round(now - self.started[0], 3),
+                     "started_at": round(self.started[1], 3)}
+            return status.document(self.state, self.history, self.key_ops, self.rpc_calls, now,
+                                   time.time(), ident, admin=admin, with_history=with_history)
 
     def close(self) -> None:
         """Stop the timer, RPC and HTTP (idempotent)."""
