@@ -62,7 +62,7 @@ def build(state: MasterState, lock: threading.Lock,
         dashboard.install(app, status, _infra)
     _key_routes(app, state, lock)
     _segment_routes(app, state, lock)
-    app.mount("/metrics", metrics.asgi_app())
+    metrics.add_route(app)  # no 307 to /metrics/: plain curl prints it
     return app
 
 
