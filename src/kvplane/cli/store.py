@@ -131,7 +131,7 @@ def segment(
     tok = resolve_token(token, no_auth)
     peers = tuple(load_tenants(tenants).values())
     with usage_checked("--master"):
-        parse_hostport(master_addr)
+        check_master(master_addr)
         cfg = StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                           port=data_port, global_segment_size=size, local_buffer_size=0,
                           token=tok, peer_tokens=peers)
@@ -181,7 +181,7 @@ def client_server(
     tok = resolve_token(token, no_auth)
     peers = tuple(load_tenants(tenants).values())
     with usage_checked("--master"):
-        parse_hostport(master_addr)
+        check_master(master_addr)
         cfg = StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                           global_segment_size=segment_size, local_buffer_size=local_buffer_size,
                           token=tok, peer_tokens=peers)
@@ -202,3 +202,17 @@ def register(app: typer.Typer) -> None:
     app.command("master")(master)
     app.command("segment")(segment)
     app.command("client-server")(client_server)
+
+
+def check_master(address: str) -> None:
+    """A master address: ``HOST:PORT`` or ``etcd://h1:2379;h2:2379[/CLUSTER]`` (HA).
+
+    Raises:
+        InvalidArgument: neither form.
+    """
+    from kvplane.store.etcd import HaAddress, is_ha
+
+    if is_ha(address):
+        HaAddress.parse(address)
+    else:
+        parse_hostport(address)
