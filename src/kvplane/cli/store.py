@@ -49,11 +49,18 @@ def master(
     tenants: str = typer.Option(None, help="JSON file of tenant tokens ({\"tenants\": {NAME: "
                                 "TOKEN}}): each tenant sees only its own keys (default "
                                 "KVPLANE_TENANTS_FILE). The service token is tenant default."),
+    ha: str = typer.Option(None, "--ha", help="High availability: etcd://h1:2379;h2:2379 (one or more etcd 3.4+ endpoints). Masters of one cluster elect a leader; clients then use the master address etcd://h1:2379;h2:2379/CLUSTER (the /CLUSTER part is optional)."),
+    cluster_id: str = typer.Option(None, "--cluster-id", help="HA cluster id (default KVPLANE_CLUSTER_ID or kvplane)."),
+    advertise: str = typer.Option(None, help="HA: the HOST:PORT clients reach this master at (default --host and the bound port)."),
+    ha_lease_ttl: int = typer.Option(3, help="HA: leader lease in seconds (>= 2); a dead leader is replaced about this long after it died."),
+    recovery_grace: float = typer.Option(3.0, help="Seconds a new leader (or a restarted master) answers misses with 'retry' while segments re-register what they hold."),
     ready_file: str = typer.Option(None, help="Write the bound ports here as JSON once ready."),
 ) -> None:
     """Run the store master: metadata only (placement, leases, eviction, liveness).
 
-    Clients connect with master address HOST:PORT; bytes never pass through the master.
+    Clients connect with master address HOST:PORT, or etcd://... with --ha; bytes never pass
+    through the master. Segments re-register the objects they hold with a restarted master or
+    a new leader.
     """
     from kvplane.store.master.config import MasterConfig
 
@@ -62,18 +69,22 @@ def master(
     with usage_checked():
         cfg = MasterConfig(lease_ttl=lease_ttl, client_ttl=client_ttl,
                            high_watermark=high_watermark, evict_ratio=evict_ratio,
-                           allocation_strategy=allocation_strategy)  # type: ignore[arg-type]
+                           allocation_strategy=allocation_strategy,  # type: ignore[arg-type]
+                           recovery_grace=recovery_grace)
     tenant_tokens = load_tenants(tenants)
     check_ports(host, {"--port": port, "--admin-port": admin_port,
                        "--metadata-port": metadata_port, "--kv-events-port": kv_events_port})
     _run_master(cfg, host, port, admin_port, metadata_port, kv_events_port,
-                (tok, adm, tenant_tokens), ready_file)
+                (tok, adm, tenant_tokens), ready_file,
+                {"ha": ha, "cluster": cluster_id, "advertise": advertise,
+                 "lease_ttl": ha_lease_ttl})
 
 
 def _run_master(cfg: Any, host: str, port: int, admin_port: int, metadata_port: int | None,
                 kv_events_port: int | None, auth: tuple[str, str, dict[str, str]],
-                ready_file: str | None) -> None:
-    """Start the master (and metadata server), announce, wait; close whatever started."""
+                ready_file: str | None, ha: dict[str, Any]) -> None:
+    """Start the master (and metadata server), announce, wait; close whatever started.
+    ``ha``: the HA keywords of ``MasterServer`` (ha, cluster, advertise, lease_ttl)."""
     from kvplane.store.master.server import MasterServer
     from kvplane.transfer.metadata_server import serve_in_thread
 
@@ -82,9 +93,10 @@ def _run_master(cfg: Any, host: str, port: int, admin_port: int, metadata_port: 
     srv = None
     try:
         srv = MasterServer(cfg, host, port, admin_port, tok, kv_events_port=kv_events_port,
-                           tenants=tenant_tokens, admin_token=adm)
+                           tenants=tenant_tokens, admin_token=adm, **ha)
         announce("master", {
             "master": f"{host}:{srv.port}", "admin_port": srv.http.port if srv.http else None,
+            "ha": ha["ha"], "cluster": srv.election.where.cluster if srv.election else None,
             "metadata": f"http://{host}:{meta.port}/metadata" if meta else None,
             "kv_events": srv.events.endpoint if srv.events else None,
             "kv_events_replay": srv.events.replay_endpoint if srv.events else None}, ready_file)
@@ -97,7 +109,7 @@ def _run_master(cfg: Any, host: str, port: int, admin_port: int, metadata_port: 
 
 def segment(
     size: int = size_option("4GiB", help="DRAM this process contributes to the pool."),
-    master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address."),
+    master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address: HOST:PORT, or etcd://h1:2379;h2:2379/CLUSTER for HA masters (the /CLUSTER part is optional)."),
     metadata: str = typer.Option("P2PHANDSHAKE", help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
     host: str = typer.Option("127.0.0.1", help="Address the data listener binds and advertises."),
     data_port: int = typer.Option(0, min=0, max=65535, help="Port of the data listener (0 = any free port; fix it "
@@ -119,7 +131,7 @@ def segment(
     tok = resolve_token(token, no_auth)
     peers = tuple(load_tenants(tenants).values())
     with usage_checked("--master"):
-        parse_hostport(master_addr)
+        check_master(master_addr)
         cfg = StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                           port=data_port, global_segment_size=size, local_buffer_size=0,
                           token=tok, peer_tokens=peers)
@@ -169,7 +181,7 @@ def client_server(
     tok = resolve_token(token, no_auth)
     peers = tuple(load_tenants(tenants).values())
     with usage_checked("--master"):
-        parse_hostport(master_addr)
+        check_master(master_addr)
         cfg = StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                           global_segment_size=segment_size, local_buffer_size=local_buffer_size,
                           token=tok, peer_tokens=peers)
@@ -190,3 +202,17 @@ def register(app: typer.Typer) -> None:
     app.command("master")(master)
     app.command("segment")(segment)
     app.command("client-server")(client_server)
+
+
+def check_master(address: str) -> None:
+    """A master address: ``HOST:PORT`` or ``etcd://h1:2379;h2:2379[/CLUSTER]`` (HA).
+
+    Raises:
+        InvalidArgument: neither form.
+    """
+    from kvplane.store.etcd import HaAddress, is_ha
+
+    if is_ha(address):
+        HaAddress.parse(address)
+    else:
+        parse_hostport(address)

@@ -18,6 +18,9 @@
     │   ├── InvalidKey            -400
     │   └── InvalidParams         -600
     ├── LeaseExpired              -707
+    ├── Unavailable                    (retryable)
+    │   ├── NotLeader             -1030 a standby, or a leader whose lease ran out (HA)
+    │   └── Recovering            -1031 a new leader still re-registering what segments hold
     └── TransferFail              -800 (retryable)
         └── ChecksumMismatch      -1021 every replica read back with bytes that fail the checksum
 """
@@ -25,7 +28,8 @@
 from __future__ import annotations
 
 from kvplane.common.errors import (
-    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, from_code, register_code,
+    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, Unavailable, from_code,
+    register_code,
 )
 
 
@@ -104,6 +108,22 @@ class LeaseExpired(KVPlaneError):
     """The read lease ran out before the transfer finished (LEASE_EXPIRED)."""
 
     code = -707
+
+
+@register_code
+class NotLeader(Unavailable):
+    """This master does not lead (a standby, or a leader whose lease ran out): ask etcd who
+    does, and retry there."""
+
+    code = -1030
+
+
+@register_code
+class Recovering(Unavailable):
+    """The master is re-registering what the segments hold (after a failover or a restart);
+    retry until the call's deadline."""
+
+    code = -1031
 
 
 @register_code

@@ -94,6 +94,8 @@ class TaskWork(msgspec.Struct):
     size: int = 0
     sources: list[Replica] = msgspec.field(default_factory=list)
     targets: list[Replica] = msgspec.field(default_factory=list)
+    headers: list[bytes] = msgspec.field(default_factory=list)  # per target: its inventory
+    # header, written in the bytes just before the target's value once the value landed
 
 
 class TaskDoneReq(msgspec.Struct):

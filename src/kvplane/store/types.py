@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvplane.store.inventory import Record
+
 MAX_KEY = 4096  # bytes of a key
 MAX_VALUE = 1 << 40  # bytes of one object
 
@@ -58,14 +60,40 @@ class SegmentInfo(msgspec.Struct):
 
 # --- RPC messages ----------------------------------------------------------------------
 class MountReq(msgspec.Struct):
+    """``history``: the master epochs this client's segments mounted with, oldest first;
+    ``adopt``: it will re-register what they hold (``AdoptReq``) before taking placements."""
+
     client_id: str
     segments: list[SegmentInfo]
+    history: list[int] = msgspec.field(default_factory=list)
+    adopt: bool = False
+
+
+class MountRep(msgspec.Struct):
+    """The master's epoch, and the lowest generation it issues from now on (the fence floor).
+    ``secret``: the key of the inventory headers' tags, sent only to a mount that brings
+    segments (only the service token may: tenants never learn it)."""
+
+    epoch: int
+    floor: int = 0
+    secret: bytes = b""
+
+
+class AdoptReq(msgspec.Struct):
+    """Records one segment holds, re-registered with a master that does not know them."""
+
+    client_id: str
+    segment: str
+    records: list[Record]
+    history: list[int] = msgspec.field(default_factory=list)
+    done: bool = False  # the last batch: the segment takes placements again
 
 
 class PingReq(msgspec.Struct):
     client_id: str
     fenced: list[int] = msgspec.field(default_factory=list)  # generations this client's segments fenced
     suspects: list[str] = msgspec.field(default_factory=list)  # segments a transfer to failed
+    forgot: list[int] = msgspec.field(default_factory=list)  # generations whose headers went
 
 
 class RepairTask(msgspec.Struct, array_like=True):
@@ -78,6 +106,7 @@ class RepairTask(msgspec.Struct, array_like=True):
     size: int
     checksum: int
     sources: list[Replica]
+    header: bytes = b""  # the inventory header to write in front of ``addr`` once verified
 
 
 class PingRep(msgspec.Struct):
@@ -85,6 +114,7 @@ class PingRep(msgspec.Struct):
     view_version: int
     fences: list[int] = msgspec.field(default_factory=list)  # fence these, then acknowledge
     repairs: list[RepairTask] = msgspec.field(default_factory=list)
+    forgets: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (gen, header address)
 
 
 class RepairDoneReq(msgspec.Struct):
@@ -101,6 +131,8 @@ class PutStartReq(msgspec.Struct):
     config: ReplicateConfig
     upsert: bool = False
     ttl: float = 0.0  # seconds this client may go on writing (its call deadline); 0: the default
+    checksums: list[int] = msgspec.field(default_factory=list)  # of each value (the headers carry it)
+    nonce: int = 0  # this call's id: a retry with the same nonce resumes its puts
 
 
 class KeyResult(msgspec.Struct, array_like=True):
@@ -111,6 +143,7 @@ class KeyResult(msgspec.Struct, array_like=True):
     size: int = 0
     version: int = 0  # the object's version (the generation of the put that made it)
     checksum: int = 0  # of the object's bytes (0: none recorded)
+    header: bytes = b""  # PutStart: the inventory header to write in front of every replica
 
 
 class KeysReq(msgspec.Struct):

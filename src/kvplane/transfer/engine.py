@@ -179,14 +179,18 @@ class TransferEngine:
         if publish:
             self._changed()
 
-    def allocate_managed_buffer(self, length: int, populate: bool = False) -> ManagedBuffer:
+    def allocate_managed_buffer(self, length: int, populate: bool = False,
+                                fenced: bool = False) -> ManagedBuffer:
         """Shared-memory backed, registered memory that same-host peers map directly.
 
         ``populate`` faults every page in now (segments contributed to a pool do this so a put
-        never pays the first-touch cost)."""
+        never pays the first-touch cost). ``fenced``: the first 8 bytes become this engine's
+        fence word (the floor same-host writers check; the caller must not use them)."""
         buf = ManagedBuffer(length, populate)
         self.memory.add(Region(buf.addr, length, view_at(buf.addr, length), kind="shm",
-                               shm=buf.name, keep=buf))
+                               shm=buf.name, keep=buf, fenced=fenced))
+        if fenced:
+            self.fence.attach(view_at(buf.addr, 8))
         self._managed[buf.addr] = buf
         self._changed()
         return buf

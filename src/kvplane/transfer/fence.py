@@ -8,14 +8,20 @@ unfenced: plain transfer-engine use, never checked).
 The listener refuses a frame whose generation
 
 * belongs to another master epoch than the one this segment is mounted with (a frame queued
-  before a master restart), or
+  before a master restart or a leader change), or is older than the ``floor`` the master gave
+  at the last mount (a segment that remounts with the same master after its TTL ran out: its
+  old allocations are gone from the master), or
 * was fenced: the master freed that allocation while a write against it could still be in
   flight (a revoked or abandoned put), and will not reuse the space until this segment has
   acknowledged the fence (see ``install``).
 
 ``install`` acknowledges only generations with no WRITE in progress, so once the master has the
-acknowledgement no byte of a stale frame can land. Pure bookkeeping under one lock; imports no
-sockets and nothing from the store.
+acknowledgement no byte of a stale frame can land.
+
+Same-host writers copy through shared memory, where no listener mediates: ``attach`` names an
+8-byte word in this segment's shared memory where the fence publishes its floor (which carries
+the epoch), and the shared-memory transport checks a generation against it before and after each
+copy (``admits``). Pure bookkeeping under one lock; imports no sockets and nothing from the store.
 """
 
 from __future__ import annotations
@@ -33,6 +39,12 @@ def epoch_of(gen: int) -> int:
     return gen >> EPOCH_SHIFT
 
 
+def admits(floor: int, gen: int) -> bool:
+    """True when a fence at ``floor`` (0: not mounted) admits generation ``gen`` (0: unfenced),
+    fenced generations aside: same epoch as the floor, and not below it."""
+    return not gen or not floor or floor <= gen < (epoch_of(floor) + 1) << EPOCH_SHIFT
+
+
 class Fence:
     """The fence table of one data listener. Thread-safe.
 
@@ -44,20 +56,37 @@ class Fence:
         self._lock = threading.Lock()
         self._keep = keep
         self.epoch = 0  # 0: not mounted with a master yet; every epoch is admitted
+        self.floor = 0  # lowest generation admitted (its epoch is ``epoch``)
+        self._word: memoryview | None = None  # shared-memory copy of the floor
         self._fenced: OrderedDict[int, None] = OrderedDict()
         self._writing: Counter[int] = Counter()
         self.refused = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Serve the master of ``epoch`` from now on; fences of an older epoch are dropped
-        (their frames fail the epoch check instead)."""
+    def set_epoch(self, epoch: int, floor: int = 0) -> None:
+        """Serve the master of ``epoch`` from now on, generations from ``floor`` up (0: the
+        whole epoch); fences of an older epoch are dropped (their frames fail the epoch check
+        instead)."""
+        floor = max(floor, epoch << EPOCH_SHIFT) if epoch else 0
         with self._lock:
             if epoch != self.epoch:
-                self.epoch = epoch
                 self._fenced.clear()
+            self.epoch, self.floor = epoch, floor
+            if self._word is not None:
+                self._word[:] = floor.to_bytes(8, "little")
+
+    def attach(self, word: memoryview) -> None:
+        """Publish the floor into ``word`` (8 bytes of this segment's shared memory)."""
+        with self._lock:
+            self._word = word
+            word[:] = self.floor.to_bytes(8, "little")
+
+    def writing_outside(self) -> int:
+        """WRITEs in progress that the current floor would refuse (admitted before a remount)."""
+        with self._lock:
+            return sum(n for g, n in self._writing.items() if not admits(self.floor, g))
 
     def _admit(self, gen: int) -> bool:
-        ok = not ((self.epoch and epoch_of(gen) != self.epoch) or gen in self._fenced)
+        ok = admits(self.floor, gen) and gen not in self._fenced
         if not ok:
             self.refused += 1
         return ok

@@ -38,6 +38,7 @@ class Region:
     path: str = ""
     fd: int = -1
     keep: Any = field(default=None, repr=False)
+    fenced: bool = False
 
     @property
     def end(self) -> int:
@@ -47,7 +48,7 @@ class Region:
         """The descriptor peers see."""
         return RegionDesc(self.addr, self.length, self.kind, self.shm,
                           os.path.basename(self.path) if self.path else "",
-                          file_identity(self.fd) if self.fd >= 0 else "")
+                          file_identity(self.fd) if self.fd >= 0 else "", fenced=self.fenced)
 
 
 def file_identity(fd_or_path: int | str) -> str:

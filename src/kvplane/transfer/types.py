@@ -67,7 +67,9 @@ class RegionDesc(msgspec.Struct, frozen=True):
     ``shm`` that same-host peers map) or "file" (a file ``path`` under the owner's file root;
     ``addr`` is then a synthetic base address and offsets map onto the file). ``file_id``
     (``"dev:inode"``) names the owner's file itself, so a same-host peer opens it only when
-    its own file of that name is the very same file.
+    its own file of that name is the very same file. A ``fenced`` shm region publishes its
+    owner's fence floor in its first 8 bytes: same-host writers check a store generation
+    against it, as the owner's listener does for TCP frames.
     """
 
     addr: int
@@ -76,6 +78,7 @@ class RegionDesc(msgspec.Struct, frozen=True):
     shm: str = ""
     path: str = ""
     file_id: str = ""
+    fenced: bool = False  # its first 8 bytes hold the fence floor (``kvplane.transfer.fence``)
 
 
 class SegmentDesc(msgspec.Struct, frozen=True):

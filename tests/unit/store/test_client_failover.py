@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from kvplane.common.errors import Timeout, Unavailable
-from kvplane.store.client import client as client_module
+from kvplane.store.client import link as link_module
 from kvplane.store.client.client import StoreClient
 from kvplane.store.errors import ObjectNotFound, TransferFail
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, MountReq, PingRep, PingReq, PutEndReq, PutStartReq, Replica,
+    CodesRep, KeyResult, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq, Replica,
     ReplicateConfig, ResultsRep,
 )
 from kvplane.testing.faults import FaultKind, FaultPlan
@@ -43,7 +43,7 @@ class ScriptedMaster:
         self.checksums: dict[str, int] = {}
         self.suspects: list[str] = []
         self.ttl = 0.0
-        for name, fn, typ in (("mount", lambda r: 0, MountReq), ("unmount", lambda r: 0, MountReq),
+        for name, fn, typ in (("mount", lambda r: MountRep(0), MountReq), ("unmount", lambda r: 0, MountReq),
                               ("ping", lambda r: PingRep("ok", 0), PingReq),
                               ("get_replicas", self.get_replicas, KeysReq),
                               ("put_start", self.put_start, PutStartReq),
@@ -116,7 +116,7 @@ def cluster(monkeypatch):
     fabric.waits = []  # transfer waits, likewise
     metadata = f"memory://failover-{uuid.uuid4().hex}"
     master = ScriptedMaster(network)
-    monkeypatch.setattr(client_module, "RpcClient", network.client)
+    monkeypatch.setattr(link_module, "RpcClient", network.client)
     monkeypatch.setenv("KVPLANE_TRANSPORTS", "tcp,local,mem")
     pool = Pool(fabric, metadata)
     for name in ("seg-a", "seg-b"):
@@ -212,13 +212,14 @@ def test_a_write_that_fails_on_a_replica_is_revoked_and_the_other_key_is_kept(cl
     assert pool.holds("seg-a", b"l" * 100, offset=4096) and pool.holds("seg-b", b"l" * 100)
 
 
-def test_a_master_that_does_not_answer_is_a_timeout_and_a_reset_is_unavailable(cluster):
+def test_a_master_that_does_not_answer_is_a_timeout_and_a_reset_is_retried(cluster):
     client, master, pool, plan = cluster
     master.replicas["k"] = [pool.replica("seg-a")]
     plan.drop(op="get_replicas").disconnect(op="get_replicas")
-    with pytest.raises(Timeout):
+    with pytest.raises(Timeout):  # the request may have been served: not repeated
         client.get("k")
     assert len(client.waits) == 1 and 1.9 < client.waits[0] <= 2  # the call's deadline, once
+    assert client.get("k") == VALUE  # the reset changed nothing: retried within the deadline
+    plan.disconnect(op="get_replicas", times=None)  # a master that stays unreachable
     with pytest.raises(Unavailable):
         client.get("k")
-    assert client.get("k") == VALUE

@@ -71,15 +71,17 @@ def test_a_corrupt_replica_fails_over_and_all_corrupt_raises(cluster):
         client.get("k")
 
 
-def test_checksums_are_off_by_default_and_a_put_sends_the_checksum_when_on(cluster):
+def test_every_put_sends_its_checksum_and_gets_check_it_only_when_on(cluster):
     client, master, pool, plan = cluster
     master.replicas["k0"] = [pool.replica("seg-a", b"\0" * len(VALUE))]
     client.put("k0", VALUE)
-    assert master.checksums["k0"] == 0
+    assert master.checksums["k0"] == digest(VALUE)  # the inventory header carries it
+    master.replicas["k"] = [pool.replica("seg-b")]
+    master.checksums["k"] = digest(b"other bytes")  # bytes that do not match
+    assert client.get("k") == VALUE  # off by default: a get does not hash
     with_checksums(client)
-    master.replicas["k"] = [pool.replica("seg-a", b"\0" * len(VALUE))]
-    client.put("k", VALUE)
-    assert master.checksums["k"] == digest(VALUE)
+    with pytest.raises(ChecksumMismatch):
+        client.get("k")
 
 
 def test_a_failed_segment_is_reported_with_the_next_rpc_and_tried_last(cluster):

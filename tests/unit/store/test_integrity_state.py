@@ -2,12 +2,15 @@
 quarantine of freed space, version-checked PutEnd, suspects, and re-replication tasks."""
 
 from kvplane.store.errors import ObjectNotFound
+from kvplane.store.inventory import header_len
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import ReplicateConfig, SegmentInfo
 from kvplane.transfer.fence import epoch_of
 
 MB = 1 << 20
+HDR = header_len("k")  # the inventory header in front of a one-letter key's value
+FULL, HALF = MB - HDR, MB // 2 - HDR  # values that fill a 1 MB segment, and half of it
 
 
 def state(n_segs=2, seg_size=MB, epoch=7, **cfg):
@@ -46,18 +49,18 @@ def test_revoke_of_someone_elses_version_changes_nothing():
 
 def test_space_of_an_unfinished_put_waits_for_its_window_and_its_segment_fence():
     st = state(n_segs=1, seg_size=MB, put_discard_timeout=30.0)
-    r = st.put_start("k", MB, ReplicateConfig(), 0.0, window=8.0)
+    r = st.put_start("k", FULL, ReplicateConfig(), 0.0, window=8.0)
     assert st.remove("k", True, 1.0) == 0  # force-removed while its writer may still copy
     st.ping("c0", 2.0, fenced=[r.version])  # the segment fenced it early...
     st.reclaim(2.0)
-    assert st.put_start("x", MB, ReplicateConfig(), 2.0).code != 0  # ...but the window is open
+    assert st.put_start("x", FULL, ReplicateConfig(), 2.0).code != 0  # ...but the window is open
     st.reclaim(8.5)
-    assert st.put_start("x", MB, ReplicateConfig(), 8.5).code == 0
+    assert st.put_start("x", FULL, ReplicateConfig(), 8.5).code == 0
 
 
 def test_unacknowledged_fences_are_resent_and_block_reuse():
     st = state(n_segs=1)
-    r = st.put_start("k", MB, ReplicateConfig(), 0.0)
+    r = st.put_start("k", FULL, ReplicateConfig(), 0.0)
     st.put_revoke("k", 0.0, r.version)
     for t in (1.0, 2.0, 3.0):  # the segment pings without acknowledging (a WRITE in progress)
         st.ping("c0", t)
@@ -130,7 +133,7 @@ def test_an_abandoned_repair_is_fenced_before_its_space_is_reused():
 def test_a_dead_writers_unfinished_puts_are_fenced_and_freed():
     st = state(n_segs=1, client_ttl=10.0)
     st.mount("w", [], 0.0)
-    r = st.put_start("k", MB, ReplicateConfig(), 0.0, client_id="w", window=5.0)
+    r = st.put_start("k", FULL, ReplicateConfig(), 0.0, client_id="w", window=5.0)
     st.ping("c0", 11.0)
     assert st.expire_clients(11.0) == ["w"]
     assert "k" not in st.objects and st.fences_for("c0") == [r.version]

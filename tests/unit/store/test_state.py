@@ -7,11 +7,14 @@ from kvplane.store.errors import (
     InvalidKey, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
     SegmentExists,
 )
+from kvplane.store.inventory import header_len
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import ReplicateConfig, SegmentInfo
 
 MB = 1 << 20
+HDR = header_len("k")  # the inventory header in front of a one-letter key's value
+FULL, HALF = MB - HDR, MB // 2 - HDR  # values that fill a 1 MB segment, and half of it
 
 
 def state(n_segs=2, seg_size=MB, **cfg):
@@ -52,7 +55,7 @@ def test_put_existing_is_refused_upsert_overwrites():
 
 def test_revoke_frees_space_once_the_segment_fenced_it():
     st = state(n_segs=1)
-    r = st.put_start("k", MB, ReplicateConfig(), 0.0)
+    r = st.put_start("k", FULL, ReplicateConfig(), 0.0)
     assert st.used_ratio() == 1.0
     assert st.put_revoke("k", 0.0) == 0
     assert "k" not in st.objects
@@ -97,7 +100,7 @@ def test_lease_blocks_remove_until_it_ends():
 
 def test_force_remove_of_leased_object_defers_its_space():
     st = state(n_segs=1, lease_ttl=10.0)
-    put(st, "k", size=MB)
+    put(st, "k", size=FULL)
     st.get_replicas("k", 1.0)
     assert st.remove("k", True, 2.0) == 0
     assert st.graveyard and st.used_ratio() == 1.0  # held for the reader...
@@ -107,12 +110,12 @@ def test_force_remove_of_leased_object_defers_its_space():
 
 def test_force_removed_space_is_reused_early_only_when_the_pool_is_full():
     st = state(n_segs=1, lease_ttl=10.0)
-    put(st, "k", size=MB // 2)
+    put(st, "k", size=HALF)
     st.get_replicas("k", 1.0)
     assert st.remove("k", True, 2.0) == 0
-    assert st.put_start("a", MB // 2, ReplicateConfig(), 3.0).code == 0  # free space first
+    assert st.put_start("a", HALF, ReplicateConfig(), 3.0).code == 0  # free space first
     assert len(st.graveyard) == 1
-    assert st.put_start("b", MB // 2, ReplicateConfig(), 3.0).code == 0  # pool full: graveyard
+    assert st.put_start("b", HALF, ReplicateConfig(), 3.0).code == 0  # pool full: graveyard
     assert not st.graveyard
 
 

@@ -4,7 +4,11 @@ A put is PutStart (master allocates replicas) -> transfer-engine writes -> PutEn
 PutRevoke on failure). A get is GetReplicaList (master grants a read lease) -> a transfer from
 the best replica (same host first, through shared memory) -> fail over to the next replica.
 Bytes never pass through the master. A client with ``global_segment_size > 0`` contributes a
-shared-memory segment to the pool and heartbeats; after a master restart it remounts.
+shared-memory segment to the pool and heartbeats; after a master restart or a leader change it
+remounts and re-registers the objects its segment holds (``remount``). The master may be one
+``host:port`` or an HA cluster ``etcd://h1:2379;h2:2379`` (``link``: calls follow the leader and
+retry within their deadline). Every put writes the object's inventory header (built by the
+master) in front of its value in every replica.
 
 Errors: single-key calls raise from the ``kvplane.common.errors`` tree (``ObjectNotFound``,
 ``TransferFail``, ``NoAvailableHandle``, ``Timeout``...; see docs/errors.md). Batch calls return
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 import time
 from contextlib import ExitStack
@@ -36,20 +41,23 @@ import numpy as np
 from kvplane.common import log as klog
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError, Timeout, Unavailable
-from kvplane.common.rpc import RpcClient
+from kvplane.store.checksum import digest
 from kvplane.store.config import StoreConfig
 from kvplane.store.client import moves
 from kvplane.store.client.duty import SegmentDuty
+from kvplane.store.client.link import MasterLink
+from kvplane.store.client.remount import Holdings
 from kvplane.store.client.staging import Staging
 from kvplane.store.errors import InvalidParams, ObjectExists, TransferFail, key_error
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, MountReq, PingRep, PingReq, PutEndReq, PutStartReq, RegexReq,
-    RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
+    CodesRep, KeyResult, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq,
+    RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
 )
 from kvplane.transfer import EngineConfig, OpCode, TransferEngine
 
 log = logging.getLogger(__name__)
 WRITE_RESERVE = 0.2  # share of a put's time (at most 1 s) kept for PutEnd / PutRevoke
+FENCE_WORD = 64  # bytes at the start of a contributed segment: its fence word, never allocated
 
 
 class StoreClient:
@@ -74,16 +82,20 @@ class StoreClient:
         self.remounts = 0
         self.suspects = moves.Suspects()
         self.duty = SegmentDuty(self)
+        self.holdings = Holdings(self)
         self.corrupt_reads = 0  # replica reads whose bytes failed the checksum
         try:
-            self.rpc = RpcClient(cfg.master, cfg.token, cfg.timeout)
+            self.rpc = MasterLink(cfg.master, cfg.token, cfg.timeout)
             self.staging = Staging(self.engine, cfg.local_buffer_size)
             if cfg.global_segment_size > 0:
+                if cfg.global_segment_size <= 2 * FENCE_WORD:
+                    raise InvalidParams("global_segment_size is too small")
                 buf = self.engine.allocate_managed_buffer(cfg.global_segment_size,
-                                                         populate=cfg.populate)
-                self._segments = [SegmentInfo(self.engine.name, buf.addr,
-                                              cfg.global_segment_size, cfg.client_id,
-                                              self.engine.name, self.engine.host_id)]
+                                                         populate=cfg.populate, fenced=True)
+                self._segments = [SegmentInfo(self.engine.name, buf.addr + FENCE_WORD,
+                                              cfg.global_segment_size - FENCE_WORD,
+                                              cfg.client_id, self.engine.name,
+                                              self.engine.host_id)]
             self.mount()
         except BaseException:  # a failed start leaves no listener, thread or shared memory
             self._closed.set()
@@ -97,29 +109,33 @@ class StoreClient:
 
     # -- liveness ------------------------------------------------------------------------------
     def mount(self) -> None:
-        """(Re)register this client and its segments with the master; the master's epoch
-        becomes the one this segment's listener admits."""
-        epoch = self.rpc.call("mount", MountReq(self.config.client_id, self._segments), int)
-        if self._segments and epoch > 0:
-            self.engine.fence.set_epoch(epoch)
+        """(Re)register this client and its segments with the master: the master's epoch (and
+        floor) become what this segment's listener admits, and the objects the segment already
+        holds are re-registered (``remount``)."""
+        history = self.holdings.history
+        rep = self.rpc.call("mount", MountReq(self.config.client_id, self._segments, history,
+                                              adopt=bool(self._segments and history)), MountRep)
+        if self._segments and rep.epoch > 0:
+            self.holdings.mounted(rep)
 
     def _heartbeat(self) -> None:
-        failures, acks = 0, []
-        while acks or not self._closed.wait(self.config.heartbeat_interval):
+        failures, acks = 0, ([], [])
+        while any(acks) or not self._closed.wait(self.config.heartbeat_interval):
             try:
-                acks = self._ping(acks)
+                acks = self._ping(*acks)
                 failures = 0
             except KVPlaneError as exc:
-                acks = []  # the master sends its fences again until they are acknowledged
+                acks = ([], [])  # the master sends fences and forgets again until acknowledged
                 failures += 1
                 if failures in (1, 3) or failures % 30 == 0:
                     log.warning("heartbeat to master %s failed (%d): %s",
                                 self.config.master, failures, exc)
 
-    def _ping(self, acks: list[int]) -> list[int]:
-        """One heartbeat; returns fence acknowledgements to send at once (else [])."""
-        rep = self.rpc.call("ping", PingReq(self.config.client_id, acks, self.suspects.take()),
-                            PingRep, timeout=min(self.config.timeout, 5.0))
+    def _ping(self, acks: list[int], forgot: list[int]) -> tuple[list[int], list[int]]:
+        """One heartbeat; returns fence and forget acknowledgements to send at once."""
+        rep = self.rpc.call("ping", PingReq(self.config.client_id, acks, self.suspects.take(),
+                                            forgot), PingRep,
+                            timeout=min(self.config.timeout, 5.0))
         if rep.status == "need_remount":
             self.mount()
             self.engine.publish()
@@ -128,7 +144,7 @@ class StoreClient:
         if rep.repairs:
             self.duty.submit(rep.repairs)
         self.engine.prune()  # unmap the shared memory of segments whose process is gone
-        return self.duty.fence(rep.fences)
+        return self.duty.fence(rep.fences), self.holdings.forget(rep.forgets)
 
     def health_check(self, timeout: float = 2.0) -> None:
         """Ping the master.
@@ -139,7 +155,7 @@ class StoreClient:
         """
         if self._closed.is_set():
             raise Unavailable("the store client is closed")
-        self.rpc.call("ping", PingReq(self.config.client_id), PingRep, timeout=timeout)
+        self.rpc.call("ping", PingReq(self.config.client_id), PingRep, timeout=timeout, once=True)
 
     # -- transfers ----------------------------------------------------------------------------
     def _handle(self, segment: str, deadline: Deadline | None = None) -> int:
@@ -181,18 +197,23 @@ class StoreClient:
     def _put_codes(self, keys: list[str], addrs: list[int], sizes: list[int],
                    cfg: ReplicateConfig, upsert: bool) -> list[int]:
         deadline = Deadline.after(self.config.timeout)
+        # every put is checksummed: the inventory header carries it, and a segment re-registers
+        # an object after a failover only if its bytes still match (checking it on gets is
+        # what ``config.checksum`` turns on)
+        sums = [digest(self.engine.memory.view(a, n)) for a, n in zip(addrs, sizes)]
         sent = time.monotonic()
-        rep = self._call("put_start", PutStartReq(self.config.client_id, keys, sizes, cfg, upsert,
-                                                  deadline.remaining()), ResultsRep, deadline)
+        rep = self._call("put_start", PutStartReq(
+            self.config.client_id, keys, sizes, cfg, upsert, deadline.remaining(), sums,
+            secrets.randbits(63) | 1), ResultsRep, deadline)
         codes = [r.code for r in rep.results]
         ok = [i for i, c in enumerate(codes) if c == 0]
-        sums = moves.checksums(self, [addrs[i] for i in ok], [sizes[i] for i in ok])
         reserve = min(WRITE_RESERVE * self.config.timeout, 1.0)
         window = sent + rep.ttl if rep.ttl > 0 else deadline.at  # copies must start inside it
-        writes = [(i, replica, OpCode.WRITE, addrs[i], sizes[i])
-                  for i in ok for replica in rep.results[i].replicas]
-        failed = moves.write(self, writes, Deadline(min(deadline.at - reserve, window)))
-        ends = [(keys[i], rep.results[i].version, c, i) for i, c in zip(ok, sums) if i not in failed]
+        with self.staging.block(moves.put_staging(rep.results, ok, sizes) or 1) as (hbase, hv):
+            writes = moves.put_moves(rep.results, ok, addrs, sizes, hbase, hv,
+                                     self.engine.memory.view)
+            failed = moves.write(self, writes, Deadline(min(deadline.at - reserve, window)))
+        ends = [(keys[i], rep.results[i].version, sums[i], i) for i in ok if i not in failed]
         revokes = [(keys[i], rep.results[i].version) for i in sorted(failed)]
         if ends:
             got = self._call("put_end", PutEndReq(

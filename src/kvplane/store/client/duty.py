@@ -5,7 +5,9 @@
   frames from then on; the ones with no WRITE in progress are acknowledged at once, the others on
   a later heartbeat. Only acknowledged space is reused.
 * **Repairs**: re-replication tasks (``RepairTask``): read the object from a surviving replica
-  straight into this segment's memory, verify its checksum, report with ``repair_done``. They
+  straight into this segment's memory, verify its checksum, write its inventory header in front
+  of it (so the copy is re-registered like any replica after a failover), report with
+  ``repair_done``. They
   run on one named daemon thread, off the heartbeat, each bounded by a deadline; the WRITE into
   our own memory is counted in the fence like a listener WRITE, so a fence of an abandoned
   repair is acknowledged only once its copy is over.
@@ -75,6 +77,9 @@ class SegmentDuty:
             for source in moves.ordered(self._c, task.sources):
                 move = (0, source, OpCode.READ, task.addr, task.size)
                 if moves.run(self._c, [move], deadline)[0] and self._intact(task):
+                    if task.header:
+                        n = len(task.header)
+                        self._c.engine.memory.view(task.addr - n, n)[:] = task.header
                     self.repaired += 1
                     return True
             return False

@@ -20,6 +20,9 @@ import queue
 import threading
 from typing import TYPE_CHECKING
 
+import msgspec
+import numpy as np
+
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.errors import key_error
 from kvplane.store.replica_types import (
@@ -115,7 +118,18 @@ class ReplicaOps:
             else:
                 return [False] * len(work.targets), "no source replica could be read"
             ok = [self._move(OpCode.WRITE, addr, t, work.size) for t in work.targets]
+        for i, (target, header) in enumerate(zip(work.targets, work.headers)):
+            if ok[i] and header:  # the inventory header goes in once the value landed
+                ok[i] = self._write_header(target, header)
         return ok, "ok" if all(ok) else "a target write failed"
+
+    def _write_header(self, target: Replica, header: bytes) -> bool:
+        """Write ``header`` into the bytes just before ``target``'s value."""
+        n = len(header)
+        with self.c.staging.block(n) as (addr, view):
+            view[:n] = np.frombuffer(header, dtype=np.uint8)
+            return self._move(OpCode.WRITE, addr,
+                              msgspec.structs.replace(target, addr=target.addr - n, size=n), n)
 
     def _move(self, op: OpCode, addr: int, replica: Replica, size: int) -> bool:
         try:

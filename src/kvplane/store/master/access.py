@@ -53,7 +53,7 @@ KEY = frozenset({"task_create"})  # one ``key``
 TASK = frozenset({"task_start", "task_done", "task_query"})  # a task id: the task's tenant only
 NO_TASK = TaskId(0, 0)  # never issued (task ids count from 1)
 # work the master hands to segment processes: internal keys, from default-tenant callers only
-SERVICE_ONLY = frozenset({"repair_done"})
+SERVICE_ONLY = frozenset({"repair_done", "adopt"})  # adopt: re-registering a segment's records
 
 
 def read_tenants(path: str) -> dict[str, str]:

@@ -47,26 +47,37 @@ def _infra(request: Request) -> Principal:
     return who
 
 
-def build(state: MasterState, lock: threading.Lock,
-          status: Callable[[bool, bool], dict[str, Any]] | None = None) -> FastAPI:
-    """The admin app over ``state`` (read under ``lock``); ``status(admin, with_history)``
-    serves ``/status`` and ``/dashboard`` (``kvplane.store.master.dashboard``)."""
+def build(state_of: Callable[[], MasterState], lock: threading.Lock,
+          status: Callable[[bool, bool], dict[str, Any]] | None = None,
+          ha_status: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+    """The admin app over ``state_of()`` (read under ``lock``; an HA master switches its state
+    when it wins or loses the lead). ``status(admin, with_history)`` serves ``/status`` and
+    ``/dashboard`` (``kvplane.store.master.dashboard``); ``ha_status()``: the role, for
+    ``/health`` and ``/ha_status``."""
     app = FastAPI(title="kvplane master", version="1")
+
+    def role_of() -> dict[str, Any]:
+        return ha_status() if ha_status is not None else {"role": "leader"}
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "role": "leader", "ready": True,
+        state, role = state_of(), role_of()["role"]
+        return {"status": "ok", "role": role, "ready": role == "leader",
                 "keys": len(state.objects), "segments": len(state.segments)}
+
+    @app.get("/ha_status")
+    def ha() -> dict[str, Any]:
+        return role_of()
 
     if status is not None:
         dashboard.install(app, status, _infra)
-    _key_routes(app, state, lock)
-    _segment_routes(app, state, lock)
+    _key_routes(app, state_of, lock)
+    _segment_routes(app, state_of, lock)
     metrics.add_route(app)  # no 307 to /metrics/: plain curl prints it
     return app
 
 
-def _key_routes(app: FastAPI, state: MasterState, lock: threading.Lock) -> None:
+def _key_routes(app: FastAPI, state_of: Callable[[], MasterState], lock: threading.Lock) -> None:
     TenantQ = Query(None, max_length=64, description="tenant to look in (admin token only)")
 
     @app.get("/query_key")
@@ -77,12 +88,13 @@ def _key_routes(app: FastAPI, state: MasterState, lock: threading.Lock) -> None:
         except KVPlaneError as exc:
             raise HTTPException(400, detail=str(exc)) from exc
         with lock:
+            state = state_of()
             obj = state.objects.get(internal)
             if obj is None or not obj.complete:
                 raise HTTPException(404, detail={"error_code": -704})
-            data = [{"size_": obj.size, "buffer_address_": state.segments[s].info.base + o,
-                     "protocol_": "tcp", "transport_endpoint_": state.segments[s].info.endpoint,
-                     "segment": s} for s, o, *_ in obj.replicas]
+            data = [{"size_": obj.size, "buffer_address_": r.addr, "protocol_": "tcp",
+                     "transport_endpoint_": r.endpoint, "segment": r.segment}
+                    for r in obj.replicas_of(state.segments)]
         return {"success": True, "data": data}
 
     @app.get("/get_all_keys")
@@ -90,6 +102,7 @@ def _key_routes(app: FastAPI, state: MasterState, lock: threading.Lock) -> None:
                  tenant: str | None = TenantQ) -> list[str]:
         name = _tenant(request, tenant)
         with lock:
+            state = state_of()
             out = []
             for internal, key in keys_of(state.objects, name):
                 if len(out) >= limit:
@@ -99,17 +112,19 @@ def _key_routes(app: FastAPI, state: MasterState, lock: threading.Lock) -> None:
             return out
 
 
-def _segment_routes(app: FastAPI, state: MasterState, lock: threading.Lock) -> None:
+def _segment_routes(app: FastAPI, state_of: Callable[[], MasterState],
+                    lock: threading.Lock) -> None:
     @app.get("/get_all_segments")
     def all_segments(request: Request) -> list[str]:
         _infra(request)
         with lock:
-            return list(state.segments)
+            return list(state_of().segments)
 
     @app.get("/segments")
     def segments(request: Request) -> list[dict[str, Any]]:
         admin = _infra(request).admin
         with lock:
+            state = state_of()
             return [{"segment_name": n, "base_address": s.info.base,
                      **({"client_id": s.info.client_id} if admin else {}),
                      "size_bytes": s.info.size, "te_endpoint": s.info.endpoint,

@@ -56,6 +56,27 @@ class OffsetAllocator:
         self.used += need
         return off
 
+    def allocate_at(self, off: int, n: int) -> bool:
+        """Take exactly ``[off, off + aligned(n))`` (re-registering an object a segment already
+        holds); False when that range is not entirely free or not aligned."""
+        if n <= 0 or off < 0 or off % ALIGN:
+            return False
+        need = aligned(n)
+        i = bisect.bisect_right(self._by_off, (off, self.capacity + 1)) - 1
+        if i < 0:
+            return False
+        boff, bsize = self._by_off[i]
+        if off + need > boff + bsize:
+            return False
+        self._remove_free(boff, bsize)
+        if off > boff:
+            self._add_free(boff, off - boff)
+        if boff + bsize > off + need:
+            self._add_free(off + need, boff + bsize - off - need)
+        self._live[off] = need
+        self.used += need
+        return True
+
     def free(self, off: int) -> None:
         """Return a block; coalesces with free neighbours.
 

@@ -30,6 +30,9 @@ class MasterConfig:
             heartbeat of its owner at least this many seconds after the suspicion.
         repair_timeout: seconds a re-replication task may take before it is abandoned.
         repairs_per_ping: most re-replication tasks handed to one segment per heartbeat.
+        recovery_grace: seconds a master that takes over segments (a new leader, or a restart
+            the segments report) answers misses with ``Recovering`` while they re-register
+            what they hold; a leader stops earlier once every segment it expects is back.
     """
 
     lease_ttl: float = 10.0
@@ -47,6 +50,7 @@ class MasterConfig:
     suspect_min: float = 1.0
     repair_timeout: float = 30.0
     repairs_per_ping: int = 256
+    recovery_grace: float = 3.0
 
     def __post_init__(self) -> None:
         if not 0 < self.high_watermark <= 1 or not 0 < self.evict_ratio <= 1:

@@ -8,8 +8,9 @@ rides that client's heartbeat reply; the client reads, verifies the checksum and
 ``repair_timeout`` is abandoned, and its space is fenced like an unfinished put's (the copy may
 still be in flight inside the target process).
 
-A segment later holding the authoritative inventory (issue 10) would record the same tuple a
-task carries (key, version, gen, offset, size, checksum) when it reports the repair done.
+The target allocation has room for the inventory header too; the task carries that header
+(with the task's generation), and the target writes it only once its copy verified, so a
+repaired replica is re-registered like any other after a failover (``adopt.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvplane.store import inventory
 from kvplane.store.types import RepairTask
 
 if TYPE_CHECKING:
@@ -59,15 +61,17 @@ class Repairs:
                 continue
             if key in self.pending:
                 continue
-            target = self._target(obj.size, {r[0] for r in obj.replicas})
+            target = self._target(obj.hdr + obj.size, {r[0] for r in obj.replicas})
             if target is None:
                 continue
             name, off = target
             seg = st.segments[name]
             gen = st._gen()
             sources = sorted(obj.replicas, key=lambda r: st.segments[r[0]].suspect_since is not None)
-            task = RepairTask(key, obj.version, gen, seg.info.base + off, obj.size, obj.checksum,
-                              [st.segments[s].replica(o, obj.size, g) for s, o, g in sources])
+            header = inventory.pack(st.secret, key, gen, obj.version, obj.size, obj.checksum,
+                                    obj.want, obj.flags) if obj.hdr else b""
+            task = RepairTask(key, obj.version, gen, seg.info.base + off + obj.hdr, obj.size,
+                              obj.checksum, obj.replicas_of(st.segments, sources), header)
             self.pending[key] = _Pending(name, off, task, now + st.config.repair_timeout)
             made += 1
         return made
@@ -75,7 +79,8 @@ class Repairs:
     def _target(self, size: int, holders: set[str]) -> tuple[str, int] | None:
         st = self._st
         names = [n for n, s in st.segments.items() if n not in holders and s.suspect_since is None
-                 and s.info.client_id in st.clients and s.alloc.largest_free() >= size]
+                 and not s.adopting and s.info.client_id in st.clients
+                 and s.alloc.largest_free() >= size]
         st.rng.shuffle(names)
         for name in names:
             off = st.segments[name].alloc.allocate(size)
@@ -114,6 +119,7 @@ class Repairs:
             if len(obj.replicas) >= obj.want:
                 self.short.discard(key)
             return True
+        st.adoption.forget(seg, p.offset, gen)  # its header, if the target wrote one
         seg.alloc.free(p.offset)  # the target's copy is over (it reported): nothing can land
         return False
 
@@ -136,7 +142,9 @@ class Repairs:
         if p.segment not in st.segments:
             return
         if p.delivered:  # the target may be copying: fence before reuse
-            st.graveyard.hold(p.segment, p.offset, p.task.size, now, p.task.gen)
+            st.adoption.forget(st.segments[p.segment], p.offset, p.task.gen)
+            st.graveyard.hold(p.segment, p.offset, p.task.size + len(p.task.header), now,
+                              p.task.gen)
         else:
             st.segments[p.segment].alloc.free(p.offset)
 

@@ -24,6 +24,7 @@ from kvplane.store.types import KeysReq
 
 if TYPE_CHECKING:
     from kvplane.store.master.server import MasterServer
+    from kvplane.store.master.state import MasterState
 
 
 def _wall_ms() -> int:
@@ -35,8 +36,20 @@ class ReplicaRpc:
 
     def __init__(self, server: "MasterServer") -> None:
         self.server = server
-        self.state = server.state
-        self.tasks = Tasks(self.state)
+        self._tasks = Tasks(server.state)
+
+    @property
+    def state(self) -> "MasterState":
+        """The server's current state (a new leader term starts a new one)."""
+        return self.server.state
+
+    @property
+    def tasks(self) -> Tasks:
+        """The task table of the current state (tasks do not survive a leader change: their
+        runners see TASK_NOT_FOUND and the targets were never joined)."""
+        if self._tasks._st is not self.server.state:
+            self._tasks = Tasks(self.server.state)
+        return self._tasks
 
     def install(self) -> None:
         for name, fn, typ in (
@@ -53,8 +66,8 @@ class ReplicaRpc:
     def _replica_infos(self, obj: Obj) -> list[ReplicaInfo]:
         status = "COMPLETE" if obj.complete else "PROCESSING"
         segs = self.state.segments
-        return [ReplicaInfo(MEMORY, status, obj.size, segs[s].replica(o, obj.size, g))
-                for s, o, g in obj.replicas if s in segs]
+        return [ReplicaInfo(MEMORY, status, obj.size, rep) for rep in
+                obj.replicas_of(segs, [r for r in obj.replicas if r[0] in segs])]
 
     def descs(self, req: KeysReq) -> DescRep:
         out = []

@@ -1,6 +1,13 @@
 """The master process: binds MasterState to the control RPC, runs the liveness/eviction timer,
 and serves the admin HTTP API (Prometheus /metrics, /health, /query_key, /segments...).
 
+With ``ha`` (an ``etcd://`` address) the master campaigns for the cluster's leadership
+(``ha.Election``): a standby answers every RPC with ``NotLeader``; on winning it starts from an
+empty state in the epoch of its term and takes over what the segments re-register, answering
+misses with ``Recovering`` meanwhile; it stops answering as soon as its lease may have ended.
+Without ``ha`` it leads alone, with a random epoch, and takes over what segments re-register
+after a restart the same way.
+
 Every RPC and admin request is authenticated (``kvplane.common.auth.TokenTable``: service,
 admin and tenant tokens) and checked by ``access.Access`` (tenant namespaces, segment
 ownership). The only module of the store master that binds sockets.
@@ -20,8 +27,11 @@ from fastapi import FastAPI
 from kvplane.common import log as klog
 from kvplane.common import metrics
 from kvplane.common.auth import TokenTable
+from kvplane.common.errors import KVPlaneError
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
+from kvplane.store import inventory
+from kvplane.store.errors import NotLeader, ObjectNotFound, Recovering
 from kvplane.store.master import admin, status
 from kvplane.store.master.access import Access
 from kvplane.store.master.config import MasterConfig
@@ -29,8 +39,8 @@ from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.replica_rpc import ReplicaRpc
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import (
-    CodesRep, KeysReq, MountReq, PingRep, PingReq, PutEndReq, PutStartReq, RegexReq, RemoveReq,
-    RepairDoneReq, ResultsRep,
+    AdoptReq, CodesRep, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq,
+    RegexReq, RemoveReq, RepairDoneReq, ResultsRep,
 )
 
 log = logging.getLogger(__name__)
@@ -47,6 +57,11 @@ SHORT = metrics.Gauge("master_under_replicated_keys", "Objects holding fewer rep
 FENCES = metrics.Gauge("master_pending_fences", "Freed allocations waiting for their segment's fence")
 SUSPECTS = metrics.Gauge("master_suspected_segments", "Segments a client reported failing")
 REPAIRED = metrics.Counter("master_repaired_replicas_total", "Replicas re-created by re-replication")
+LEADER = metrics.Gauge("master_is_leader", "1 while this master leads (always, without HA)")
+TERM = metrics.Gauge("master_term", "The leader term (HA) this master serves in")
+RECOVERING = metrics.Gauge("master_recovering", "1 while misses wait for segments to re-register")
+ADOPTED = metrics.Gauge("master_adopted_replicas", "Replicas re-registered from segments' records")
+FORGETS = metrics.Gauge("master_pending_forgets", "Freed headers the segments have not cleared yet")
 
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
 
@@ -59,19 +74,27 @@ class MasterServer:
         host: bind address for both listeners.
         port: RPC port (Mooncake default 50051; 0 picks one).
         admin_port: admin/metrics HTTP port (Mooncake default 9003; 0 picks one; None disables).
-        token: the service token for RPC, admin HTTP and KV events ("" = no authentication).
+        token: the service token for RPC, admin HTTP and KV events ("" = no authentication);
+            it also keys the inventory headers' tags.
         clock: monotonic clock (tests may inject one).
         kv_events_port: publish KV events on this ZMQ port (0 picks one; None: off).
         tenants: tenant name -> token; each tenant sees only its own keys.
         admin_token: the admin token (unmounts anyone's segment, lists any tenant).
+        ha: ``etcd://h1:2379;h2:2379[/CLUSTER]``: campaign for the leadership of that cluster.
+        cluster: the cluster id (overrides the one in ``ha``).
+        advertise: the address clients reach this master at (default ``host:port``).
+        lease_ttl: HA leader lease, seconds.
     """
 
     def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0,
                  admin_port: int | None = 0, token: str = "",
                  clock: Callable[[], float] = time.monotonic,
                  kv_events_port: int | None = None, tenants: dict[str, str] | None = None,
-                 admin_token: str = "") -> None:
-        self.state = MasterState(config, epoch=secrets.randbits(23) | 1)  # new on every start
+                 admin_token: str = "", ha: str | None = None, cluster: str | None = None,
+                 advertise: str | None = None, lease_ttl: int = 3) -> None:
+        self.config = config or MasterConfig()
+        self._secret = inventory.secret_of(token)
+        self.state = self._fresh_state(secrets.randbits(23) | 1)  # epoch: new on every start
         self._evicted_seen = 0
         self.auth = TokenTable(token, admin_token, tenants)
         self.access = Access(self.state)
@@ -93,7 +116,8 @@ class MasterServer:
             ("get_replicas", self._get_replicas, KeysReq), ("exist", self._exist, KeysReq),
             ("get_size", self._get_size, KeysReq), ("remove", self._remove, RemoveReq),
             ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
-            ("repair_done", self._repair_done, RepairDoneReq), ("whoami", self.access.whoami, str),
+            ("repair_done", self._repair_done, RepairDoneReq), ("adopt", self._adopt, AdoptReq),
+            ("whoami", self.access.whoami, str),
         ):
             self.add_handler(name, fn, typ)
         self.replicas = ReplicaRpc(self)
@@ -101,6 +125,10 @@ class MasterServer:
         self.replicas.install()
         self.rpc.start()
         self.host = host
+        self.election: Any = None
+        if ha:
+            self.election = self._election(ha, cluster, advertise or f"{host}:{self.port}",
+                                           lease_ttl)
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="master-timer", daemon=True)
         self._timer.start()
@@ -108,8 +136,54 @@ class MasterServer:
         if admin_port is not None:
             self.http = ServerThread(self.admin_app(), host, admin_port, authenticate=self.auth,
                                      name="master-admin")
-        klog.event("master_started", port=self.port,
+        if self.election is not None:
+            self.election.start()
+        klog.event("master_started", port=self.port, ha=bool(ha),
                    admin_port=self.http.port if self.http else None)
+
+    # -- roles -----------------------------------------------------------------------------------
+    def _election(self, ha: str, cluster: str | None, advertise: str, lease_ttl: int) -> Any:
+        from kvplane.store.etcd import HaAddress
+        from kvplane.store.master.ha import Election
+
+        return Election(HaAddress.parse(ha, cluster), advertise, lease_ttl, self._elected,
+                        self._deposed)
+
+    def _fresh_state(self, epoch: int) -> MasterState:
+        state = MasterState(self.config, epoch=epoch)
+        state.secret = self._secret
+        return state
+
+    def leading(self, now: float | None = None) -> bool:
+        """True while this master may answer (always without HA)."""
+        if self.election is None:
+            return True
+        return self.election.leading(time.monotonic() if now is None else now)
+
+    @property
+    def role(self) -> str:
+        return "leader" if self.leading() else "standby"
+
+    def _elected(self, term: int, expected: set[str] | None) -> None:
+        """Won the term: serve from an empty state in its epoch (the election thread)."""
+        with self.lock:
+            self._switch(self._fresh_state(term))
+            self._evicted_seen = 0
+            # misses wait for the segments the last leader listed, or (no list: it died before
+            # publishing one) the whole grace
+            self.state.recover(self.clock(), self.config.recovery_grace, expected)
+
+    def _deposed(self, why: str) -> None:
+        """Lost the lease: forget everything (a standby holds no state)."""
+        log.warning("no longer the leader: %s", why)
+        with self.lock:
+            self._switch(self._fresh_state(secrets.randbits(23) | 1))
+
+    def _switch(self, state: MasterState) -> None:
+        """Serve ``state`` from now on (under the lock): handlers, access checks and tasks."""
+        self.state = state
+        self.access.state = state
+        self.access.tasks = self.replicas.tasks  # a new table for the new state
 
     # -- rpc handlers (each under the state lock) --------------------------------------------
     def add_handler(self, name: str, fn: Callable[[Any], Any], request_type: type[Any]) -> None:
@@ -123,6 +197,8 @@ class MasterServer:
         def handler(req: Any) -> Any:
             counter.inc()
             with self.lock:
+                if self.election is not None and not self.leading():
+                    raise NotLeader(f"not the leader; etcd names {self.election.leader or 'none'}")
                 self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
                 keys = getattr(req, "keys", None)
                 self.key_ops[name] = self.key_ops.get(name, 0) + (
@@ -140,11 +216,26 @@ class MasterServer:
                 self.events.publish(self.state.changes)
             self.state.changes = []
 
-    def _mount(self, req: MountReq) -> int:
-        """Returns this master's epoch: the segments refuse data frames of any other."""
-        self.state.mount(req.client_id, req.segments, self.clock())
-        self.state.view_version += 1
-        return self.state.epoch
+    def _gate(self, now: float, missed: bool) -> None:
+        """While recovering, a miss may be an object not re-registered yet: retry it."""
+        if missed and self.state.recovering(now):
+            raise Recovering("segments are still re-registering their objects")
+
+    def _mount(self, req: MountReq) -> MountRep:
+        """The epoch and floor: the segments refuse data frames of any other, or older."""
+        now = self.clock()
+        st = self.state
+        floor = st.mount(req.client_id, req.segments, now, adopt=req.adopt)
+        st.view_version += 1
+        if req.adopt and self.election is None and (not st.gate_until or st.recovering(now)):
+            # a lone master learns it restarted from the first segment that remounts; each
+            # further one that arrives while it recovers extends the wait
+            st.recover(now, self.config.recovery_grace, None)
+        return MountRep(st.epoch, floor, self._secret if req.segments else b"")
+
+    def _adopt(self, req: AdoptReq) -> list[int]:
+        return self.state.adopt(req.client_id, req.segment, req.records, req.history, req.done,
+                                self.clock())
 
     def _unmount(self, req: MountReq) -> int:
         for s in req.segments:
@@ -156,9 +247,9 @@ class MasterServer:
         now = self.clock()
         st = self.state
         st.suspect(req.suspects, now)
-        status = st.ping(req.client_id, now, req.fenced)
+        status = st.ping(req.client_id, now, req.fenced, req.forgot)
         return PingRep(status, st.view_version, st.fences_for(req.client_id),
-                       st.repairs.take(req.client_id))
+                       st.repairs.take(req.client_id), st.forgets_for(req.client_id))
 
     def _repair_done(self, req: RepairDoneReq) -> int:
         now = self.clock()
@@ -177,11 +268,13 @@ class MasterServer:
 
     def _put_start(self, req: PutStartReq) -> ResultsRep:
         now = self.clock()
+        self._gate(now, True)
         local = self._local(req.client_id) if req.config.prefer_alloc_in_same_node else frozenset()
         window = self.state.write_window(req.ttl)
+        sums = req.checksums or [0] * len(req.keys)
         out = ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local,
-                                               req.client_id, window)
-                          for k, n in zip(req.keys, req.sizes, strict=True)], window)
+                                               req.client_id, window, c, req.nonce)
+                          for k, n, c in zip(req.keys, req.sizes, sums, strict=True)], window)
         for k, r in zip(req.keys, out.results):
             if r.code == 0:
                 self.state.objects[k].owner = req.client_id  # Mooncake's metadata.client_id
@@ -191,8 +284,10 @@ class MasterServer:
         now = self.clock()
         self.state.suspect(req.suspects, now)
         sums = req.checksums or [0] * len(req.keys)
-        return CodesRep([self.state.put_end(k, now, v, c)
-                         for k, v, c in zip(req.keys, req.versions, sums, strict=True)])
+        codes = [self.state.put_end(k, now, v, c)
+                 for k, v, c in zip(req.keys, req.versions, sums, strict=True)]
+        self._gate(now, ObjectNotFound.code in codes)
+        return CodesRep(codes)
 
     def _put_revoke(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
@@ -203,29 +298,37 @@ class MasterServer:
     def _get_replicas(self, req: KeysReq) -> ResultsRep:
         now = self.clock()
         self.state.suspect(req.suspects, now)
-        return ResultsRep([self.state.get_replicas(k, now) for k in req.keys],
-                          self.state.config.lease_ttl)
+        results = [self.state.get_replicas(k, now) for k in req.keys]
+        self._gate(now, any(r.code == ObjectNotFound.code for r in results))
+        return ResultsRep(results, self.state.config.lease_ttl)
 
     def _exist(self, req: KeysReq) -> CodesRep:
         now = self.clock()
         self.state.suspect(req.suspects, now)
-        return CodesRep([self.state.exist(k, now) for k in req.keys])
+        codes = [self.state.exist(k, now) for k in req.keys]
+        self._gate(now, 0 in codes)
+        return CodesRep(codes)
 
     def _get_size(self, req: KeysReq) -> CodesRep:
         out = []
         for k in req.keys:
             obj = self.state.objects.get(k)
-            out.append(obj.size if obj is not None and obj.complete else -704)
+            out.append(obj.size if obj is not None and obj.complete else ObjectNotFound.code)
+        self._gate(self.clock(), ObjectNotFound.code in out)
         return CodesRep(out)
 
     def _remove(self, req: RemoveReq) -> CodesRep:
         now = self.clock()
-        return CodesRep([self.state.remove(k, req.force, now) for k in req.keys])
+        codes = [self.state.remove(k, req.force, now) for k in req.keys]
+        self._gate(now, ObjectNotFound.code in codes)
+        return CodesRep(codes)
 
     def _remove_regex(self, req: RegexReq) -> int:
+        self._gate(self.clock(), True)
         return self.access.remove_regex(req.pattern, req.force, self.clock())
 
     def _remove_all(self, req: RegexReq) -> int:
+        self._gate(self.clock(), True)
         return self.access.remove_all(req.force, self.clock())
 
     # -- background --------------------------------------------------------------------------------
@@ -237,39 +340,69 @@ class MasterServer:
                 log.exception("master timer pass failed")
 
     def tick(self) -> None:
-        """One liveness + reclaim + eviction pass, and a metrics refresh."""
+        """One liveness + reclaim + eviction pass, and a metrics refresh (while leading)."""
+        leading = self.leading()
+        LEADER.set(1 if leading else 0)
+        if not leading:
+            return
         with self.lock:
             now = self.clock()
-            for cid in self.state.expire_clients(now):
+            st = self.state
+            for cid in st.expire_clients(now):
                 EXPIRED.inc()
                 klog.event("client_expired", client_id=cid)
-            self.state.reclaim(now)
+            st.reclaim(now)
             self.replicas.tick()
-            n = self.state.evict(now)
+            n = st.evict(now)
             if n:
                 klog.event("evicted", count=n)
             # every eviction counts, also those a failed allocation triggered inside put_start
-            EVICTED.inc(self.state.evicted - self._evicted_seen)
-            self._evicted_seen = self.state.evicted
-            self.state.repairs.expire(now)
-            self.state.repairs.plan(now)
+            EVICTED.inc(st.evicted - self._evicted_seen)
+            self._evicted_seen = st.evicted
+            st.repairs.expire(now)
+            st.repairs.plan(now)
             self._flush_changes()
-            segs = self.state.segments.values()
-            SHORT.set(self.state.repairs.under_replicated())
-            FENCES.set(self.state.graveyard.pending_fences())
-            SUSPECTS.set(sum(1 for s in segs if s.suspect_since is not None))
-            KEYS.set(len(self.state.objects))
-            ALLOCATED.set(sum(s.alloc.used for s in segs))
-            CAPACITY.set(sum(s.alloc.capacity for s in segs))
-            CLIENTS.set(len(self.state.clients))
-            SEGMENTS.set(len(self.state.segments))
+            self._gauges(now)
             if self.history.due(now):
-                self.history.add(status.sample(self.state, self.key_ops, now, time.time()))
+                self.history.add(status.sample(st, self.key_ops, now, time.time()))
+            names = [n for n, seg in st.segments.items() if not seg.adopting]
+        if self.election is not None:
+            try:  # outside the lock: an etcd round trip
+                self.election.publish_segments(names)
+            except KVPlaneError as exc:
+                log.debug("publishing the segment list failed: %s", exc)
+
+    def _gauges(self, now: float) -> None:
+        st = self.state
+        segs = st.segments.values()
+        SHORT.set(st.repairs.under_replicated())
+        FENCES.set(st.graveyard.pending_fences())
+        SUSPECTS.set(sum(1 for s in segs if s.suspect_since is not None))
+        KEYS.set(len(st.objects))
+        ALLOCATED.set(sum(s.alloc.used for s in segs))
+        CAPACITY.set(sum(s.alloc.capacity for s in segs))
+        CLIENTS.set(len(st.clients))
+        SEGMENTS.set(len(st.segments))
+        TERM.set(st.epoch if self.election is not None else 0)
+        RECOVERING.set(1 if st.recovering(now) else 0)
+        ADOPTED.set(st.adoption.adopted)
+        FORGETS.set(st.adoption.pending())
 
     # -- admin http -----------------------------------------------------------------------------
     def admin_app(self) -> FastAPI:
-        """Mooncake-style admin API (read-only views, scoped by the caller's token)."""
-        return admin.build(self.state, self.lock, self.status)
+        """Mooncake-style admin API (read-only views, scoped by the caller's token), with the
+        HA role in ``/health`` and ``/ha_status``."""
+        return admin.build(lambda: self.state, self.lock, self.status, self.ha_status)
+
+    def ha_status(self) -> dict[str, Any]:
+        """Role, term, leader address, epoch, recovering (``/ha_status``)."""
+        e = self.election
+        with self.lock:
+            recovering = self.state.recovering(self.clock())
+        return {"role": self.role, "ha": e is not None, "term": e.term if e else 0,
+                "leader": e.leader if e else f"{self.rpc.host}:{self.port}",
+                "epoch": self.state.epoch, "recovering": recovering,
+                "elections": e.elections if e else 0}
 
     def status(self, admin: bool = False, with_history: bool = False) -> dict[str, Any]:
         """The ``/status`` document (``kvplane.store.master.status``): segments, objects,
@@ -284,8 +417,10 @@ class MasterServer:
                                    time.time(), ident, admin=admin, with_history=with_history)
 
     def close(self) -> None:
-        """Stop the timer, RPC and HTTP (idempotent)."""
+        """Stop the timer, RPC and HTTP (idempotent); a leader hands its lease back."""
         self._stop.set()
+        if self.election is not None:
+            self.election.close()
         self.rpc.close()
         if self.http is not None:
             self.http.close()

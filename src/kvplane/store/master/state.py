@@ -9,6 +9,12 @@ Integrity: every allocation gets a generation (``epoch << EPOCH_SHIFT | counter`
 frames carry; freed space goes through a ``Quarantine`` (leases, write windows, segment fences)
 before reuse; a segment a client reported failing is suspected (no placement, read last) until
 its owner heartbeats again; objects short of their replicas are re-replicated (``repair.py``).
+
+Inventory (issue 10): every allocation is ``[header][value]``; the header (built here, written
+by the client with the value) lets a segment re-register what it holds with a master that does
+not know it (``adopt.py``). A master that is recovering (a new leader, or a restart that
+segments reported) answers misses with ``Recovering`` until the segments it waits for have
+re-registered, or its grace ends (``recovering``).
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
+from kvplane.store import inventory
 from kvplane.store.errors import (
-    InvalidKey, InvalidParams, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
-    SegmentExists,
+    InvalidKey, InvalidParams, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound,
+    ReplicaNotReady, SegmentExists, SegmentNotFound,
 )
+from kvplane.store.master.adopt import Adoption
 from kvplane.store.master.allocator import OffsetAllocator
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.fences import Quarantine
@@ -38,9 +46,11 @@ class Segment:
     info: SegmentInfo
     alloc: OffsetAllocator
     suspect_since: float | None = None  # a client reported a failed transfer to it
+    adopting: bool = False  # re-registering what it holds: no new placements yet
 
-    def replica(self, off: int, size: int, gen: int = 0) -> Replica:
-        return Replica(self.info.name, self.info.base + off, size, self.info.endpoint,
+    def replica(self, off: int, size: int, gen: int = 0, hdr: int = 0) -> Replica:
+        """The replica whose allocation starts at ``off``: its value follows the header."""
+        return Replica(self.info.name, self.info.base + off + hdr, size, self.info.endpoint,
                        self.info.host_id, gen)
 
 
@@ -60,6 +70,15 @@ class Obj:
     writer: str = ""  # client id of the put
     window_until: float = 0.0  # the writer may copy into its replicas until then
     owner: str = ""  # client id of the put that made it (Mooncake's metadata.client_id)
+    hdr: int = 0  # bytes of the inventory header in front of the value in every replica
+    header: bytes = b""  # that header, while the put is unfinished
+    flags: int = 0  # inventory flags (hard pin)
+    nonce: int = 0  # id of the PutStart call that made it (a retry of it resumes the put)
+
+    def replicas_of(self, segments: dict[str, "Segment"], reps: list[Rep] | None = None
+                    ) -> list[Replica]:
+        return [segments[s].replica(o, self.size, g, self.hdr) for s, o, g in
+                (self.replicas if reps is None else reps)]
 
 
 @dataclass
@@ -75,20 +94,32 @@ class MasterState:
         self.config = config or MasterConfig()
         self.rng = random.Random(seed)
         self.epoch = epoch
+        self.secret = b""  # keys the inventory headers' tags (``inventory.secret_of``)
         self._next_gen = epoch << EPOCH_SHIFT
         self.objects: OrderedDict[str, Obj] = OrderedDict()  # LRU order: oldest first
         self.segments: dict[str, Segment] = {}
         self.clients: dict[str, Client] = {}
         self.graveyard = Quarantine()  # freed space not yet reusable
         self.repairs = Repairs(self)
+        self.adoption = Adoption(self)
+        self.gate_until = 0.0  # recovering until then ...
+        self.awaiting: set[str] | None = None  # ... or until these segments re-registered
         self.view_version = 1
         self.evicted = 0
         self.alloc_failures = 0
         self.changes: list[tuple[str, str]] = []  # ("stored"|"removed", key), drained by the server
 
     # -- clients and segments ----------------------------------------------------------------
-    def mount(self, client_id: str, segs: list[SegmentInfo], now: float) -> None:
+    def mount(self, client_id: str, segs: list[SegmentInfo], now: float,
+              adopt: bool = False) -> int:
         """Register a client's segments (a remount of its own segments is accepted).
+
+        ``adopt``: the client will re-register the records its segments hold; they take no new
+        placements until it says it is done (``adopted``).
+
+        Returns:
+            The floor: the lowest generation this master can issue from now on (the segments
+            refuse frames of older ones, see ``kvplane.transfer.fence``).
 
         Raises:
             SegmentExists: the name belongs to another client.
@@ -104,8 +135,49 @@ class MasterState:
                     raise SegmentExists(f"segment {info.name!r} is mounted by another client")
                 continue
             info.client_id = client_id
-            self.segments[info.name] = Segment(info, OffsetAllocator(info.size))
+            self.segments[info.name] = Segment(info, OffsetAllocator(info.size), adopting=adopt)
             client.segments.add(info.name)
+        return self._next_gen + 1
+
+    def adopt(self, client_id: str, name: str, records: list[inventory.Record],
+              history: list[int], done: bool, now: float) -> list[int]:
+        """Re-register objects segment ``name`` holds (see ``adopt.py``); per record its new
+        generation or 0 (refused). ``done``: the segment has sent everything.
+
+        Raises:
+            SegmentNotFound: ``name`` is not a segment of ``client_id``.
+        """
+        seg = self.segments.get(name)
+        if seg is None or seg.info.client_id != client_id:
+            raise SegmentNotFound(f"segment {name!r} is not mounted by this client")
+        client = self.clients.get(client_id)
+        if client is not None:
+            client.last_seen = now
+        gens = self.adoption.adopt(seg, records, history, now)
+        if done:
+            seg.adopting = False
+            if self.awaiting is not None:
+                self.awaiting.discard(name)
+        return gens
+
+    def adopted_object(self, rec: inventory.Record, segment: str, gen: int, hard_pin: bool) -> None:
+        """A complete object re-registered from a segment's record (``adopt.py``)."""
+        self.objects[rec.key] = Obj(rec.size, [(segment, rec.offset, gen)], True, 0.0,
+                                    hard_pin=hard_pin, version=rec.version, checksum=rec.checksum,
+                                    want=rec.want, hdr=rec.hdr, flags=rec.flags)
+        self.changes.append(("stored", rec.key))
+        if rec.want > 1:
+            self.repairs.short.add(rec.key)
+
+    def recover(self, now: float, grace: float, awaiting: set[str] | None) -> None:
+        """Answer misses with ``Recovering`` for up to ``grace`` seconds, or until every segment
+        in ``awaiting`` (None: unknown) has re-registered."""
+        self.gate_until = now + grace
+        self.awaiting = None if awaiting is None else set(awaiting)
+
+    def recovering(self, now: float) -> bool:
+        """True while misses may still be objects that segments have not re-registered."""
+        return now < self.gate_until and (self.awaiting is None or bool(self.awaiting))
 
     def unmount(self, name: str) -> int:
         """Drop a segment and every replica on it; returns objects lost entirely."""
@@ -117,6 +189,9 @@ class MasterState:
             client.segments.discard(name)
         self.graveyard.drop_segment(name)
         self.repairs.drop_segment(name)
+        self.adoption.drop_segment(name)
+        if self.awaiting is not None:
+            self.awaiting.discard(name)
         lost = 0
         for key in list(self.objects):
             obj = self.objects[key]
@@ -132,7 +207,8 @@ class MasterState:
                     self.repairs.short.add(key)
         return lost
 
-    def ping(self, client_id: str, now: float, fenced: list[int] | None = None) -> str:
+    def ping(self, client_id: str, now: float, fenced: list[int] | None = None,
+             forgot: list[int] | None = None) -> str:
         """Heartbeat: "ok", or "need_remount" for a client this master does not know.
 
         ``fenced``: generations the client's segments have fenced (acknowledgements). A heartbeat
@@ -142,6 +218,8 @@ class MasterState:
         if client is None:
             return "need_remount"
         client.last_seen = now
+        if forgot:
+            self.adoption.forgot(client.segments, forgot)
         for name in client.segments:
             if fenced:
                 self.graveyard.ack(name, fenced)
@@ -150,6 +228,12 @@ class MasterState:
                     now - seg.suspect_since >= self.config.suspect_min:
                 seg.suspect_since = None
         return "ok"
+
+    def forgets_for(self, client_id: str) -> list[tuple[int, int]]:
+        """(generation, header address) of freed allocations whose headers the segments of
+        ``client_id`` must clear."""
+        client = self.clients.get(client_id)
+        return self.adoption.forgets_for(client.segments) if client is not None else []
 
     def fences_for(self, client_id: str) -> list[int]:
         """Generations the segments of ``client_id`` must fence before their space is reused."""
@@ -186,11 +270,16 @@ class MasterState:
     # -- writes ----------------------------------------------------------------------------------
     def put_start(self, key: str, size: int, cfg: ReplicateConfig, now: float,
                   upsert: bool = False, local_segments: frozenset[str] = frozenset(),
-                  client_id: str = "", window: float = 0.0) -> KeyResult:
+                  client_id: str = "", window: float = 0.0, checksum: int = 0,
+                  nonce: int = 0) -> KeyResult:
         """Allocate replicas for a new object; it stays invisible until put_end.
 
         ``window``: seconds the writer may copy (its deadline); its space is not reused before
         the window is over, even if the put is pre-empted. 0 means ``config.write_window``.
+        ``checksum``: of the value (the inventory header carries it). The result carries the
+        header the writer copies in front of the value of every replica. ``nonce``: the call's
+        own id; the same writer asking again with the same nonce (its first answer was lost)
+        gets the same allocations back.
 
         Returns a KeyResult with code 0, the replicas and the object's version, or a negative
         error code.
@@ -207,21 +296,35 @@ class MasterState:
             if old is not None:
                 if old.complete and not upsert:
                     raise ObjectExists(f"{key!r} exists")
+                if not old.complete and nonce and old.nonce == nonce and old.writer == client_id:
+                    return self._resume(key, old, now, window)  # a retried PutStart
                 if not old.complete and now - old.started < self.config.put_discard_timeout:
                     raise ObjectExists(f"{key!r} is being written")
                 self._drop(key, old, now)
             elif len(self.objects) >= self.config.max_keys:
                 raise NoAvailableHandle("the master holds its maximum number of keys")
-            replicas = self._place(size, cfg, now, local_segments)
+            hdr = inventory.header_len(key)
+            replicas = self._place(hdr + size, cfg, now, local_segments)
         except KVPlaneError as exc:
             return KeyResult(exc.code)
-        obj = Obj(size, replicas, False, now, hard_pin=cfg.with_hard_pin, version=replicas[0][2],
-                  want=cfg.replica_num, writer=client_id,
-                  window_until=now + self.write_window(window), soft_pin_ttl=pin,
-                  soft_pin_until=kept_pin if cfg.pin_action() == "preserve" else 0.0)
+        flags = inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0
+        version = replicas[0][2]
+        obj = Obj(size, replicas, False, now, hard_pin=cfg.with_hard_pin, version=version,
+                  want=cfg.replica_num, writer=client_id, checksum=checksum, nonce=nonce,
+                  window_until=now + self.write_window(window), hdr=hdr, flags=flags,
+                  soft_pin_ttl=pin,
+                  soft_pin_until=kept_pin if cfg.pin_action() == "preserve" else 0.0,
+                  header=inventory.pack(self.secret, key, version, version, size, checksum,
+                                        cfg.replica_num, flags))
         self.objects[key] = obj
-        return KeyResult(0, [self.segments[s].replica(o, size, g) for s, o, g in replicas], size,
-                         obj.version)
+        return KeyResult(0, obj.replicas_of(self.segments), size, obj.version, checksum, obj.header)
+
+    def _resume(self, key: str, obj: Obj, now: float, window: float) -> KeyResult:
+        """The same writer asks again for its unfinished put (its first answer was lost):
+        the same allocations, with a fresh write window."""
+        obj.window_until = max(obj.window_until, now + self.write_window(window))
+        return KeyResult(0, obj.replicas_of(self.segments), obj.size, obj.version, obj.checksum,
+                         obj.header)
 
     def write_window(self, asked: float) -> float:
         """The write window granted for a client's ``asked`` seconds (0: the default)."""
@@ -238,8 +341,8 @@ class MasterState:
             return ObjectNotFound.code
         if not obj.complete:
             obj.complete = True
-            obj.checksum = checksum
-            obj.writer = ""
+            obj.checksum = obj.checksum or checksum
+            obj.writer, obj.header = "", b""
             self.changes.append(("stored", key))
             if obj.soft_pin_ttl:
                 obj.soft_pin_until = now + obj.soft_pin_ttl
@@ -270,8 +373,8 @@ class MasterState:
         reps = obj.replicas
         if len(reps) > 1 and any(self.segments[r[0]].suspect_since is not None for r in reps):
             reps = sorted(reps, key=lambda r: self.segments[r[0]].suspect_since is not None)
-        return KeyResult(0, [self.segments[s].replica(o, obj.size, g) for s, o, g in reps],
-                         obj.size, obj.version, obj.checksum)
+        return KeyResult(0, obj.replicas_of(self.segments, reps), obj.size, obj.version,
+                         obj.checksum)
 
     def exist(self, key: str, now: float) -> int:
         """1 if a complete object exists (and lease it, as Mooncake's ExistKey does), else 0."""
@@ -353,7 +456,7 @@ class MasterState:
                     continue
                 if (obj.soft_pin_until > now) != soft_pass:
                     continue
-                freed += obj.size * len(obj.replicas)
+                freed += (obj.hdr + obj.size) * len(obj.replicas)
                 self._drop(key, obj, now)
                 count += 1
         self.evicted += count
@@ -389,11 +492,12 @@ class MasterState:
         left: the caller decides). Space under a live lease waits for it. Returns how many."""
         gone = [r for r in obj.replicas if r[0] in segments]
         obj.replicas = [r for r in obj.replicas if r[0] not in segments]
-        for seg, off, _gen in gone:
+        for seg, off, gen in gone:
             if seg not in self.segments:
                 continue
+            self.adoption.forget(self.segments[seg], off, gen)
             if obj.lease_until > now:
-                self.graveyard.hold(seg, off, obj.size, obj.lease_until, readers_only=True)
+                self.graveyard.hold(seg, off, obj.hdr + obj.size, obj.lease_until, readers_only=True)
             else:
                 self.segments[seg].alloc.free(off)
         return len(gone)
@@ -408,20 +512,22 @@ class MasterState:
         for seg, off, gen in obj.replicas:
             if seg not in self.segments:
                 continue
+            self.adoption.forget(self.segments[seg], off, gen)
             if not obj.complete:
-                self.graveyard.hold(seg, off, obj.size, max(obj.window_until, now), gen)
+                self.graveyard.hold(seg, off, obj.hdr + obj.size, max(obj.window_until, now), gen)
             elif obj.lease_until > now:
-                self.graveyard.hold(seg, off, obj.size, obj.lease_until, readers_only=True)
+                self.graveyard.hold(seg, off, obj.hdr + obj.size, obj.lease_until,
+                                    readers_only=True)
             else:
                 self.segments[seg].alloc.free(off)
 
     def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]) -> list[str]:
-        names = [n for n, s in self.segments.items() if s.suspect_since is None]
+        names = [n for n, s in self.segments.items() if s.suspect_since is None and not s.adopting]
         if not names:
             return []
         pref = [p for p in ([cfg.preferred_segment] if cfg.preferred_segment else [])
                 + cfg.preferred_segments if p in self.segments
-                and self.segments[p].suspect_since is None]
+                and self.segments[p].suspect_since is None and not self.segments[p].adopting]
         if cfg.prefer_alloc_in_same_node:
             pref += [n for n in names if n in local]
         start = self.rng.randrange(len(names))

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvplane.store import inventory
 from kvplane.store.errors import InvalidParams, ObjectNotFound
 from kvplane.store.replica_types import TaskId, TaskInfo, TaskWork
 
@@ -114,12 +115,12 @@ class Tasks:
             self._fail(task, "source replica is gone", wall_ms)
             return TaskWork(InvalidParams.code)
         holders = {r[0] for r in obj.replicas}
-        task.size = obj.size
+        task.size = obj.hdr + obj.size  # the whole allocation (fences and frees)
         for name in task.targets:
             seg = st.segments.get(name)
             if name in holders or seg is None:
                 continue
-            off = seg.alloc.allocate(obj.size)
+            off = seg.alloc.allocate(obj.hdr + obj.size)
             if off is None:
                 self._free(task)
                 self._fail(task, "NO_AVAILABLE_HANDLE: no room on " + name, wall_ms)
@@ -128,10 +129,13 @@ class Tasks:
         task.status, task.updated_ms, task.since = "PROCESSING", wall_ms, now
         task.client_id = client_id
         obj.lease_until = max(obj.lease_until, now + self.processing_timeout)
-        sources = [st.segments[s].replica(o, obj.size, g) for s, o, g in obj.replicas
-                   if task.kind == "copy" or s == task.source]
-        targets = [st.segments[s].replica(o, obj.size, g) for s, o, g in task.allocated]
-        return TaskWork(0, obj.size, sources, targets)
+        sources = obj.replicas_of(st.segments, [r for r in obj.replicas
+                                                if task.kind == "copy" or r[0] == task.source])
+        targets = obj.replicas_of(st.segments, task.allocated)
+        headers = [inventory.pack(st.secret, task.key, g, obj.version, obj.size, obj.checksum,
+                                  obj.want, obj.flags) if obj.hdr else b"" for _s, _o, g in
+                   task.allocated]  # written by the runner once the value landed
+        return TaskWork(0, obj.size, sources, targets, headers)
 
     def finish(self, tid: TaskId, ok: list[bool], message: str, now: float, wall_ms: int) -> int:
         """The runner's report; 0, or TASK_NOT_FOUND / INVALID_PARAMS."""
@@ -144,8 +148,9 @@ class Tasks:
         obj = st.objects.get(task.key)
         done = [a for a, good in zip(task.allocated, ok) if good]
         failed = [a for a, good in zip(task.allocated, ok) if not good]
-        for seg, off, _gen in failed:  # the runner reported: nothing of it is in flight
+        for seg, off, gen in failed:  # the runner reported: nothing of it is in flight
             if seg in st.segments:
+                st.adoption.forget(st.segments[seg], off, gen)  # a header it may have written
                 st.segments[seg].alloc.free(off)
         if obj is None or not obj.complete:
             task.allocated = done
@@ -208,6 +213,7 @@ class Tasks:
         for seg, off, gen in task.allocated:
             if seg not in st.segments:
                 continue
+            st.adoption.forget(st.segments[seg], off, gen)
             if now is not None and task.status == "PROCESSING":
                 st.graveyard.hold(seg, off, task.size, now, gen)
             else:

@@ -8,7 +8,9 @@
 A mapping is tied to its owner process through a pidfd: once the owner has exited, slices to
 it fail (the engine then tries TCP, which is refused) instead of landing in a dead process's
 memory, and the mapping is dropped, so dead segments cost no memory (``prune`` drops every
-dead one). A slice that carries a store generation is checked against its deadline before
+dead one). In a ``fenced`` region (a store segment) a slice's generation is checked against the
+owner's fence floor, published in the region's first 8 bytes, before and after the copy: a
+writer holding an allocation of a deposed master or of an older mount is refused. A slice that carries a store generation is checked against its deadline before
 and after the copy: no server mediates here, so a copy that finished past the allocation's
 window is reported TIMEOUT, never COMPLETED (the master keeps freed space out of reuse until
 every window granted on it has passed).
@@ -27,6 +29,7 @@ import numpy as np
 
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
+from kvplane.transfer.fence import admits
 from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, RegionDesc, TransferStatus
 
@@ -173,10 +176,17 @@ class ShmTransport(Transport):
                     off = s.remote - region.addr
                     remote = arr[off:off + s.length]
                     local = np.frombuffer(s.local, dtype=np.uint8)
+                    if region.fenced and not _admitted(arr, s.task.req.gen):
+                        s.done(TransferStatus.FAILED, "fenced: the segment serves another "
+                               "master epoch or a newer mount")
+                        continue
                     if s.op == OpCode.WRITE:
                         np.copyto(remote, local)
                     else:
                         np.copyto(local, remote)
+                    if region.fenced and not _admitted(arr, s.task.req.gen):
+                        s.done(TransferStatus.FAILED, "fenced during the copy")
+                        continue
                 else:
                     _cma(route.segment.pid, _addr_of(s.local), s.remote, s.length,
                          write=s.op == OpCode.WRITE)
@@ -213,6 +223,11 @@ class ShmTransport(Transport):
             names = list(self._maps)
         for n in names:
             self.forget(n)
+
+
+def _admitted(arr: np.ndarray, gen: int) -> bool:
+    """The owner's fence (its floor, published in the region's first 8 bytes) admits ``gen``."""
+    return admits(int.from_bytes(arr[:8].tobytes(), "little"), gen)
 
 
 def _unmap(hit: tuple[mmap.mmap, np.ndarray, _Owner]) -> None:
