@@ -28,10 +28,11 @@ from kvplane.common.errors import KVPlaneError
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
-from kvplane.store.errors import NotLeader, ObjectNotFound, Recovering
+from kvplane.store.errors import NoAvailableHandle, NotLeader, ObjectNotFound, Recovering
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.state import MasterState
+from kvplane.store.master.tier_rpc import TierRpc
 from kvplane.store.types import (
     AdoptReq, CodesRep, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq,
     RegexReq, RemoveReq, RepairDoneReq, ResultsRep,
@@ -58,6 +59,7 @@ ADOPTED = metrics.Gauge("master_adopted_replicas", "Replicas re-registered from 
 FORGETS = metrics.Gauge("master_pending_forgets", "Freed headers the segments have not cleared yet")
 
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
+RETRY_AFTER = 0.05  # seconds a put that found memory full of objects being offloaded waits
 
 
 class MasterServer:
@@ -104,6 +106,7 @@ class MasterServer:
             ("repair_done", self._repair_done, RepairDoneReq), ("adopt", self._adopt, AdoptReq),
         ):
             self.rpc.add(name, self._counted(name, fn), typ)
+        TierRpc(self).install()
         self.rpc.start()
         self.election: Any = None
         if ha:
@@ -230,9 +233,12 @@ class MasterServer:
         local = self._local(req.client_id) if req.config.prefer_alloc_in_same_node else frozenset()
         window = self.state.write_window(req.ttl)
         sums = req.checksums or [0] * len(req.keys)
-        return ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local,
-                                                req.client_id, window, c, req.nonce)
-                           for k, n, c in zip(req.keys, req.sizes, sums, strict=True)], window)
+        results = [self.state.put_start(k, n, req.config, now, req.upsert, local, req.client_id,
+                                        window, c, req.nonce)
+                   for k, n, c in zip(req.keys, req.sizes, sums, strict=True)]
+        full = any(r.code == NoAvailableHandle.code for r in results)
+        return ResultsRep(results, window,
+                          retry_after=RETRY_AFTER if full and self.state.tiers.offloads else 0.0)
 
     def _put_end(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
@@ -314,6 +320,8 @@ class MasterServer:
             self._evicted_seen = st.evicted
             st.repairs.expire(now)
             st.repairs.plan(now)
+            st.tiers.expire(now)
+            st.tiers.plan(now)
             self._flush_changes()
             self._gauges(now)
             names = [n for n, seg in st.segments.items() if not seg.adopting]

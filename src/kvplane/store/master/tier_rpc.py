@@ -1,0 +1,72 @@
+"""The master's SSD-tier RPCs: ``disk_sync``, ``disk_adopt``, ``promote_start``, ``promote_end``.
+
+Thin handlers over ``MasterState.tiers`` (``tiers.py``), each run under the server's state
+lock like every other handler. Only the owner of a segment may speak for its disk: every
+request names the client, and the master acts on that client's segments only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvplane.store.errors import SegmentNotFound
+from kvplane.store.tier_types import (
+    DiskAdoptReq, DiskSyncRep, DiskSyncReq, PromoteEndReq, PromoteRep, PromoteReq, PromoteTask,
+)
+
+if TYPE_CHECKING:
+    from kvplane.store.master.server import MasterServer
+
+
+class TierRpc:
+    """Installs the SSD-tier handlers on a ``MasterServer``."""
+
+    def __init__(self, server: "MasterServer") -> None:
+        self._srv = server
+
+    def install(self) -> None:
+        for name, fn, typ in (
+            ("disk_sync", self._sync, DiskSyncReq), ("disk_adopt", self._adopt, DiskAdoptReq),
+            ("promote_start", self._promote_start, PromoteReq),
+            ("promote_end", self._promote_end, PromoteEndReq),
+        ):
+            self._srv.rpc.add(name, self._srv._counted(name, fn), typ)
+
+    def _segments(self, client_id: str) -> set[str]:
+        client = self._srv.state.clients.get(client_id)
+        return set(client.segments) if client is not None else set()
+
+    def _sync(self, req: DiskSyncReq) -> DiskSyncRep:
+        st = self._srv.state
+        now = self._srv.clock()
+        mine = self._segments(req.client_id)
+        if not mine:
+            return DiskSyncRep()
+        seg = sorted(mine)[0]
+        taken = [st.tiers.offload_done(seg, r.key, r.version, r.ok, r.path) for r in req.done]
+        for key, version in req.lost:
+            st.tiers.lost(seg, key, version, now)
+        return DiskSyncRep(st.tiers.take(mine), st.tiers.forgets_for(mine), taken)
+
+    def _adopt(self, req: DiskAdoptReq) -> list[int]:
+        st = self._srv.state
+        seg = st.segments.get(req.segment)
+        if seg is None or seg.info.client_id != req.client_id:
+            raise SegmentNotFound(f"segment {req.segment!r} is not mounted by this client")
+        return st.tiers.adopt(seg, req.records, req.paths, req.history, self._srv.clock())
+
+    def _promote_start(self, req: PromoteReq) -> PromoteRep:
+        st = self._srv.state
+        now = self._srv.clock()
+        mine = self._segments(req.client_id)
+        if not mine:
+            return PromoteRep([PromoteTask(SegmentNotFound.code) for _ in req.keys])
+        seg = sorted(mine)[0]
+        return PromoteRep([st.tiers.promote_start(seg, k, v, now)
+                           for k, v in zip(req.keys, req.versions, strict=True)])
+
+    def _promote_end(self, req: PromoteEndReq) -> Any:
+        st = self._srv.state
+        now = self._srv.clock()
+        return sum(st.tiers.promote_end(k, g, ok, now)
+                   for k, g, ok in zip(req.keys, req.gens, req.ok, strict=True))
