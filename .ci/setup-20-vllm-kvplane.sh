@@ -5,7 +5,7 @@
 # A .pth file points the venv at <repo>/src, like an editable install without touching the
 # venv's packages: kvplane's import path (msgspec, pyzmq, numpy, fastapi, httpx, uvicorn,
 # prometheus-client, typer, rich) is already in the venv as vLLM dependencies, and pip would try
-# to upgrade them. The check below fails loudly if that ever stops being true.
+# to upgrade them; the few it lacks are installed alone. The check below fails loudly if that ever stops being true.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,21 @@ if [[ ! -x "$PY" ]]; then
     echo "setup-20-vllm-kvplane: no vLLM venv python at $PY; vLLM e2e tests will skip"
     exit 0
 fi
+# kvplane dependencies vLLM does not bring (xxhash, for checksums): install only what is missing,
+# never upgrading what vLLM pinned
+"$PY" - <<'PYEOF'
+import importlib.util, subprocess, sys, tomllib
+IMPORT_NAME = {"pyzmq": "zmq", "prometheus-client": "prometheus_client"}
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+missing = []
+for spec in deps:
+    name = spec.split(">")[0].split("=")[0].split("<")[0].strip()
+    if importlib.util.find_spec(IMPORT_NAME.get(name, name.replace("-", "_"))) is None:
+        missing.append(spec)
+if missing:
+    print("setup-20-vllm-kvplane: installing", missing)
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *missing])
+PYEOF
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$PWD/src" > "$SITE/kvplane-src.pth"
 "$PY" -c "import kvplane.integrations.vllm.store_connector, kvplane.integrations.vllm.pd_connector, \

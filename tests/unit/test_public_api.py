@@ -16,8 +16,14 @@ PINNED = {
                          "tokens_of"],
     "kvplane.p2p": ["Chunk", "GetResult", "Item", "Manifest", "MooncakeP2PStore", "P2PConfig",
                     "P2PNode", "TrackerClient"],
-    "kvplane.compat.mooncake": ["MooncakeDistributedStore", "ReplicateConfig", "TransferEngine",
-                                "TransferNotify", "TransferOpcode", "te_code"],
+    "kvplane.compat.mooncake": ["BufferHandle", "BufferPool", "Descriptor", "DiskDescriptor",
+                                "MemoryDescriptor", "MooncakeDistributedStore",
+                                "MooncakeHostMemAllocator", "ObjectDataType", "ParallelAxis",
+                                "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor",
+                                "ReplicaStatus", "ReplicateConfig", "SoftPinAction",
+                                "TaskStatus", "TaskType", "TensorParallelism", "TransferEngine",
+                                "TransferNotify", "TransferOpcode", "bind_to_numa_node",
+                                "te_code"],
 }
 
 

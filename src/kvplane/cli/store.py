@@ -1,4 +1,4 @@
-"""``kvplane master`` and ``kvplane segment``: the store's processes."""
+"""``kvplane master``, ``kvplane segment`` and ``kvplane client-server``: the store's processes."""
 
 from __future__ import annotations
 
@@ -80,6 +80,42 @@ def segment(
     c.close()
 
 
+def client_server(
+    port: int = typer.Option(50052, help="RPC port dummies connect to (Mooncake's 50052; 0 = any)."),
+    host: str = typer.Option("127.0.0.1", help="Bind address; dummies must run on this host."),
+    segment_size: str = typer.Option("4GiB", "--global-segment-size", "--size",
+                                     help="DRAM this process contributes to the pool."),
+    local_buffer_size: str = typer.Option("64MiB", help="Staging for this process's own copies."),
+    master_addr: str = typer.Option("127.0.0.1:50051", "--master", "--master-server-address",
+                                    help="Master RPC address."),
+    metadata: str = typer.Option("P2PHANDSHAKE", "--metadata", "--metadata-server",
+                                 help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
+    token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    ready_file: str = typer.Option(None, help="Write the address and segment here as JSON once up."),
+) -> None:
+    """Serve dummy clients (Mooncake's `mooncake_client`): one real store client that holds a
+    segment and the master connection, shared by many light processes on this host that call
+    `MooncakeDistributedStore.setup_dummy(mem_pool_size, local_buffer_size, "HOST:PORT")`."""
+    from kvplane.common.config import parse_size
+    from kvplane.store.client.client import StoreClient
+    from kvplane.store.config import StoreConfig
+    from kvplane.store.dummy.server import ClientServer
+
+    tok = token if token is not None else envs.get("KVPLANE_TOKEN")
+    client = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
+                                     global_segment_size=parse_size(segment_size),
+                                     local_buffer_size=parse_size(local_buffer_size), token=tok))
+    try:
+        srv = ClientServer(client, host, port, tok)
+    except BaseException:
+        client.close()
+        raise
+    announce({"client_server": f"{host}:{srv.port}", "segment": client.segment_name}, ready_file)
+    wait_for_signal()
+    srv.close()
+
+
 def register(app: typer.Typer) -> None:
     app.command("master")(master)
     app.command("segment")(segment)
+    app.command("client-server")(client_server)

@@ -55,6 +55,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_MAX_FRAME", _size, 256 << 20, "largest payload a TCP listener accepts in one frame"),
         EnvVar("KVPLANE_TRANSPORTS", _names, ("tcp", "shm", "file", "local"), "transports an engine loads, comma separated registry names (tcp is required)"),
         EnvVar("KVPLANE_FILE_ROOT", str, "", "directory that file-backed segments must live under"),
+        EnvVar("KVPLANE_SEGMENT_POPULATE", parse_bool, True, "Mooncake facade: fault a contributed segment's pages in at setup (0: on first use)"),
         EnvVar("KVPLANE_STORE_CHECKSUM", parse_bool, False, "store clients checksum every put (xxh3-64) and check it on every get"),
         EnvVar("KVPLANE_CLUSTER_ID", str, "", "HA store cluster id when an etcd:// master address names none (default kvplane)"),
         EnvVar("KVPLANE_MAX_CONNECTIONS", int, 512, "most inbound data connections one engine serves"),

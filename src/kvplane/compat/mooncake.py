@@ -52,10 +52,20 @@ def te_code(exc: KVPlaneError) -> int:
 
 
 class TransferOpcode(enum.IntEnum):
-    """Mooncake's ``TransferOpcode``."""
+    """Mooncake's ``TransferOpcode`` (``Read``/``Write``; ``READ``/``WRITE`` are aliases)."""
 
+    Read = 0
+    Write = 1
     READ = 0
     WRITE = 1
+
+
+def _transport(hint: str) -> str | None:
+    """The transport a ``transport_hint`` pins: one this engine loads ("tcp", "shm", "file",
+    "local"); "" or a transport not here ("rdma", "nvlink" ...) leaves the choice to the engine,
+    as Mooncake's classic engine ignores the hint."""
+    name = (hint or "").strip().lower()
+    return name if name in ("tcp", "shm", "file", "local") else None
 
 
 class TransferNotify:
@@ -109,6 +119,10 @@ class TransferEngine:
         """The native kvplane engine (Mooncake returns its inner engine here)."""
         return self.engine
 
+    def get_engine_ptr(self) -> int:
+        """An id of the native engine (Mooncake returns a C++ pointer; there is none here)."""
+        return id(self.engine)
+
     def get_rpc_port(self) -> int:
         """The handshake/data port; in P2PHANDSHAKE mode peers use ``f"{host}:{port}"``."""
         return self.engine.port
@@ -127,15 +141,20 @@ class TransferEngine:
             log.warning("%s", exc)
             return te_code(exc)
 
-    def register_memory(self, buffer_addr: int, capacity: int) -> int:
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        """Register memory. ``location`` (Mooncake's NUMA/device hint, e.g. "cpu:0") is
+        accepted; kvplane's transports have no NIC affinity to apply it to."""
         return self._rc(lambda: self.engine.register_memory(int(buffer_addr), int(capacity)))
 
     def unregister_memory(self, buffer_addr: int) -> int:
         return self._rc(lambda: self.engine.unregister_memory(int(buffer_addr)))
 
-    def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int]) -> int:
-        for a, n in zip(buffer_addresses, capacities, strict=True):
-            rc = self.register_memory(a, n)
+    def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
+                              location: str = "*") -> int:
+        if len(buffer_addresses) != len(capacities):
+            return ERR_INVALID_ARGUMENT
+        for a, n in zip(buffer_addresses, capacities):
+            rc = self.register_memory(a, n, location)
             if rc:
                 return rc
         return 0
@@ -182,21 +201,22 @@ class TransferEngine:
         return h
 
     def _requests(self, target: str, op: OpCode, buffers: Sequence[int], peers: Sequence[int],
-                  lengths: Sequence[int]) -> list[TransferRequest]:
+                  lengths: Sequence[int], hint: str = "") -> list[TransferRequest]:
         if not len(buffers) == len(peers) == len(lengths):
             raise InvalidArgument("buffers, peer addresses and lengths differ in length")
         h = self._handle(target)
-        return [TransferRequest(op, int(b), h, int(p), int(n))
+        transport = _transport(hint)
+        return [TransferRequest(op, int(b), h, int(p), int(n), transport=transport)
                 for b, p, n in zip(buffers, peers, lengths)]
 
     def _sync(self, target: str, op: OpCode, buffers: Sequence[int], peers: Sequence[int],
-              lengths: Sequence[int]) -> int:
+              lengths: Sequence[int], hint: str = "") -> int:
         try:
-            reqs = self._requests(target, op, buffers, peers, lengths)
+            reqs = self._requests(target, op, buffers, peers, lengths, hint)
             statuses = self.engine.transfer(reqs)
             if TransferStatus.FAILED in statuses and TransferStatus.TIMEOUT not in statuses:
                 # the peer may have restarted: refresh its descriptor once and retry
-                reqs = self._requests_refreshed(target, op, buffers, peers, lengths)
+                reqs = self._requests_refreshed(target, op, buffers, peers, lengths, hint)
                 statuses = self.engine.transfer(reqs)
         except KVPlaneError as exc:
             log.warning("transfer to %s failed: %s", target, exc)
@@ -204,45 +224,52 @@ class TransferEngine:
         return 0 if all(s == TransferStatus.COMPLETED for s in statuses) else -1
 
     def _requests_refreshed(self, target: str, op: OpCode, buffers: Sequence[int],
-                            peers: Sequence[int], lengths: Sequence[int]) -> list[TransferRequest]:
+                            peers: Sequence[int], lengths: Sequence[int],
+                            hint: str = "") -> list[TransferRequest]:
         self._handle(target, refresh=True)
-        return self._requests(target, op, buffers, peers, lengths)
+        return self._requests(target, op, buffers, peers, lengths, hint)
 
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                             length: int, transport_hint: str = "") -> int:
-        return self._sync(target_hostname, OpCode.WRITE, [buffer], [peer_buffer_address], [length])
+        """Copy local -> remote; 0 or -1. ``transport_hint`` ("tcp", "shm", ...) pins a
+        transport this engine has; other names are ignored (see :func:`_transport`)."""
+        return self._sync(target_hostname, OpCode.WRITE, [buffer], [peer_buffer_address], [length],
+                          transport_hint)
 
     def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                            length: int, transport_hint: str = "") -> int:
-        return self._sync(target_hostname, OpCode.READ, [buffer], [peer_buffer_address], [length])
+        return self._sync(target_hostname, OpCode.READ, [buffer], [peer_buffer_address], [length],
+                          transport_hint)
 
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                       length: int, opcode: TransferOpcode, notify: TransferNotify | None = None,
                       transport_hint: str = "") -> int:
         return self._sync(target_hostname, OpCode(int(opcode)), [buffer], [peer_buffer_address],
-                          [length])
+                          [length], transport_hint)
 
     def batch_transfer_sync_write(self, target_hostname: str, buffers: Sequence[int],
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                   transport_hint: str = "") -> int:
-        return self._sync(target_hostname, OpCode.WRITE, buffers, peer_buffer_addresses, lengths)
+        return self._sync(target_hostname, OpCode.WRITE, buffers, peer_buffer_addresses, lengths,
+                          transport_hint)
 
     def batch_transfer_sync_read(self, target_hostname: str, buffers: Sequence[int],
                                  peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                  transport_hint: str = "") -> int:
-        return self._sync(target_hostname, OpCode.READ, buffers, peer_buffer_addresses, lengths)
+        return self._sync(target_hostname, OpCode.READ, buffers, peer_buffer_addresses, lengths,
+                          transport_hint)
 
     def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
                             peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                             opcode: TransferOpcode, notify: TransferNotify | None = None,
                             transport_hint: str = "") -> int:
         return self._sync(target_hostname, OpCode(int(opcode)), buffers, peer_buffer_addresses,
-                          lengths)
+                          lengths, transport_hint)
 
     def _async(self, target: str, op: OpCode, buffers: Sequence[int], peers: Sequence[int],
-               lengths: Sequence[int]) -> int:
+               lengths: Sequence[int], hint: str = "") -> int:
         try:
-            reqs = self._requests(target, op, buffers, peers, lengths)
+            reqs = self._requests(target, op, buffers, peers, lengths, hint)
             bid = self.engine.allocate_batch(max(1, len(reqs)))
             self.engine.submit(bid, reqs)
             return bid
@@ -251,23 +278,28 @@ class TransferEngine:
             return 0
 
     def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
-                              length: int) -> int:
+                              length: int, transport_hint: str = "") -> int:
         """Start a write; returns a batch id (0 on failure)."""
-        return self._async(target_hostname, OpCode.WRITE, [buffer], [peer_buffer_address], [length])
+        return self._async(target_hostname, OpCode.WRITE, [buffer], [peer_buffer_address], [length],
+                           transport_hint)
 
     def batch_transfer_async_write(self, target_hostname: str, buffers: Sequence[int],
-                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int]) -> int:
-        return self._async(target_hostname, OpCode.WRITE, buffers, peer_buffer_addresses, lengths)
+                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
+                                   transport_hint: str = "") -> int:
+        return self._async(target_hostname, OpCode.WRITE, buffers, peer_buffer_addresses, lengths,
+                           transport_hint)
 
     def batch_transfer_async_read(self, target_hostname: str, buffers: Sequence[int],
-                                  peer_buffer_addresses: Sequence[int], lengths: Sequence[int]) -> int:
-        return self._async(target_hostname, OpCode.READ, buffers, peer_buffer_addresses, lengths)
+                                  peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
+                                  transport_hint: str = "") -> int:
+        return self._async(target_hostname, OpCode.READ, buffers, peer_buffer_addresses, lengths,
+                           transport_hint)
 
     def batch_transfer_async(self, target_hostname: str, buffers: Sequence[int],
                              peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
-                             opcode: TransferOpcode) -> int:
+                             opcode: TransferOpcode, transport_hint: str = "") -> int:
         return self._async(target_hostname, OpCode(int(opcode)), buffers, peer_buffer_addresses,
-                           lengths)
+                           lengths, transport_hint)
 
     def transfer_check_status(self, batch_id: int) -> int:
         """1 done, 0 in progress, -1 failed, -2 timeout. A finished batch is released."""
@@ -319,9 +351,20 @@ class TransferEngine:
             pass
 
 
-__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "te_code"]
+from kvplane.compat.mooncake_buffer_pool import BufferPool  # noqa: E402
+from kvplane.compat.mooncake_store import MooncakeDistributedStore  # noqa: E402
+from kvplane.compat.mooncake_tensor_format import (  # noqa: E402
+    ParallelAxis, ReadTarget, TensorParallelism,
+)
+from kvplane.compat.mooncake_types import (  # noqa: E402
+    BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, MooncakeHostMemAllocator,
+    ObjectDataType, QueryTaskResponse, ReplicaDescriptor, ReplicaStatus, ReplicateConfig,
+    SoftPinAction, TaskStatus, TaskType, bind_to_numa_node,
+)
 
-
-from kvplane.compat.mooncake_store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
-
-__all__ += ["MooncakeDistributedStore", "ReplicateConfig"]
+__all__ = ["BufferHandle", "BufferPool", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
+           "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType",
+           "ParallelAxis", "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor",
+           "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",
+           "TensorParallelism", "TransferEngine", "TransferNotify",
+           "TransferOpcode", "bind_to_numa_node", "te_code"]

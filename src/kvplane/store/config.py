@@ -18,9 +18,12 @@ class StoreConfig:
         master: master RPC address ``host:port``.
         metadata: transfer-engine metadata: ``P2PHANDSHAKE`` or a backend URL.
         local_hostname: address this client's engine binds and advertises.
+        port: port the engine binds (0: any free one); the segment is named ``host:port``.
         protocol: ``auto`` (shared memory on one host, else TCP) or ``tcp`` (TCP even on one host).
         global_segment_size: bytes this client contributes to the pool (0: pure client).
         local_buffer_size: registered staging for the bytes API (put/get of ``bytes``).
+        populate: fault the contributed segment's pages in at start (a put never pays the
+            first touch); False maps them on first use.
         token: shared token for the master and the data listener.
         timeout: seconds for one whole call (master RPCs, every replica attempt, PutEnd): the
             call's deadline. Keep it well below the master's lease (default 5 s against 10 s),
@@ -42,9 +45,11 @@ class StoreConfig:
     master: str = "127.0.0.1:50051"
     metadata: str = "P2PHANDSHAKE"
     local_hostname: str = "127.0.0.1"
+    port: int = 0
     protocol: str = "auto"
     global_segment_size: int = 0
     local_buffer_size: int = 64 << 20
+    populate: bool = True
     token: str = ""
     timeout: float = 5.0
     heartbeat_interval: float = 1.0

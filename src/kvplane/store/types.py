@@ -12,15 +12,28 @@ MAX_VALUE = 1 << 40  # bytes of one object
 
 
 class ReplicateConfig(msgspec.Struct, kw_only=True):
-    """How an object is placed (Mooncake's ReplicateConfig fields)."""
+    """How an object is placed (Mooncake's ReplicateConfig fields).
+
+    Soft pin: ``soft_pin_action`` "enable" (or the older ``with_soft_pin=True``) pins the object
+    for ``soft_pin_ttl_ms`` (default: the master's) from the moment it becomes readable;
+    "preserve" (the default) keeps the deadline of the object an upsert replaces; "disable"
+    drops it. A TTL with any action but "enable" is INVALID_PARAMS, as in Mooncake.
+    ``group_id``: the object's routing group ("" none).
+    """
 
     replica_num: int = 1
     with_hard_pin: bool = False
     with_soft_pin: bool = False
+    soft_pin_action: str = ""  # "", "preserve", "enable", "disable" ("" follows with_soft_pin)
     soft_pin_ttl_ms: int | None = None
     preferred_segment: str = ""
     preferred_segments: list[str] = msgspec.field(default_factory=list)
     prefer_alloc_in_same_node: bool = False
+    group_id: str = ""
+
+    def pin_action(self) -> str:
+        """The effective soft-pin action."""
+        return self.soft_pin_action or ("enable" if self.with_soft_pin else "preserve")
 
 
 class Replica(msgspec.Struct, array_like=True):

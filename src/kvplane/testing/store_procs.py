@@ -25,3 +25,9 @@ def spawn_segment(master: str, size: str = "32MiB", *args: str) -> Proc:
 def spawn_worker(master: str, *args: str) -> Proc:
     """A store client process answering JSON commands (see kvplane.testing.store_client_proc)."""
     return Proc([sys.executable, "-m", "kvplane.testing.store_client_proc", "--master", master, *args])
+
+
+def spawn_client_server(master: str, size: str = "64MiB", *args: str) -> Proc:
+    """``kvplane client-server`` on a free port: ``.info["client_server"]`` is its address."""
+    return Proc([*CLI, "client-server", "--master", master, "--port", "0", "--size", size, *args],
+                stop_signal=signal.SIGTERM)

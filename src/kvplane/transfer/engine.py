@@ -68,13 +68,14 @@ class TransferEngine:
                                   cfg.max_frame, cfg.max_connections)
         self.port = self._server.port
         self.fence = self._server.fence  # store generations this engine's listener refuses
-        self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
-        ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
-                               cfg.file_root, retries=cfg.retries, segment=self.name)
-        self.transports: dict[str, Transport] = {n: TRANSPORTS.load(n)(ctx) for n in cfg.transports}
-        if "tcp" not in self.transports:
-            raise InvalidArgument("the tcp transport is required (handshakes use it)")
-        self._meta: MetadataBackend | None = open_metadata(cfg.metadata, cfg.token)
+        self.transports: dict[str, Transport] = {}
+        try:  # a failed start leaves no listener or transport behind
+            self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
+            self._open_transports(cfg)
+            self._meta: MetadataBackend | None = open_metadata(cfg.metadata, cfg.token)
+        except BaseException:
+            self._abort_start()
+            raise
         self._segments: dict[int, OpenSegment] = {}
         self._by_name: dict[str, int] = {}
         self._handles = itertools.count(1)
@@ -86,11 +87,32 @@ class TransferEngine:
         self._closed = False
         self._republisher: threading.Thread | None = None
         if self._meta is not None:
-            self.publish()
+            try:
+                self.publish()
+            except BaseException:
+                self._closed = True
+                self._abort_start()
+                self._exec.shutdown(wait=True)
+                self._meta.close()
+                raise
             self._republisher = threading.Thread(target=self._republish_loop, daemon=True,
                                                  name=f"te-republish-{self.port}")
             self._republisher.start()
         klog.event("engine_started", segment=self.name, port=self.port, metadata=cfg.metadata)
+
+    def _open_transports(self, cfg: EngineConfig) -> None:
+        ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
+                               cfg.file_root, retries=cfg.retries, segment=self.name)
+        for n in cfg.transports:
+            self.transports[n] = TRANSPORTS.load(n)(ctx)
+        if "tcp" not in self.transports:
+            raise InvalidArgument("the tcp transport is required (handshakes use it)")
+
+    def _abort_start(self) -> None:
+        """Undo a start that failed half way: listener and transports go."""
+        self._server.close()
+        for t in self.transports.values():
+            t.close()
 
     # -- descriptor and metadata -----------------------------------------------------------
     def describe(self) -> SegmentDesc:

@@ -114,3 +114,32 @@ def test_mooncake_bench_script_runs_unchanged(tmp_path):
     assert len(rows) == 9
     assert rows[-1] == {"tag": "te", "verify_remote_bytes_ok": True}
     assert all(r["calls"] >= 3 for r in rows[:-1])
+
+
+def test_opcode_names_location_and_transport_hint():
+    """Mooncake spells the opcodes Read/Write; ``location`` is accepted; a hint naming a
+    transport this engine has pins it (file cannot reach a memory region: -1), a hint naming
+    hardware that is not here (rdma) is ignored as Mooncake's classic engine ignores it."""
+    assert TransferOpcode.Read == TransferOpcode.READ == 0 and TransferOpcode.Write == 1
+    from kvplane.integrations.mooncake_shim.mooncake import engine as shim_engine
+
+    assert shim_engine.Read is TransferOpcode.Read and shim_engine.Write is TransferOpcode.Write
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "auto", "") == 0
+    try:
+        with spawn_target("--buf-mb", "1") as t:
+            peer, r = t.info["segment"], t.info["addr"]
+            buf = np.zeros(MB, np.uint8)
+            assert e.register_memory(buf.ctypes.data, buf.nbytes, location="cpu:0") == 0
+            buf[:16] = 9
+            assert e.transfer_sync(peer, buf.ctypes.data, r, 16, TransferOpcode.Write,
+                                   transport_hint="tcp") == 0
+            assert e.transfer_sync_read(peer, buf.ctypes.data + 64, r, 16,
+                                        transport_hint="rdma") == 0
+            assert (buf[64:80] == 9).all()
+            assert e.transfer_sync_read(peer, buf.ctypes.data, r, 16, transport_hint="file") == -1
+            bid = e.batch_transfer_async(peer, [buf.ctypes.data], [r], [16], TransferOpcode.Read,
+                                         transport_hint="shm")
+            assert bid > 0 and e.get_batch_transfer_status([bid]) == 0
+    finally:
+        e.close()

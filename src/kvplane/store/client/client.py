@@ -74,13 +74,11 @@ class StoreClient:
             cfg = StoreConfig(**{**cfg.__dict__, **overrides})
         self.config = cfg
         self.engine = TransferEngine(EngineConfig.from_env(
-            host=cfg.local_hostname, metadata=cfg.metadata, protocol=cfg.protocol,
-            token=cfg.token, timeout=cfg.timeout))
-        self.rpc = MasterLink(cfg.master, cfg.token, cfg.timeout)
+            host=cfg.local_hostname, port=cfg.port, metadata=cfg.metadata,
+            protocol=cfg.protocol, token=cfg.token, timeout=cfg.timeout))
         self._handles: dict[str, int] = {}
         self._segments: list[SegmentInfo] = []
         self._closed = threading.Event()
-        self.staging = Staging(self.engine, cfg.local_buffer_size)
         self.remounts = 0
         self.suspects = moves.Suspects()
         self.duty = SegmentDuty(self)
@@ -88,18 +86,30 @@ class StoreClient:
         self.corrupt_reads = 0  # replica reads whose bytes failed the checksum
         self.disk_links = tiering.DiskLinks(cfg.token)
         self.disk: DiskDuty | None = None
-        if cfg.global_segment_size > 0:
-            if cfg.global_segment_size <= 2 * FENCE_WORD:
-                raise InvalidParams("global_segment_size is too small")
-            buf = self.engine.allocate_managed_buffer(cfg.global_segment_size, populate=True,
-                                                      fenced=True)
-            self._segments = [SegmentInfo(self.engine.name, buf.addr + FENCE_WORD,
-                                          cfg.global_segment_size - FENCE_WORD, cfg.client_id,
-                                          self.engine.name, self.engine.host_id)]
-            if cfg.disk_dir:
-                self.disk = DiskDuty(self)
-                self.disk.describe(self._segments[0])
-        self.mount()
+        try:
+            self.rpc = MasterLink(cfg.master, cfg.token, cfg.timeout)
+            self.staging = Staging(self.engine, cfg.local_buffer_size)
+            if cfg.global_segment_size > 0:
+                if cfg.global_segment_size <= 2 * FENCE_WORD:
+                    raise InvalidParams("global_segment_size is too small")
+                buf = self.engine.allocate_managed_buffer(cfg.global_segment_size,
+                                                         populate=cfg.populate, fenced=True)
+                self._segments = [SegmentInfo(self.engine.name, buf.addr + FENCE_WORD,
+                                              cfg.global_segment_size - FENCE_WORD,
+                                              cfg.client_id, self.engine.name,
+                                              self.engine.host_id)]
+                if cfg.disk_dir:
+                    self.disk = DiskDuty(self)
+                    self.disk.describe(self._segments[0])
+            self.mount()
+        except BaseException:  # a failed start leaves no listener, thread or shared memory
+            self._closed.set()
+            if self.disk is not None:
+                self.disk.close()
+            if hasattr(self, "rpc"):
+                self.rpc.close()
+            self.engine.close()
+            raise
         self._hb = threading.Thread(target=self._heartbeat, daemon=True,
                                     name=f"store-heartbeat-{cfg.client_id[:8]}")
         self._hb.start()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -21,6 +21,29 @@ class Staging:
         self._buf = engine.allocate_managed_buffer(size) if size > 0 else None
         self._alloc = OffsetAllocator(size) if size > 0 else None
         self._lock = threading.Lock()
+
+    def take(self, n: int, spill: bool = True) -> tuple[int, np.ndarray, Callable[[], None]] | None:
+        """(address, uint8 view, release) of ``n`` registered bytes that stay the caller's until
+        it calls ``release`` (once). Without room: a temporary registered buffer if ``spill``,
+        else None."""
+        off = None
+        if self._alloc is not None and n > 0:
+            with self._lock:
+                off = self._alloc.allocate(n)
+        if off is not None:
+            assert self._buf is not None and self._alloc is not None
+            alloc = self._alloc
+
+            def give_back() -> None:
+                with self._lock:
+                    alloc.free(off)
+            return self._buf.addr + off, self._buf.array[off:off + n], _once(give_back)
+        if not spill:
+            return None
+        tmp = np.empty(max(n, 1), np.uint8)
+        region = self._te.register_memory(tmp, publish=False)
+        return region.addr, tmp[:n], _once(lambda: self._te.unregister_memory(region.addr,
+                                                                             publish=False))
 
     @contextmanager
     def block(self, n: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -43,3 +66,12 @@ class Staging:
             yield region.addr, tmp[:n]
         finally:
             self._te.unregister_memory(region.addr, publish=False)
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    done = threading.Lock()
+
+    def call() -> None:
+        if done.acquire(blocking=False):
+            fn()
+    return call

@@ -20,6 +20,7 @@ class MasterConfig:
         put_discard_timeout: seconds after which an unfinished put may be pre-empted.
         put_release_timeout: seconds after which an unfinished put's space is reclaimed.
         soft_pin_ttl: default soft-pin lifetime, seconds (Mooncake 30 min).
+        max_soft_pin_ttl: longest soft-pin lifetime a put may ask for, seconds (Mooncake 24 h).
         allow_evict_soft_pinned: soft-pinned objects may go when nothing else can.
         allocation_strategy: "random" or "free_ratio_first".
         max_keys: the master refuses new keys past this many (a memory bound).
@@ -43,6 +44,7 @@ class MasterConfig:
     put_discard_timeout: float = 30.0
     put_release_timeout: float = 600.0
     soft_pin_ttl: float = 1800.0
+    max_soft_pin_ttl: float = 86400.0
     allow_evict_soft_pinned: bool = True
     allocation_strategy: Literal["random", "free_ratio_first"] = "random"
     max_keys: int = 50_000_000

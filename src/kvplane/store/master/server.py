@@ -31,6 +31,7 @@ from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, NotLeader, ObjectNotFound, Recovering
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
+from kvplane.store.master.replica_rpc import ReplicaRpc
 from kvplane.store.master.state import MasterState
 from kvplane.store.master.tier_rpc import TierRpc
 from kvplane.store.types import (
@@ -106,6 +107,8 @@ class MasterServer:
             ("repair_done", self._repair_done, RepairDoneReq), ("adopt", self._adopt, AdoptReq),
         ):
             self.rpc.add(name, self._counted(name, fn), typ)
+        self.replicas = ReplicaRpc(self)
+        self.replicas.install()
         TierRpc(self).install()
         self.rpc.start()
         self.election: Any = None
@@ -158,6 +161,10 @@ class MasterServer:
             self.state = self._fresh_state(secrets.randbits(23) | 1)
 
     # -- rpc handlers (each under the state lock) --------------------------------------------
+    def add_handler(self, name: str, fn: Callable[[Any], Any], request_type: type[Any]) -> None:
+        """Serve ``name`` with ``fn(request)`` under the state lock (counted like the others)."""
+        self.rpc.add(name, self._counted(name, fn), request_type)
+
     def _counted(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         counter = RPCS.labels(name)
 
@@ -202,6 +209,7 @@ class MasterServer:
     def _unmount(self, req: MountReq) -> int:
         for s in req.segments:
             self.state.unmount(s.name)
+            self.replicas.tasks.drop_segment(s.name)
         return 0
 
     def _ping(self, req: PingReq) -> PingRep:
@@ -233,12 +241,15 @@ class MasterServer:
         local = self._local(req.client_id) if req.config.prefer_alloc_in_same_node else frozenset()
         window = self.state.write_window(req.ttl)
         sums = req.checksums or [0] * len(req.keys)
-        results = [self.state.put_start(k, n, req.config, now, req.upsert, local, req.client_id,
-                                        window, c, req.nonce)
-                   for k, n, c in zip(req.keys, req.sizes, sums, strict=True)]
-        full = any(r.code == NoAvailableHandle.code for r in results)
-        return ResultsRep(results, window,
-                          retry_after=RETRY_AFTER if full and self.state.tiers.offloads else 0.0)
+        out = ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local,
+                                               req.client_id, window, c, req.nonce)
+                          for k, n, c in zip(req.keys, req.sizes, sums, strict=True)], window)
+        for k, r in zip(req.keys, out.results):
+            if r.code == 0:
+                self.state.objects[k].owner = req.client_id  # Mooncake's metadata.client_id
+        if self.state.tiers.offloads and any(r.code == NoAvailableHandle.code for r in out.results):
+            out.retry_after = RETRY_AFTER  # offloads under way will make room
+        return out
 
     def _put_end(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
@@ -312,6 +323,7 @@ class MasterServer:
                 EXPIRED.inc()
                 klog.event("client_expired", client_id=cid)
             st.reclaim(now)
+            self.replicas.tick()
             n = st.evict(now)
             if n:
                 klog.event("evicted", count=n)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import (
-    InvalidKey, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
-    SegmentExists, SegmentNotFound,
+    InvalidKey, InvalidParams, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound,
+    ReplicaNotReady, SegmentExists, SegmentNotFound,
 )
 from kvplane.store.master.adopt import Adoption
 from kvplane.store.master.allocator import OffsetAllocator
@@ -70,6 +70,7 @@ class Obj:
     want: int = 1  # replicas asked for
     writer: str = ""  # client id of the put
     window_until: float = 0.0  # the writer may copy into its replicas until then
+    owner: str = ""  # client id of the put that made it (Mooncake's metadata.client_id)
     hdr: int = 0  # bytes of the inventory header in front of the value in every replica
     header: bytes = b""  # that header, while the put is unfinished
     flags: int = 0  # inventory flags (hard pin)
@@ -304,10 +305,12 @@ class MasterState:
         try:
             self._check_key(key)
             if not 0 < size <= MAX_VALUE:
-                raise InvalidArgument(f"object size {size} out of range")
+                raise InvalidParams(f"object size {size} out of range")
             if cfg.replica_num < 1:
-                raise InvalidArgument("replica_num must be >= 1")
+                raise InvalidParams("replica_num must be >= 1")
+            pin = self._soft_pin_ttl(cfg)
             old = self.objects.get(key)
+            kept_pin = old.soft_pin_until if old is not None and old.complete else 0.0
             if old is not None:
                 if old.complete and not upsert:
                     raise ObjectExists(f"{key!r} exists")
@@ -327,11 +330,10 @@ class MasterState:
         obj = Obj(size, replicas, False, now, hard_pin=cfg.with_hard_pin, version=version,
                   want=cfg.replica_num, writer=client_id, checksum=checksum, nonce=nonce,
                   window_until=now + self.write_window(window), hdr=hdr, flags=flags,
+                  soft_pin_ttl=pin,
+                  soft_pin_until=kept_pin if cfg.pin_action() == "preserve" else 0.0,
                   header=inventory.pack(self.secret, key, version, version, size, checksum,
                                         cfg.replica_num, flags))
-        if cfg.with_soft_pin:
-            obj.soft_pin_ttl = (cfg.soft_pin_ttl_ms / 1000.0 if cfg.soft_pin_ttl_ms is not None
-                                else self.config.soft_pin_ttl)
         self.objects[key] = obj
         return KeyResult(0, obj.replicas_of(self.segments), size, obj.version, checksum, obj.header)
 
@@ -486,10 +488,44 @@ class MasterState:
         return count
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _soft_pin_ttl(self, cfg: ReplicateConfig) -> float:
+        """Seconds of soft pin a put asks for (0: none).
+
+        Raises:
+            InvalidParams: a TTL without "enable", an unknown action, or a TTL past the maximum.
+        """
+        action = cfg.pin_action()
+        if action not in ("preserve", "enable", "disable"):
+            raise InvalidParams(f"unknown soft_pin_action {action!r}")
+        if action != "enable":
+            if cfg.soft_pin_ttl_ms is not None:
+                raise InvalidParams("soft_pin_ttl_ms needs soft_pin_action ENABLE")
+            return 0.0
+        ttl = (cfg.soft_pin_ttl_ms / 1000.0 if cfg.soft_pin_ttl_ms is not None
+               else self.config.soft_pin_ttl)
+        if not 0 <= ttl <= self.config.max_soft_pin_ttl:
+            raise InvalidParams(f"soft_pin_ttl_ms {cfg.soft_pin_ttl_ms} is out of range")
+        return ttl
+
     @staticmethod
     def _check_key(key: str) -> None:
         if not key or len(key.encode()) > MAX_KEY:
             raise InvalidKey(f"keys must be 1..{MAX_KEY} bytes")
+
+    def drop_replicas(self, obj: Obj, segments: set[str], now: float) -> int:
+        """Take the replicas on ``segments`` out of ``obj`` (the object stays, even with none
+        left: the caller decides). Space under a live lease waits for it. Returns how many."""
+        gone = [r for r in obj.replicas if r[0] in segments]
+        obj.replicas = [r for r in obj.replicas if r[0] not in segments]
+        for seg, off, gen in gone:
+            if seg not in self.segments:
+                continue
+            self.adoption.forget(self.segments[seg], off, gen)
+            if obj.lease_until > now:
+                self.graveyard.hold(seg, off, obj.hdr + obj.size, obj.lease_until, readers_only=True)
+            else:
+                self.segments[seg].alloc.free(off)
+        return len(gone)
 
     def _drop(self, key: str, obj: Obj, now: float) -> None:
         """Forget an object. Space under a live lease is freed only once the lease ends; space of

@@ -128,18 +128,8 @@ class DiskTier:
 
     def demote(self, key: str, obj: "Obj", now: float) -> int:
         """Drop the memory replicas of an object that has a disk copy; returns bytes freed."""
-        st = self._st
-        freed = 0
-        for seg, off, gen in obj.replicas:
-            if seg not in st.segments:
-                continue
-            st.adoption.forget(st.segments[seg], off, gen)
-            if obj.lease_until > now:
-                st.graveyard.hold(seg, off, obj.hdr + obj.size, obj.lease_until, readers_only=True)
-            else:
-                st.segments[seg].alloc.free(off)
-            freed += obj.hdr + obj.size
-        obj.replicas = []
+        freed = (obj.hdr + obj.size) * len(obj.replicas)
+        self._st.drop_replicas(obj, {r[0] for r in obj.replicas}, now)
         self.demoted += 1
         return freed
 

@@ -1,3 +1,5 @@
 """kvplane's stand-in for the ``mooncake`` package (see kvplane.integrations.mooncake_shim)."""
 
-__all__: list[str] = []
+from kvplane.compat.mooncake_buffer_pool import BufferPool, RegisteredBufferPool
+
+__all__ = ["BufferPool", "RegisteredBufferPool"]

@@ -1,38 +1,27 @@
-"""``mooncake.store`` on kvplane: MooncakeDistributedStore and ReplicateConfig.
+"""``mooncake.store`` on kvplane: the store facade of ``kvplane.compat.mooncake`` and its types.
 
-Adds the one call vLLM's MooncakeStoreConnector makes that the compat facade lacks,
-``batch_get_replica_desc`` (used there only to label load logs by tier): kvplane keeps every
-replica in DRAM, so each present key reports one memory replica.
+The enum members are also module attributes (``mooncake.store.COMPLETE`` ...), as pybind11's
+``export_values`` makes them in Mooncake's extension.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from kvplane.compat.mooncake_buffer_pool import BufferLease, BufferPool, RegisteredBufferPool
+from kvplane.compat.mooncake_tensor import (  # noqa: F401
+    _deserialize_tensor, _serialize_tensor, _tensor_metadata_size,
+)
+from kvplane.compat.mooncake import (
+    BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, MooncakeDistributedStore,
+    MooncakeHostMemAllocator, ObjectDataType, ParallelAxis, QueryTaskResponse, ReadTarget,
+    ReplicaDescriptor, ReplicaStatus, ReplicateConfig, SoftPinAction, TaskStatus, TaskType,
+    TensorParallelism, bind_to_numa_node,
+)
 
-from kvplane.compat.mooncake import MooncakeDistributedStore as _Store
-from kvplane.compat.mooncake import ReplicateConfig
+__all__ = ["BufferHandle", "BufferLease", "BufferPool", "RegisteredBufferPool", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
+           "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType",
+           "ParallelAxis", "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor",
+           "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",
+           "TensorParallelism", "bind_to_numa_node"]
 
-
-class ReplicaDesc:
-    """The part of Mooncake's replica descriptor that callers query."""
-
-    def is_memory_replica(self) -> bool:
-        return True
-
-    def is_disk_replica(self) -> bool:
-        return False
-
-    def is_local_disk_replica(self) -> bool:
-        return False
-
-
-class MooncakeDistributedStore(_Store):
-    """kvplane.compat.mooncake's store plus ``batch_get_replica_desc``."""
-
-    def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDesc]]:
-        """key -> one memory replica if the key is stored, else an empty list."""
-        codes = self.batch_is_exist(list(keys))
-        return {k: [ReplicaDesc()] if c == 1 else [] for k, c in zip(keys, codes)}
-
-
-__all__ = ["MooncakeDistributedStore", "ReplicaDesc", "ReplicateConfig"]
+for _enum in (ReplicaStatus, TaskStatus, TaskType, ObjectDataType):
+    globals().update(_enum.__members__)
