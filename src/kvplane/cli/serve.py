@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from kvplane.cli import disk_opts
 from kvplane.cli.lifecycle import announce, wait_for_signal
 from kvplane.common import envs
 
@@ -16,6 +17,10 @@ def serve(
     segment_size: str = typer.Option("1GiB", help="DRAM this node contributes, e.g. 4GiB."),
     token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
     ready_file: str = typer.Option(None, help="Write the bound addresses here as JSON once ready."),
+    disk_dir: str = disk_opts.DISK_DIR,
+    disk_size: str = disk_opts.DISK_SIZE,
+    disk_write_through: bool = disk_opts.WRITE_THROUGH,
+    disk_direct: bool = disk_opts.DIRECT,
 ) -> None:
     """Run a whole store node on embedded defaults, on loopback.
 
@@ -35,11 +40,14 @@ def serve(
     master = MasterServer(host=host, port=master_port, admin_port=admin_port, token=tok)
     seg = StoreClient(StoreConfig(master=f"{host}:{master.port}", metadata=url, local_hostname=host,
                                   global_segment_size=parse_size(segment_size),
-                                  local_buffer_size=0, token=tok))
+                                  local_buffer_size=0, token=tok,
+                                  **disk_opts.disk_config(disk_dir, disk_size, disk_write_through,
+                                                          disk_direct)))
     announce({"master": f"{host}:{master.port}", "metadata": url,
               "p2p_tracker": f"http://{host}:{meta.port}",
               "admin": f"http://{host}:{master.http.port}" if master.http else None,
-              "segment": seg.segment_name, "segment_size": parse_size(segment_size)}, ready_file)
+              "segment": seg.segment_name, "segment_size": parse_size(segment_size),
+              **disk_opts.announced(seg)}, ready_file)
     wait_for_signal()
     seg.close()
     master.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from kvplane.cli import disk_opts
 from kvplane.cli.lifecycle import announce, wait_for_signal
 from kvplane.common import envs
 
@@ -63,8 +64,13 @@ def segment(
     token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
     metrics_port: int = typer.Option(0, help="Prometheus /metrics port (0 = any free port, -1 = off)."),
     ready_file: str = typer.Option(None, help="Write the segment name here as JSON once mounted."),
+    disk_dir: str = disk_opts.DISK_DIR,
+    disk_size: str = disk_opts.DISK_SIZE,
+    disk_write_through: bool = disk_opts.WRITE_THROUGH,
+    disk_direct: bool = disk_opts.DIRECT,
 ) -> None:
-    """Contribute a shared-memory DRAM segment to the pool (Mooncake's mooncake_client role)."""
+    """Contribute a shared-memory DRAM segment to the pool (Mooncake's mooncake_client role),
+    optionally backed by an SSD tier (--disk-dir, docs/store.md "SSD tier")."""
     from kvplane.common import metrics
     from kvplane.common.config import parse_size
     from kvplane.store.client.client import StoreClient
@@ -72,10 +78,12 @@ def segment(
 
     tok = token if token is not None else envs.get("KVPLANE_TOKEN")
     c = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
-                                global_segment_size=parse_size(size), local_buffer_size=0, token=tok))
+                                global_segment_size=parse_size(size), local_buffer_size=0, token=tok,
+                                **disk_opts.disk_config(disk_dir, disk_size, disk_write_through,
+                                                        disk_direct)))
     mport = metrics.serve(metrics_port, host) if metrics_port >= 0 else None
-    announce({"segment": c.segment_name, "size": parse_size(size), "metrics_port": mport},
-             ready_file)
+    announce({"segment": c.segment_name, "size": parse_size(size), "metrics_port": mport,
+              **disk_opts.announced(c)}, ready_file)
     wait_for_signal()
     c.close()
 
