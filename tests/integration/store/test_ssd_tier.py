@@ -62,3 +62,23 @@ def test_the_disk_quota_holds_and_what_it_dropped_is_missing_not_wrong(tmp_path)
                 assert disk_bytes(tmp_path) <= quota
             assert 12 <= readable < 80
             assert c.get("q-79") == values["q-79"]
+
+
+def test_mooncake_setup_with_ssd_offload_gives_local_disk_descriptors(tmp_path):
+    from kvplane.compat.mooncake import MooncakeDistributedStore
+
+    with spawn_master() as m:
+        store = MooncakeDistributedStore()
+        assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MB, 16 * MB, "tcp", "",
+                           m.info["master"], None, True, str(tmp_path)) == 0
+        try:
+            values = {f"mc-{i}": os.urandom(MB) for i in range(40)}  # 2.5x the segment
+            for key, value in values.items():
+                assert store.put(key, value) == 0
+            descs = store.batch_get_replica_desc(list(values))
+            disk = [d for ds in descs.values() for d in ds if d.is_local_disk_replica()]
+            assert len(disk) >= 20 and not any(d.is_memory_replica() for d in disk)
+            assert all(d.get_disk_descriptor().file_path.startswith(str(tmp_path)) for d in disk)
+            assert all(store.get(k) == v for k, v in values.items())
+        finally:
+            store.close()
