@@ -105,6 +105,7 @@ class LoadReq(msgspec.Struct):
 
     keys: list[str]
     versions: list[int]
+    inline: bool = True  # small values may come back in the reply (else: promoted first)
 
 
 class LoadRep(msgspec.Struct):

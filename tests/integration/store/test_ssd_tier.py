@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 
 from kvplane.store.client.client import StoreClient
@@ -79,6 +80,14 @@ def test_mooncake_setup_with_ssd_offload_gives_local_disk_descriptors(tmp_path):
             disk = [d for ds in descs.values() for d in ds if d.is_local_disk_replica()]
             assert len(disk) >= 20 and not any(d.is_memory_replica() for d in disk)
             assert all(d.get_disk_descriptor().file_path.startswith(str(tmp_path)) for d in disk)
+            cold = next(k for k, ds in descs.items()
+                        if ds and all(d.is_local_disk_replica() for d in ds))
+            buf = np.zeros(64, np.uint8)  # a range read of a disk-only object promotes it
+            assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+            assert store.get_into_ranges([buf.ctypes.data], [[cold]], [[[0]]], [[[1000]]],
+                                         [[[64]]]) == [[[64]]]
+            assert buf.tobytes() == values[cold][1000:1064]
+            assert any(d.is_memory_replica() for d in store.get_replica_desc(cold))
             assert all(store.get(k) == v for k, v in values.items())
         finally:
             store.close()

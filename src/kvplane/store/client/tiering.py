@@ -94,15 +94,17 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], size
 
 
 def read_through(client: "StoreClient", keys: list[str], results: list[KeyResult],
-                 deadline: Deadline) -> list[KeyResult]:
-    """Promote the disk-only objects among ``results`` and return fresh results for them."""
+                 deadline: Deadline, inline: bool = True) -> list[KeyResult]:
+    """Serve the disk-only objects among ``results``: ``Served`` with their bytes, or fresh
+    results with memory replicas once promoted (always the latter when not ``inline``)."""
     results = list(results)
     failed: dict[int, int] = {}
     for _ in range(ROUNDS):
         todo = [i for i in cold(results) if i not in failed]
         if not todo or deadline.expired():
             break
-        codes, data = _load(client, [keys[i] for i in todo], [results[i] for i in todo], deadline)
+        codes, data = _load(client, [keys[i] for i in todo], [results[i] for i in todo], deadline,
+                            inline)
         for j, i in enumerate(todo):
             if codes[j] < 0:
                 failed[i] = codes[j]
@@ -128,7 +130,7 @@ def read_through(client: "StoreClient", keys: list[str], results: list[KeyResult
 
 
 def _load(client: "StoreClient", keys: list[str], results: list[KeyResult],
-          deadline: Deadline) -> tuple[list[int], list[bytes | None]]:
+          deadline: Deadline, inline: bool) -> tuple[list[int], list[bytes | None]]:
     """Ask each owner for its objects; per index a code (< 0 failed) and the value when the
     owner sent it inline."""
     by_endpoint: dict[str, list[int]] = {}
@@ -139,7 +141,7 @@ def _load(client: "StoreClient", keys: list[str], results: list[KeyResult],
     for endpoint, idx in by_endpoint.items():
         try:
             rep = client.disk_links.get(endpoint).call(
-                "load", LoadReq([keys[i] for i in idx], [results[i].version for i in idx]),
+                "load", LoadReq([keys[i] for i in idx], [results[i].version for i in idx], inline),
                 LoadRep, timeout=moves.coarse(deadline.check("disk read-through")))
         except KVPlaneError:
             client.suspects.add([results[i].disk[0].segment for i in idx])

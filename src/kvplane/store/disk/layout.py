@@ -37,8 +37,6 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-
 from kvplane.common.errors import KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.checksum import digest

@@ -161,7 +161,7 @@ class DiskDuty:
         codes = [0] * len(req.keys)
         data = [b""] * len(req.keys)
         entries = [self.store.entry(k, v) for k, v in zip(req.keys, req.versions, strict=True)]
-        budget = INLINE_BUDGET
+        budget = INLINE_BUDGET if req.inline else 0
         large = []
         for i, e in enumerate(entries):
             if e is None:

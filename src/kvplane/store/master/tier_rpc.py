@@ -7,7 +7,7 @@ request names the client, and the master acts on that client's segments only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvplane.store.errors import SegmentNotFound
 from kvplane.store.tier_types import (
@@ -65,7 +65,7 @@ class TierRpc:
         return PromoteRep([st.tiers.promote_start(seg, k, v, now)
                            for k, v in zip(req.keys, req.versions, strict=True)])
 
-    def _promote_end(self, req: PromoteEndReq) -> Any:
+    def _promote_end(self, req: PromoteEndReq) -> int:
         st = self._srv.state
         now = self._srv.clock()
         return sum(st.tiers.promote_end(k, g, ok, now)
