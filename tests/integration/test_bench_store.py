@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_store_benchmark_smoke(tmp_path):
-    sides = "kvplane-tcp,kvplane-shm" + (",redis" if shutil.which("redis-server") else "")
+    sides = "kvplane-tcp,kvplane-shm,kvplane-tcp-ha" + (",redis" if shutil.which("redis-server") else "")
     plot = tmp_path / "s.png"
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/store.py"), "--sizes", "4KiB,64KiB", "--batch", "4",
@@ -32,3 +32,5 @@ def test_store_benchmark_smoke(tmp_path):
                  and r["batch"] == 1]
     assert local_get and all(r["vs_memcpy"] > 0 for r in local_get)
     assert plot.stat().st_size > 1000
+    ha = [r for r in rows if r.get("ratio") and r["side"] == "kvplane-tcp-ha"]
+    assert ha and all(r["vs_non_ha"] > 0 for r in ha)  # HA over the same side without it

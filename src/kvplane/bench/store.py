@@ -3,7 +3,10 @@
 Topologies: ``remote`` (the segment lives in another process: ``kvplane segment`` /
 ``mooncake_client``; clients contribute nothing) and ``local`` (the client contributes its own
 segment). kvplane runs with protocol ``tcp`` (bytes over TCP even on one host, like Mooncake
-here) and ``auto`` (shared memory on one host). Every side runs ``store_loop``'s loop.
+here) and ``auto`` (shared memory on one host). Every side runs ``store_loop``'s loop. Sides
+ending in ``-csum`` turn store checksums on; sides ending in ``-ha`` run etcd and two HA masters
+(a leader and a standby) and reach them through ``etcd://`` (the ratio ``vs_non_ha`` is ops/s
+over the same side without HA).
 """
 
 from __future__ import annotations
@@ -87,11 +90,25 @@ class Services:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _kvplane(svc: Services, remote: bool, seg_mb: int) -> str:
+def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False) -> str:
     port, admin = _free_port(), _free_port()
     cli = [sys.executable, "-m", "kvplane.cli.main"]
-    svc.start([*cli, "master", "--port", str(port), "--admin-port", str(admin)], port)
-    master = f"127.0.0.1:{port}"
+    if ha:  # etcd, a leader and a standby; clients and the segment use the etcd:// address
+        from kvplane.testing.services import start_etcd
+
+        etcd = start_etcd(os.path.join(svc.tmp, "etcd"))
+        svc.procs.append(etcd.proc)
+        ha_args = ["--ha", etcd.url, "--cluster-id", "bench"]
+        svc.start([*cli, "master", "--port", str(port), "--admin-port", str(admin), *ha_args],
+                  port)
+        _wait_leader(admin)
+        standby = _free_port()
+        svc.start([*cli, "master", "--port", str(standby), "--admin-port", "0", *ha_args],
+                  standby)
+        master = f"{etcd.url}/bench"
+    else:
+        svc.start([*cli, "master", "--port", str(port), "--admin-port", str(admin)], port)
+        master = f"127.0.0.1:{port}"
     if remote:
         ready = os.path.join(svc.tmp, "seg.json")
         p = subprocess.Popen([*cli, "segment", "--master", master, "--size", f"{seg_mb}MiB",
@@ -104,6 +121,21 @@ def _kvplane(svc: Services, remote: bool, seg_mb: int) -> str:
                 raise RuntimeError("kvplane segment failed to start")
             time.sleep(0.05)  # readiness poll on the ready file
     return master
+
+
+def _wait_leader(admin: int, timeout: float = 30.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{admin}/ha_status", timeout=1,
+                         trust_env=False).json().get("role") == "leader":
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)  # readiness poll on the leader's status
+    raise RuntimeError(f"no HA leader within {timeout}s")
 
 
 def _mooncake(svc: Services, py: str, remote: bool, seg_mb: int) -> tuple[str, str]:
@@ -220,10 +252,11 @@ def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | N
     remote = cell.topology == "remote"
     segment_mb = 0 if remote else opt.segment_mb // 2  # a local client contributes this much
     if cell.side.startswith("kvplane"):
-        master = _kvplane(svc, remote, opt.segment_mb)
+        # "-ha" sides: etcd and two masters (leader + standby), clients follow etcd://
+        master = _kvplane(svc, remote, opt.segment_mb, ha=cell.side.endswith("-ha"))
         protocol = "tcp" if cell.side.startswith("kvplane-tcp") else "auto"
         # "-csum" sides: the same client with store checksums on (their cost, side by side)
-        env = {"KVPLANE_STORE_CHECKSUM": "1" if cell.side.endswith("-csum") else "0"}
+        env = {"KVPLANE_STORE_CHECKSUM": "1" if "-csum" in cell.side else "0"}
         return _worker(sys.executable, "kvplane", cell.side, master, opt, cell.clients, protocol,
                        segment_mb=segment_mb, extra_env=env)
     if cell.side == "mooncake":
@@ -243,13 +276,16 @@ def ratios(rows: list[dict]) -> list[dict]:
             continue
         key = (r["topology"], r["clients"], r["op"], r["size"], r["batch"])
         mc, rd = idx.get(("mooncake", *key)), idx.get(("redis", *key))
+        plain = idx.get((r["impl"].removesuffix("-ha"), *key)) if r["impl"].endswith("-ha") \
+            else None
         cp = idx.get(("memcpy", "local", 1, "get", r["size"], 1)) if r["topology"] == "local" \
             and r["op"] == "get" and r["batch"] == 1 else None
         out.append(dict(side=r["impl"], topology=r["topology"], clients=r["clients"], op=r["op"],
                         size=r["size"], batch=r["batch"], gb_s=r["gb_s"], ops_s=r["ops_s"],
                         vs_mooncake=r["gb_s"] / mc["gb_s"] if mc else None,
                         vs_redis=r["gb_s"] / rd["gb_s"] if rd else None,
-                        vs_memcpy=r["gb_s"] / cp["gb_s"] if cp else None))
+                        vs_memcpy=r["gb_s"] / cp["gb_s"] if cp else None,
+                        vs_non_ha=r["ops_s"] / plain["ops_s"] if plain else None))
     return out
 
 

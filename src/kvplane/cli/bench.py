@@ -97,7 +97,7 @@ def store(
     batch: int = typer.Option(32, help="Objects per batch call."),
     duration: float = typer.Option(1.0, help="Seconds per cell."),
     clients: str = typer.Option("1,2", help="Client process counts (remote topology)."),
-    sides: str = typer.Option("kvplane-tcp,kvplane-shm,mooncake,redis", help="What to measure (kvplane-tcp-csum and kvplane-shm-csum: with store checksums on)."),
+    sides: str = typer.Option("kvplane-tcp,kvplane-shm,mooncake,redis", help="What to measure (kvplane-tcp-csum and kvplane-shm-csum: with store checksums on; kvplane-tcp-ha and kvplane-shm-ha: etcd + leader + standby, clients on etcd://)."),
     topologies: str = typer.Option("remote,local", help="remote: segment in another process; local: own segment."),
     segment_mb: int = typer.Option(2048, help="Segment size, MiB."),
     cap_mb: int = typer.Option(256, help="Live bytes per client before keys are recycled."),
@@ -125,10 +125,13 @@ def store(
                   str(r["batch"]), f"{r['ops_s']:.0f}", f"{r['gb_s']:.3f}", f"{r['p50_us']:.0f}",
                   f"{r['p99_us']:.0f}")
     out.print(t)
-    rt = Table(title="ratios (GB/s): kvplane / Mooncake, / Redis, / memcpy (local get)")
-    for c in ("side", "topology", "clients", "op", "size", "batch", "vs mooncake", "vs redis", "vs memcpy"):
+    rt = Table(title="ratios (GB/s): kvplane / Mooncake, / Redis, / memcpy (local get); "
+                     "ops/s: HA / non-HA")
+    for c in ("side", "topology", "clients", "op", "size", "batch", "vs mooncake", "vs redis",
+              "vs memcpy", "HA / non-HA"):
         rt.add_column(c)
     for r in rr:
         rt.add_row(r["side"], r["topology"], str(r["clients"]), r["op"], str(r["size"]),
-                   str(r["batch"]), _fmt(r["vs_mooncake"]), _fmt(r["vs_redis"]), _fmt(r["vs_memcpy"]))
+                   str(r["batch"]), _fmt(r["vs_mooncake"]), _fmt(r["vs_redis"]),
+                   _fmt(r["vs_memcpy"]), _fmt(r.get("vs_non_ha")))
     out.print(rt)

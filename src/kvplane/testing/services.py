@@ -67,18 +67,18 @@ def start_redis(timeout: float = 20.0) -> Service:
     return svc
 
 
-def start_etcd(data_dir: str, timeout: float = 30.0) -> Service:
-    """etcd on free loopback ports with its data in ``data_dir``."""
+def start_etcd(data_dir: str, timeout: float = 30.0, host: str = "127.0.0.1") -> Service:
+    """etcd on free ports of ``host`` (default loopback) with its data in ``data_dir``."""
     exe = shutil.which("etcd")
     if exe is None:
         raise FileNotFoundError("etcd not installed (apt-get install etcd-server)")
     cport, pport = free_port(), free_port()
-    client = f"http://127.0.0.1:{cport}"
+    client = f"http://{host}:{cport}"
     peer = f"http://127.0.0.1:{pport}"
     svc = Service([exe, "--data-dir", data_dir, "--listen-client-urls", client,
                    "--advertise-client-urls", client, "--listen-peer-urls", peer,
                    "--initial-advertise-peer-urls", peer, "--initial-cluster", f"default={peer}",
-                   "--name", "default"], f"etcd://127.0.0.1:{cport}")
+                   "--name", "default"], f"etcd://{host}:{cport}")
 
     def up() -> bool:
         import httpx

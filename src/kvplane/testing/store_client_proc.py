@@ -2,7 +2,8 @@
 
 Values are derived from their keys (``value_of``), so any process can verify any object.
 
-    python -m kvplane.testing.store_client_proc --master HOST:PORT [--protocol tcp] [--segment-mb 0]
+    python -m kvplane.testing.store_client_proc --master HOST:PORT|etcd://H:P/CLUSTER
+        [--protocol tcp] [--host IP] [--segment-mb 0]
         [--timeout 5] [--checksum | --no-checksum]
 """
 
@@ -143,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--master", required=True)
     ap.add_argument("--protocol", default="auto")
+    ap.add_argument("--host", default="127.0.0.1", help="address this client's engine binds")
     ap.add_argument("--segment-mb", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=False,
                     help="store checksums (off by default, as in StoreConfig)")
     a = ap.parse_args(argv)
     c = StoreClient(StoreConfig(master=a.master, protocol=a.protocol, timeout=a.timeout,
+                                local_hostname=a.host,
                                 global_segment_size=a.segment_mb << 20, local_buffer_size=16 << 20,
                                 checksum=a.checksum))
     print(json.dumps({"segment": c.segment_name}), flush=True)
