@@ -122,10 +122,10 @@ class StoreClient:
         history = self.holdings.history
         rep = self.rpc.call("mount", MountReq(self.config.client_id, self._segments, history,
                                               adopt=bool(self._segments and history)), MountRep)
+        if self.disk is not None and rep.epoch > 0:  # before the memory records: their last
+            self.disk.mounted(rep.epoch)  # batch ends a recovering master's wait
         if self._segments and rep.epoch > 0:
             self.holdings.mounted(rep)
-        if self.disk is not None:
-            self.disk.mounted(rep.epoch)
 
     def _heartbeat(self) -> None:
         failures, acks = 0, ([], [])
