@@ -33,6 +33,7 @@ from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.replica_rpc import ReplicaRpc
 from kvplane.store.master.state import MasterState
+from kvplane.store.master import tier_rpc
 from kvplane.store.master.tier_rpc import TierRpc
 from kvplane.store.types import (
     AdoptReq, CodesRep, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq,
@@ -334,6 +335,7 @@ class MasterServer:
             st.repairs.plan(now)
             st.tiers.expire(now)
             st.tiers.plan(now)
+            tier_rpc.gauges(st)
             self._flush_changes()
             self._gauges(now)
             names = [n for n, seg in st.segments.items() if not seg.adopting]

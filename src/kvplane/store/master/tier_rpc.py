@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvplane.common import metrics
 from kvplane.store.errors import SegmentNotFound
 from kvplane.store.tier_types import (
     DiskAdoptReq, DiskSyncRep, DiskSyncReq, PromoteEndReq, PromoteRep, PromoteReq, PromoteTask,
@@ -16,6 +17,22 @@ from kvplane.store.tier_types import (
 
 if TYPE_CHECKING:
     from kvplane.store.master.server import MasterServer
+    from kvplane.store.master.state import MasterState
+
+
+PENDING = metrics.Gauge("master_offloads_pending", "Objects whose copy to an SSD tier is under way")
+OFFLOADED = metrics.Gauge("master_offloaded_replicas", "Disk copies made by SSD tiers (since start)")
+DEMOTED = metrics.Gauge("master_demoted_objects", "Evictions that kept the object on disk (since start)")
+PROMOTED = metrics.Gauge("master_promoted_replicas", "Disk copies read back into memory (since start)")
+
+
+def gauges(state: "MasterState") -> None:
+    """Refresh the SSD-tier gauges (the server's timer, under its lock)."""
+    tiers = state.tiers
+    PENDING.set(len(tiers.offloads))
+    OFFLOADED.set(tiers.offloaded)
+    DEMOTED.set(tiers.demoted)
+    PROMOTED.set(tiers.promoted)
 
 
 class TierRpc:
