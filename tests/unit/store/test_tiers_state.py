@@ -168,3 +168,13 @@ def test_an_unmounted_node_takes_its_disk_copies_with_it():
     put(st, "k4", now=11)
     lost = st.unmount("s0")
     assert lost == 5 and not st.objects
+
+
+def test_planning_counts_replicas_already_on_disk_and_queues_nothing_more():
+    st = state(write_through=True)
+    for i in range(4):
+        put(st, f"k{i}", now=i)
+    assert len(offload_all(st, 4)) == 4  # memory full, everything on disk too
+    assert st.tiers.plan(5) == 0 and not st.tiers.offloads
+    assert put(st, "k4", now=11) == 0  # eviction demotes at once: nothing waits
+    assert st.objects["k0"].replicas == [] and list(st.objects)[-2:] == ["k0", "k4"]

@@ -179,7 +179,6 @@ class MasterState:
                                     hard_pin=bool(rec.flags & inventory.FLAG_HARD_PIN),
                                     version=rec.version, checksum=rec.checksum, want=rec.want,
                                     hdr=rec.hdr, flags=rec.flags, disk={segment: path})
-        self.objects.move_to_end(rec.key, last=False)  # cold: first in line for eviction
         self.changes.append(("stored", rec.key))
 
     def recover(self, now: float, grace: float, awaiting: set[str] | None) -> None:

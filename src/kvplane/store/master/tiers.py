@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 OFFLOAD_TIMEOUT = 30.0  # seconds an offload may take before the object is evictable again
 PROMOTE_TIMEOUT = 10.0  # seconds a promotion may take before it is abandoned
 TASKS_PER_SYNC = 64
+PLAN_SCAN = 65536  # objects one offload planning pass looks at
 BUSY = 1  # promote_start: the object is being promoted (retry), or is in memory already
 
 
@@ -130,6 +131,7 @@ class DiskTier:
         """Drop the memory replicas of an object that has a disk copy; returns bytes freed."""
         freed = (obj.hdr + obj.size) * len(obj.replicas)
         self._st.drop_replicas(obj, {r[0] for r in obj.replicas}, now)
+        self._st.objects.move_to_end(key)  # out of the way of the memory LRU's oldest end
         self.demoted += 1
         return freed
 
@@ -160,18 +162,19 @@ class DiskTier:
         for p in self.offloads.values():
             if p.segment in want:
                 want[p.segment] -= p.task.hdr + p.task.size
-        if not any(v > 0 for v in want.values()):
-            return made
-        for key, obj in st.objects.items():
-            if not obj.complete or obj.disk or key in self.offloads or key in self.failed:
-                continue
-            for seg, _, _ in obj.replicas:
-                if want.get(seg, 0) > 0:
-                    made += self._queue(key, obj, now)
-                    want[seg] -= obj.hdr + obj.size
-                    break
-            if not any(v > 0 for v in want.values()):
+        # oldest first; replicas already on disk count too (eviction can drop them at once).
+        # At most PLAN_SCAN objects a pass: eviction queues what it meets itself (``verdict``)
+        for n, (key, obj) in enumerate(st.objects.items()):
+            if n >= PLAN_SCAN or not any(v > 0 for v in want.values()):
                 break
+            if not obj.replicas or not obj.complete or key in self.offloads or key in self.failed:
+                continue
+            seg = next((r[0] for r in obj.replicas if want.get(r[0], 0) > 0), None)
+            if seg is None:
+                continue
+            if not obj.disk:
+                made += self._queue(key, obj, now)
+            want[seg] -= obj.hdr + obj.size
         return made
 
     def _queue(self, key: str, obj: "Obj", now: float) -> int:
