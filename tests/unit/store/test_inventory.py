@@ -164,3 +164,25 @@ def test_recovering_answers_misses_until_the_expected_segments_are_back():
     assert not st.recovering(1.0)
     st.recover(5.0, 3.0, None)  # nothing known to wait for: the grace alone
     assert st.recovering(7.0) and not st.recovering(8.5)
+
+
+def test_a_segment_back_after_its_ttl_does_not_bring_back_what_was_removed_meanwhile():
+    st = state()
+    for name in ("s1", "s2"):
+        mount(st, name, adopt=False)
+    mems = {"s1": np.zeros(MB, np.uint8), "s2": np.zeros(MB, np.uint8)}
+    puts = {}
+    for key in ("kept", "removed"):
+        r = st.put_start(key, 100, ReplicateConfig(replica_num=2), 0.0)
+        st.put_end(key, 0.0, r.version)
+        puts[key] = r
+        for rep in r.replicas:
+            off = rep.addr - 10 * MB - inventory.header_len(key)
+            write(mems[rep.segment], off, key, b"q" * 100, rep.gen, version=r.version, want=2)
+    st.unmount("s1")  # its TTL ran out (a partition)
+    assert st.remove("removed", True, 1.0) == 0
+    mount(st, "s1")  # back, with the same master
+    recs = records(mems["s1"], [21])
+    gens = dict(zip((r.key for r in recs), st.adopt("c-s1", "s1", recs, [21], True, 2.0)))
+    assert gens["removed"] == 0 and "removed" not in st.objects
+    assert gens["kept"] and len(st.objects["kept"].replicas) == 2  # it rejoins

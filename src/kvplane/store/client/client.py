@@ -216,8 +216,9 @@ class StoreClient:
         ok = [i for i, c in enumerate(codes) if c == 0]
         reserve = min(WRITE_RESERVE * self.config.timeout, 1.0)
         window = sent + rep.ttl if rep.ttl > 0 else deadline.at  # copies must start inside it
-        with self.staging.block(sum(len(rep.results[i].header) for i in ok) or 1) as (hbase, hv):
-            writes = moves.put_moves(rep.results, ok, addrs, sizes, hbase, hv)
+        with self.staging.block(moves.put_staging(rep.results, ok, sizes) or 1) as (hbase, hv):
+            writes = moves.put_moves(rep.results, ok, addrs, sizes, hbase, hv,
+                                     self.engine.memory.view)
             failed = moves.write(self, writes, Deadline(min(deadline.at - reserve, window)))
         ends = [(keys[i], rep.results[i].version, sums[i], i) for i in ok if i not in failed]
         revokes = [(keys[i], rep.results[i].version) for i in sorted(failed)]

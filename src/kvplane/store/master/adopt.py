@@ -11,6 +11,10 @@ generation of this master's epoch, and joins it to its object:
 * the same version joins as one more replica, up to the replicas the object asked for;
 * a different version: the newer one wins, by ``EpochOrder``; objects this master wrote itself
   are always the newest;
+* a record whose generation is of this master's own epoch (a segment that comes back to the
+  same master after its TTL ran out) may only join the same version of a known object: this
+  master never lost its state, so an object it does not know any more was removed or replaced
+  while the segment was away, and must not come back;
 
 and everything not taken is refused (the segment then invalidates that header). Until a segment
 sends its last batch it takes no new placements, so nothing new is allocated over space it has
@@ -140,6 +144,8 @@ class Adoption:
             for name, off, gen in obj.replicas:
                 if name == seg.info.name and off == rec.offset:
                     return gen  # a repeated adopt call: this record is already taken
+        if epoch_of(rec.gen) == st.epoch and (obj is None or obj.version != rec.version):
+            return 0  # this master issued it and has forgotten it since: removed or replaced
         if rec.want < 1 or not seg.alloc.allocate_at(rec.offset, rec.hdr + rec.size):
             return 0
         if obj is not None and not self._better(rec, obj, seg.info.name):
