@@ -44,13 +44,16 @@ def all_readable(c, values):
         return False
 
 
-def test_a_node_killed_and_restarted_serves_its_disk_objects_again(tmp_path):
+@pytest.mark.parametrize("after_ttl", [False, True], ids=["before-ttl", "after-ttl"])
+def test_a_node_killed_and_restarted_serves_its_disk_objects_again(tmp_path, after_ttl):
     with spawn_master("--client-ttl", "2") as m:
         addr = m.info["master"]
         with StoreClient(master=addr, timeout=5) as c:
             node = disk_node(addr, tmp_path)
             values = put_all_to_disk(c)
             kill9(node)  # kill -9: its memory (every memory replica) is gone
+            if after_ttl:  # the master dropped the node and its objects: they come back with it
+                wait_until(lambda: not any(c.batch_exists(KEYS)), 30, "the dead node dropped")
             with disk_node(addr, tmp_path):
                 wait_until(lambda: all_readable(c, values), 60, "disk objects readable again")
                 for k, v in values.items():

@@ -178,3 +178,21 @@ def test_planning_counts_replicas_already_on_disk_and_queues_nothing_more():
     assert st.tiers.plan(5) == 0 and not st.tiers.offloads
     assert put(st, "k4", now=11) == 0  # eviction demotes at once: nothing waits
     assert st.objects["k0"].replicas == [] and list(st.objects)[-2:] == ["k0", "k4"]
+
+
+def test_a_node_back_after_its_ttl_brings_back_what_it_took_not_what_was_removed():
+    st = state(write_through=True)
+    for key in ("gone", "kept", "lost"):
+        put(st, key)
+    offload_all(st)
+    recs = [inventory.Record(0, o.hdr, k, o.version, o.version, o.size, o.checksum)
+            for k, o in st.objects.items()]
+    assert st.remove("gone", False, 20.0) == 0  # its forget never reaches the node ...
+    assert st.unmount("s0") == 2  # ... whose TTL ran out: "kept" and "lost" left with it
+    back = SegmentInfo("s1", 5_000_000, MB, "", "h:1", "host", disk_size=64 * MB)
+    st.mount("c1", [back], 20.0)
+    put(st, "kept", now=20)  # written again meanwhile: a newer version
+    got = st.tiers.adopt(st.segments["s1"], recs, ["/d/gone", "/d/kept", "/d/lost"], [], 21)
+    assert got == [0, 0, 1]
+    assert "gone" not in st.objects and not st.objects["kept"].disk
+    assert st.get_replicas("lost", 22).disk[0].path == "/d/lost"

@@ -19,12 +19,15 @@ owner runs an SSD tier mounts with ``disk_size > 0``; the master then:
   time is abandoned and its space fenced like an unfinished put's.
 * **re-adopts** disk copies after a restart (``adopt``): a node re-registers the files it holds;
   a known object of the same version gains the copy, an unknown key becomes a disk-only object,
-  another version is decided by the adoption's epoch order (``adopt.EpochOrder``).
+  another version is decided by the adoption's epoch order (``adopt.EpochOrder``). A version
+  this master issued itself comes back only if the master still holds it, or lost it with the
+  node (``orphans``): one removed or replaced while the node was away must not come back.
 * **forgets**: a dropped object's disk copies are deleted by their owners (``disk_sync``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +35,7 @@ from kvplane.common.errors import KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, ObjectNotFound
 from kvplane.store.tier_types import DiskReplica, OffloadTask, PromoteTask
+from kvplane.transfer.fence import epoch_of
 
 if TYPE_CHECKING:
     from kvplane.store.master.state import MasterState, Obj, Segment
@@ -40,6 +44,7 @@ OFFLOAD_TIMEOUT = 30.0  # seconds an offload may take before the object is evict
 PROMOTE_TIMEOUT = 10.0  # seconds a promotion may take before it is abandoned
 TASKS_PER_SYNC = 64
 PLAN_SCAN = 65536  # objects one offload planning pass looks at
+ORPHANS = 1 << 20  # objects lost with unmounted nodes that are remembered (oldest go first)
 BUSY = 1  # promote_start: the object is being promoted (retry), or is in memory already
 
 
@@ -70,6 +75,8 @@ class DiskTier:
         self.failed: set[str] = set()  # offload failed: evicted like an object without disk
         self.unsaved: set[str] = set()  # write-through: committed, not on disk yet
         self._forgets: dict[str, dict[str, int]] = {}  # segment -> key -> version to delete
+        # objects that left with an unmounted node (its TTL ran out): they may come back with it
+        self.orphans: OrderedDict[str, int] = OrderedDict()
         self.offloaded = 0
         self.demoted = 0
         self.promoted = 0
@@ -120,6 +127,9 @@ class DiskTier:
             if obj.disk.pop(name, None) is not None and not obj.disk and \
                     not any(r[0] != name for r in obj.replicas):
                 gone.append(key)
+                self.orphans[key] = obj.version  # lost with the node, not removed
+                if len(self.orphans) > ORPHANS:
+                    self.orphans.popitem(last=False)
         for key in [k for k, p in self.offloads.items() if p.segment == name]:
             del self.offloads[key]
         for key in [k for k, p in self.promotions.items() if p.segment == name]:
@@ -318,10 +328,13 @@ class DiskTier:
         if obj is not None and obj.version == rec.version and obj.complete:
             obj.disk[name] = path
             return True
+        if epoch_of(rec.version) == st.epoch and self.orphans.get(rec.key) != rec.version:
+            return False  # this master put it and removed or replaced it since: not back
         if obj is not None and (not obj.complete or not st.adoption.order.newer(rec.version,
                                                                                obj.version)):
             return False
         if obj is not None:
             st._drop(rec.key, obj, now)
         st.disk_object(rec, name, path)
+        self.orphans.pop(rec.key, None)
         return True
