@@ -31,6 +31,7 @@ import httpx
 
 from kvplane.testing.vllm_harness import BS, VLLM_PYTHON, Driver, make_model, store_kv_config, vllm_env
 from kvplane.testing.services import free_port, wait_until
+from kvplane.testing.auth import headers
 from kvplane.testing.store_procs import spawn_master, spawn_segment
 
 MODELS = {"tiny": {"hidden": 128, "layers": 2, "heads": 2, "intermediate": 256, "max_pos": 4096},
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             eng.ready()
 
         def kv_saved(i: int) -> bool:
-            keys = httpx.get(f"{admin}/get_all_keys", timeout=5, trust_env=False).json()
+            keys = httpx.get(f"{admin}/get_all_keys", timeout=5, trust_env=False,
+                             headers=headers()).json()
             return len(keys) >= (i + 1) * n_blocks * layers
 
         results = {"kvplane": measure(engines["kvplane"], prompts, n_blocks * BS, kv_saved)}

@@ -9,11 +9,26 @@ import numpy as np
 import pytest
 
 
+# where the external engines live (read by the test kit, not kvplane settings), and the token file
+_KEEP = ("KVPLANE_VLLM_PYTHON", "KVPLANE_MOONCAKE_PYTHON", "KVPLANE_ENGINES_VENV",
+         "KVPLANE_ENGINES_PYTHON", "KVPLANE_TOKEN_FILE")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One token file for the whole session, set before any fixture starts a service: services
+    the tests start write it once, clients read it, and the user's home is never touched."""
+    path = str(tmp_path_factory.mktemp("kvplane-auth") / "token")
+    os.environ["KVPLANE_TOKEN_FILE"] = path
+    return path
+
+
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _clean_env(monkeypatch: pytest.MonkeyPatch, token_file: str) -> None:
     for k in list(os.environ):
-        if k.startswith("KVPLANE_") and k != "KVPLANE_VLLM_PYTHON" and k != "KVPLANE_MOONCAKE_PYTHON":
+        if k.startswith("KVPLANE_") and k not in _KEEP:
             monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("KVPLANE_TOKEN_FILE", token_file)
     random.seed(1234)
     np.random.seed(1234)
 

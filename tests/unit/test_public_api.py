@@ -14,6 +14,7 @@ PINNED = {
                          "Tier", "cleared", "decode_batch", "decode_seq", "encode_batch",
                          "extra_keys_of", "removed", "stored", "tier_of", "to_event_hash",
                          "tokens_of"],
+    "kvplane.conductor.gateway": ["BackendSpec", "GatewayConfig"],
     "kvplane.p2p": ["Chunk", "GetResult", "Item", "Manifest", "MooncakeP2PStore", "P2PConfig",
                     "P2PNode", "TrackerClient"],
     "kvplane.compat.mooncake": ["BufferHandle", "BufferPool", "Descriptor", "DiskDescriptor",

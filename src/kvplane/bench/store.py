@@ -126,11 +126,13 @@ def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False) -> str:
 def _wait_leader(admin: int, timeout: float = 30.0) -> None:
     import httpx
 
+    from kvplane.testing.auth import headers
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{admin}/ha_status", timeout=1,
-                         trust_env=False).json().get("role") == "leader":
+            if httpx.get(f"http://127.0.0.1:{admin}/ha_status", timeout=1, trust_env=False,
+                         headers=headers()).json().get("role") == "leader":
                 return
         except httpx.HTTPError:
             pass

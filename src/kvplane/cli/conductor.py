@@ -10,13 +10,15 @@ from pathlib import Path
 
 import typer
 
-from kvplane.common import envs
+from kvplane.cli.lifecycle import announce, no_auth_option, resolve_token, token_option
 from kvplane.common.config import parse_size
 from kvplane.common.errors import InvalidArgument
 
 HELP = """Run the conductor: a global KV cache index fed by vLLM KV events,
 answering Mooncake's tiered prefix queries (POST /query, /query_by_hash) on
-http://HOST:PORT (OpenAPI at /docs).
+http://HOST:PORT (OpenAPI at /docs). Every endpoint but /health needs the
+token (X-KVPlane-Token or Authorization: Bearer): --token, KVPLANE_TOKEN or
+the token file, where one is generated if none exists (TOKEN below).
 
 \b
 Point vLLM at it, way 1 - engines connect to the conductor (one port):
@@ -26,7 +28,7 @@ Point vLLM at it, way 1 - engines connect to the conductor (one port):
     --prefix-caching-hash-algo sha256 --kv-events-config \\
     '{"enable_kv_cache_events": true, "publisher": "zmq",
       "endpoint": "tcp://127.0.0.1:5557", "topic": "kv@e0"}'
-  curl -XPOST localhost:13333/register \\
+  curl -XPOST localhost:13333/register -H "X-KVPlane-Token: $TOKEN" \\
     -H 'content-type: application/json' -d '{"instance_id": "e0",
     "modelname": "MODEL", "block_size": 16, "topic": "kv@e0"}'
 (vLLM connects instead of binding when its endpoint has no '*';
@@ -40,6 +42,8 @@ Way 2 - the conductor connects to each engine (replay heals gaps):
   then register {"endpoint": "tcp://HOST:5557",
     "replay_endpoint": "tcp://HOST:5558", ...}
 (with data parallelism add "dp_size": N; rank r uses port + r.)
+A kvplane master's KV events need its token: add "token": "..." to the
+registration (it is used for ZMQ PLAIN and never shown back).
 
 \b
 Hashing: engines need a fixed PYTHONHASHSEED (it seeds vLLM's NONE_HASH)
@@ -64,8 +68,10 @@ def _load_registrations(path: Path) -> list[dict[str, object]]:
 def run(
     host: str = typer.Option("127.0.0.1", help="HTTP bind address."),
     port: int = typer.Option(13333, help="HTTP port (Mooncake's default 13333; 0 = any free port)."),
-    token: str = typer.Option(None, help="Shared token HTTP clients must send as "
-                              "'Authorization: Bearer ...' (default: KVPLANE_TOKEN; empty = none)."),
+    token: str = token_option(),
+    no_auth: bool = no_auth_option("the HTTP API (/register, /unregister, /query, "
+                                   "/query_by_hash, /instances, /metrics, /docs): anyone could "
+                                   "register engines, drop them and read the index"),
     bind: list[str] = typer.Option([], help="ZMQ SUB endpoint to bind for engines that connect "
                                    "their publisher (repeatable), e.g. tcp://127.0.0.1:5557."),
     hash_algo: str = typer.Option("sha256", help="Default hash algorithm: sha256 | sha256_cbor."),
@@ -84,7 +90,7 @@ def run(
 
     try:
         cfg = ConductorConfig(
-            host=host, port=port, token=envs.get("KVPLANE_TOKEN") if token is None else token,
+            host=host, port=port, token=resolve_token(token, no_auth),
             bind=tuple(bind), default_profile=HashProfile(hash_algo, hash_seed),  # type: ignore[arg-type]
             max_batch_bytes=parse_size(max_batch_bytes),
             max_request_bytes=parse_size(max_request_bytes), replay_timeout=replay_timeout)
@@ -97,8 +103,12 @@ def run(
     banner = (f"kvplane conductor on {server.url} (zmq bind: {', '.join(server.zmq_endpoints) or 'none'}; "
               f"default hash profile {hash_algo} seed {hash_seed!r}: engines need "
               f"PYTHONHASHSEED={hash_seed} --prefix-caching-hash-algo {hash_algo})")
+    def ready() -> None:
+        typer.echo(banner, err=True)
+        announce({"conductor": server.url, "zmq_bind": server.zmq_endpoints}, None)
+
     try:
-        server.serve_forever(on_ready=lambda: typer.echo(banner, err=True))
+        server.serve_forever(on_ready=ready)
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the SIGINT it handled; the shutdown already happened
 

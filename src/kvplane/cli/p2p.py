@@ -21,7 +21,8 @@ app = typer.Typer(help="P2P store: publish files once, fetch them on many nodes 
 _FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 TrackerOpt = typer.Option(None, help="Tracker URL (default KVPLANE_P2P_TRACKER or http://127.0.0.1:8080).")
-TokenOpt = typer.Option(None, help="Shared token (default KVPLANE_TOKEN).")
+TokenOpt = typer.Option(None, help="Token of the tracker and peers (default KVPLANE_TOKEN, else "
+                        "the token file that kvplane services write).")
 HostOpt = typer.Option("127.0.0.1", help="Address this node's data listener binds and advertises.")
 
 

@@ -1,110 +1,16 @@
-"""``kvplane pd-proxy``: one OpenAI-compatible endpoint over X prefill and Y decode vLLM instances.
+"""``kvplane pd-proxy``: an alias of ``kvplane router --prefill URL --decode URL`` (one proxy, not two).
 
-Each completion is sent first to a prefill instance (round robin) with ``max_tokens=1`` and
-``kv_transfer_params={"do_remote_decode": true}``; the ``kv_transfer_params`` it returns (where
-its KV blocks are) go with the original request to a decode instance (round robin), whose answer
-(streamed or not) is the client's. The instances run ``KVPlanePDConnector``. Only HTTP here:
-the KV moves between the instances through the kvplane transfer engine, never through the proxy.
+Kept so existing scripts run unchanged: same flags, same ready line ``{"proxy": URL, ...}``. The
+proxying, routing (the prefill instance by Mooncake's Algorithm 1, the decode instance by
+predicted load), retries and health checks are the router's (``kvplane.conductor.gateway``).
 """
 
-# no `from __future__ import annotations`: FastAPI resolves the handlers' annotations at runtime
-import contextlib
-import itertools
-import json
-import socket
-from collections.abc import AsyncIterator
-from typing import Any
+from __future__ import annotations
 
 import typer
 
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-class PDRouter:
-    """Picks instances round robin and relays one request as prefill, then decode.
-
-    Args:
-        prefill: base URLs of prefill instances.
-        decode: base URLs of decode instances.
-        timeout: seconds for one upstream request.
-        transport: an httpx transport (tests pass a mock; default: the network).
-    """
-
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float,
-                 transport: Any = None) -> None:
-        import httpx
-
-        self.prefill, self.decode = prefill, decode
-        self._pick_p, self._pick_d = itertools.cycle(prefill), itertools.cycle(decode)
-        self.client = httpx.AsyncClient(timeout=timeout, trust_env=False, transport=transport)
-
-    async def relay(self, path: str, body: dict[str, Any]) -> Any:
-        """Prefill on one instance, decode (streamed if asked) on another; returns a Response."""
-        import httpx
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-        p_url, d_url = next(self._pick_p), next(self._pick_d)
-        first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
-        first.pop("stream_options", None)
-        if "max_completion_tokens" in first:
-            first["max_completion_tokens"] = 1
-        try:
-            r = await self.client.post(p_url + path, json=first)
-        except httpx.HTTPError as exc:
-            return JSONResponse({"error": f"prefill {p_url} unreachable: {exc}"}, 502)
-        if r.status_code != 200:
-            return Response(r.content, r.status_code, media_type="application/json")
-        params = r.json().get("kv_transfer_params")
-        if not params:
-            return JSONResponse({"error": f"prefill {p_url} returned no kv_transfer_params "
-                                          "(is it running KVPlanePDConnector?)"}, 502)
-        second = {**body, "kv_transfer_params": params}
-        if body.get("stream"):
-            return StreamingResponse(self._stream(d_url + path, second),
-                                     media_type="text/event-stream")
-        try:
-            r = await self.client.post(d_url + path, json=second)
-        except httpx.HTTPError as exc:
-            return JSONResponse({"error": f"decode {d_url} unreachable: {exc}"}, 502)
-        return Response(r.content, r.status_code, media_type="application/json")
-
-    async def _stream(self, url: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        async with self.client.stream("POST", url, json=body) as r:
-            async for chunk in r.aiter_bytes():
-                yield chunk
-
-
-def build_app(prefill: list[str], decode: list[str], timeout: float, transport: Any = None) -> Any:
-    """The FastAPI app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``."""
-    from fastapi import FastAPI, Request, Response
-
-    router = PDRouter(prefill, decode, timeout, transport)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await router.client.aclose()
-
-    app = FastAPI(title="kvplane pd-proxy", lifespan=lifespan)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.relay("/v1/completions", await request.json())  # type: ignore[no-any-return]
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await router.relay("/v1/chat/completions", await request.json())  # type: ignore[no-any-return]
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        r = await router.client.get(decode[0] + "/v1/models")
-        return Response(r.content, r.status_code, media_type="application/json")
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "prefill": prefill, "decode": decode}
-
-    return app
+from kvplane.cli.lifecycle import no_auth_option, resolve_token, token_option
+from kvplane.common.errors import KVPlaneError
 
 
 def pd_proxy(
@@ -112,22 +18,28 @@ def pd_proxy(
     decode: list[str] = typer.Option(..., "--decode", help="Decode instance base URL (repeat for Y)."),
     host: str = typer.Option("127.0.0.1", help="Bind address."),
     port: int = typer.Option(8000, help="Port (0 picks a free one; the ready line says which)."),
-    timeout: float = typer.Option(300.0, help="Seconds for one upstream request."),
+    timeout: float = typer.Option(300.0, help="Seconds to wait for upstream bytes (read timeout)."),
+    policy: str = typer.Option("mooncake", help="Scheduling policy (see `kvplane router --help`)."),
+    token: str = token_option(),
+    no_auth: bool = no_auth_option("the OpenAI endpoints (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models): anyone could run "
+                                   "requests on the instances behind it"),
 ) -> None:
     """Serve X prefill + Y decode vLLM instances (KVPlanePDConnector) behind one endpoint.
 
-    Prints one JSON line ``{"proxy": URL}`` once listening.
+    Same as `kvplane router --prefill ... --decode ...`; prints one JSON line {"proxy": URL, ...}.
     """
-    import uvicorn
+    from kvplane.cli.router import serve
+    from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
 
-    strip = [u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode]
-    app = build_app(strip[0], strip[1], timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    typer.echo(json.dumps({"proxy": f"http://{host}:{sock.getsockname()[1]}"}))
-    server.run(sockets=[sock])
+    try:
+        cfg = GatewayConfig(host=host, port=port, token=resolve_token(token, no_auth), mode="pd",
+                            backends=tuple([BackendSpec.parse(u, "prefill") for u in prefill]
+                                           + [BackendSpec.parse(u, "decode") for u in decode]),
+                            policy=policy, read_timeout_s=timeout)
+    except KVPlaneError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    serve(cfg)
 
 
 def register(app: typer.Typer) -> None:

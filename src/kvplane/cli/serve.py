@@ -5,8 +5,9 @@ from __future__ import annotations
 import typer
 
 from kvplane.cli import disk_opts
-from kvplane.cli.lifecycle import announce, wait_for_signal
-from kvplane.common import envs
+from kvplane.cli.lifecycle import (
+    admin_token_option, announce, no_auth_option, resolve_token, token_option, wait_for_signal,
+)
 
 
 def serve(
@@ -15,7 +16,14 @@ def serve(
     metadata_port: int = typer.Option(8080, help="HTTP metadata server port (served at /metadata)."),
     admin_port: int = typer.Option(9003, help="Admin HTTP port: /metrics /health /query_key /segments."),
     segment_size: str = typer.Option("1GiB", help="DRAM this node contributes, e.g. 4GiB."),
-    token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    token: str = token_option(),
+    no_auth: bool = no_auth_option("the master RPC port (read, overwrite and delete every object, "
+                                   "unmount segments), the admin port (key listing, replica "
+                                   "addresses, /metrics), the metadata server (segment "
+                                   "descriptors) and the segment's data port (its raw memory)"),
+    admin_token: str = admin_token_option(),
+    tenants: str = typer.Option(None, help="JSON file of tenant tokens ({\"tenants\": {NAME: "
+                                "TOKEN}}); default KVPLANE_TENANTS_FILE."),
     ready_file: str = typer.Option(None, help="Write the bound addresses here as JSON once ready."),
     disk_dir: str = disk_opts.DISK_DIR,
     disk_size: str = disk_opts.DISK_SIZE,
@@ -25,7 +33,8 @@ def serve(
     """Run a whole store node on embedded defaults, on loopback.
 
     Clients (kvplane.store.StoreClient, or Mooncake code through kvplane.compat.mooncake) use
-    master HOST:MASTER_PORT and metadata http://HOST:METADATA_PORT/metadata. Ctrl-C stops it.
+    master HOST:MASTER_PORT and metadata http://HOST:METADATA_PORT/metadata; on this host they
+    find the token in the token file. Ctrl-C stops it.
     """
     from kvplane.common.config import parse_size
     from kvplane.store.client.client import StoreClient
@@ -33,14 +42,19 @@ def serve(
     from kvplane.store.master.server import MasterServer
     from kvplane.p2p.tracker_api import mount
     from kvplane.transfer.metadata_server import serve_in_thread
+    from kvplane.cli.store import load_tenants
 
-    tok = token if token is not None else envs.get("KVPLANE_TOKEN")
+    tok = resolve_token(token, no_auth)
+    adm = resolve_token(admin_token, no_auth, admin=True)
+    tenant_tokens = load_tenants(tenants)
     meta = serve_in_thread(host, metadata_port, tok, plugins=[mount])  # also the P2P tracker
     url = f"http://{host}:{meta.port}/metadata"
-    master = MasterServer(host=host, port=master_port, admin_port=admin_port, token=tok)
+    master = MasterServer(host=host, port=master_port, admin_port=admin_port, token=tok,
+                          tenants=tenant_tokens, admin_token=adm)
     seg = StoreClient(StoreConfig(master=f"{host}:{master.port}", metadata=url, local_hostname=host,
                                   global_segment_size=parse_size(segment_size),
                                   local_buffer_size=0, token=tok,
+                                  peer_tokens=tuple(tenant_tokens.values()),
                                   **disk_opts.disk_config(disk_dir, disk_size, disk_write_through,
                                                           disk_direct)))
     announce({"master": f"{host}:{master.port}", "metadata": url,
@@ -56,4 +70,3 @@ def serve(
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
-

@@ -5,8 +5,22 @@ from __future__ import annotations
 import typer
 
 from kvplane.cli import disk_opts
-from kvplane.cli.lifecycle import announce, wait_for_signal
+from kvplane.cli.lifecycle import (
+    admin_token_option, announce, no_auth_option, resolve_token, token_option, wait_for_signal,
+)
 from kvplane.common import envs
+
+
+def load_tenants(path: str | None) -> dict[str, str]:
+    """Tenant tokens from ``path`` (default KVPLANE_TENANTS_FILE); {} when none is named."""
+    from kvplane.common.errors import InvalidArgument
+    from kvplane.store.master.access import read_tenants
+
+    path = path or envs.get("KVPLANE_TENANTS_FILE")
+    try:
+        return read_tenants(path) if path else {}
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def master(
@@ -20,8 +34,16 @@ def master(
     evict_ratio: float = typer.Option(0.05, help="Share of capacity one eviction pass frees."),
     allocation_strategy: str = typer.Option("random", help="random | free_ratio_first"),
     kv_events_port: int = typer.Option(None, help="Publish BlockStored/BlockRemoved (vLLM format, medium CPU) on this ZMQ port (0 = any); register the store with the conductor as type kvplane."),
-    token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
-    ha: str = typer.Option(None, "--ha", help="High availability: etcd://h1:2379[;h2:2379] (etcd 3.4+). Masters of one cluster elect a leader; clients then use master address etcd://h1:2379;h2:2379[/CLUSTER]."),
+    token: str = token_option(),
+    no_auth: bool = no_auth_option("the RPC port (anyone can read, overwrite and delete every "
+                                   "object and unmount any segment), the admin port (key "
+                                   "listing, replica addresses, /metrics), the KV-event stream "
+                                   "and, with --metadata-port, the metadata server"),
+    admin_token: str = admin_token_option(),
+    tenants: str = typer.Option(None, help="JSON file of tenant tokens ({\"tenants\": {NAME: "
+                                "TOKEN}}): each tenant sees only its own keys (default "
+                                "KVPLANE_TENANTS_FILE). The service token is tenant default."),
+    ha: str = typer.Option(None, "--ha", help="High availability: etcd://h1:2379;h2:2379 (one or more etcd 3.4+ endpoints). Masters of one cluster elect a leader; clients then use the master address etcd://h1:2379;h2:2379/CLUSTER (the /CLUSTER part is optional)."),
     cluster_id: str = typer.Option(None, "--cluster-id", help="HA cluster id (default KVPLANE_CLUSTER_ID or kvplane)."),
     advertise: str = typer.Option(None, help="HA: the HOST:PORT clients reach this master at (default --host and the bound port)."),
     ha_lease_ttl: int = typer.Option(3, help="HA: leader lease in seconds (>= 2); a dead leader is replaced about this long after it died."),
@@ -38,12 +60,14 @@ def master(
     from kvplane.store.master.server import MasterServer
     from kvplane.transfer.metadata_server import serve_in_thread
 
-    tok = token if token is not None else envs.get("KVPLANE_TOKEN")
+    tok = resolve_token(token, no_auth)
+    adm = resolve_token(admin_token, no_auth, admin=True)
     cfg = MasterConfig(lease_ttl=lease_ttl, client_ttl=client_ttl, high_watermark=high_watermark,
                        evict_ratio=evict_ratio, allocation_strategy=allocation_strategy,  # type: ignore[arg-type]
                        recovery_grace=recovery_grace)
     meta = serve_in_thread(host, metadata_port, tok) if metadata_port is not None else None
-    srv = MasterServer(cfg, host, port, admin_port, tok, kv_events_port=kv_events_port, ha=ha,
+    srv = MasterServer(cfg, host, port, admin_port, tok, kv_events_port=kv_events_port,
+                       tenants=load_tenants(tenants), admin_token=adm, ha=ha,
                        cluster=cluster_id, advertise=advertise, lease_ttl=ha_lease_ttl)
     announce({"master": f"{host}:{srv.port}", "admin_port": srv.http.port if srv.http else None,
               "ha": ha, "cluster": srv.election.where.cluster if srv.election else None,
@@ -58,11 +82,15 @@ def master(
 
 def segment(
     size: str = typer.Option("4GiB", help="DRAM this process contributes to the pool."),
-    master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address: HOST:PORT, or etcd://h1:2379;h2:2379[/CLUSTER] for HA masters."),
+    master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address: HOST:PORT, or etcd://h1:2379;h2:2379/CLUSTER for HA masters (the /CLUSTER part is optional)."),
     metadata: str = typer.Option("P2PHANDSHAKE", help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
     host: str = typer.Option("127.0.0.1", help="Address the data listener binds and advertises."),
-    token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    token: str = token_option(),
+    no_auth: bool = no_auth_option("the data port (anyone can read and overwrite this segment's "
+                                   "memory) and the /metrics port"),
     metrics_port: int = typer.Option(0, help="Prometheus /metrics port (0 = any free port, -1 = off)."),
+    tenants: str = typer.Option(None, help="The master's tenants file: tenants' clients may then "
+                                "reach this segment's data port (default KVPLANE_TENANTS_FILE)."),
     ready_file: str = typer.Option(None, help="Write the segment name here as JSON once mounted."),
     disk_dir: str = disk_opts.DISK_DIR,
     disk_size: str = disk_opts.DISK_SIZE,
@@ -71,21 +99,28 @@ def segment(
 ) -> None:
     """Contribute a shared-memory DRAM segment to the pool (Mooncake's mooncake_client role),
     optionally backed by an SSD tier (--disk-dir, docs/store.md "SSD tier")."""
-    from kvplane.common import metrics
+    from kvplane.common.auth import token_authenticator
     from kvplane.common.config import parse_size
+    from kvplane.common.http import ServerThread, metrics_app
     from kvplane.store.client.client import StoreClient
     from kvplane.store.config import StoreConfig
 
-    tok = token if token is not None else envs.get("KVPLANE_TOKEN")
+    tok = resolve_token(token, no_auth)
     c = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                                 global_segment_size=parse_size(size), local_buffer_size=0, token=tok,
+                                peer_tokens=tuple(load_tenants(tenants).values()),
                                 **disk_opts.disk_config(disk_dir, disk_size, disk_write_through,
                                                         disk_direct)))
-    mport = metrics.serve(metrics_port, host) if metrics_port >= 0 else None
-    announce({"segment": c.segment_name, "size": parse_size(size), "metrics_port": mport,
-              **disk_opts.announced(c)}, ready_file)
+    http = None
+    if metrics_port >= 0:
+        http = ServerThread(metrics_app(), host, metrics_port,
+                            authenticate=token_authenticator(tok), name="segment-metrics")
+    announce({"segment": c.segment_name, "size": parse_size(size),
+              "metrics_port": http.port if http else None, **disk_opts.announced(c)}, ready_file)
     wait_for_signal()
     c.close()
+    if http:
+        http.close()
 
 
 def client_server(
@@ -98,7 +133,13 @@ def client_server(
                                     help="Master RPC address."),
     metadata: str = typer.Option("P2PHANDSHAKE", "--metadata", "--metadata-server",
                                  help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
-    token: str = typer.Option(None, help="Shared token (default KVPLANE_TOKEN)."),
+    token: str = token_option(),
+    no_auth: bool = no_auth_option("the dummy-client RPC port (anyone on this host could put, "
+                                   "get and remove objects through it) and this process's data "
+                                   "port (its segment's memory)"),
+    tenants: str = typer.Option(None, help="The master's tenants file: tenants' clients may then "
+                                "reach this segment's data port (default KVPLANE_TENANTS_FILE). "
+                                "Dummies act with this process's token (tenant default)."),
     ready_file: str = typer.Option(None, help="Write the address and segment here as JSON once up."),
 ) -> None:
     """Serve dummy clients (Mooncake's `mooncake_client`): one real store client that holds a
@@ -109,10 +150,11 @@ def client_server(
     from kvplane.store.config import StoreConfig
     from kvplane.store.dummy.server import ClientServer
 
-    tok = token if token is not None else envs.get("KVPLANE_TOKEN")
+    tok = resolve_token(token, no_auth)
     client = StoreClient(StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                                      global_segment_size=parse_size(segment_size),
-                                     local_buffer_size=parse_size(local_buffer_size), token=tok))
+                                     local_buffer_size=parse_size(local_buffer_size), token=tok,
+                                     peer_tokens=tuple(load_tenants(tenants).values())))
     try:
         srv = ClientServer(client, host, port, tok)
     except BaseException:

@@ -46,7 +46,16 @@ def _size(v: str) -> int:
 TABLE: dict[str, EnvVar] = {
     e.name: e
     for e in (
-        EnvVar("KVPLANE_TOKEN", str, "", "shared token every kvplane service and client must present"),
+        EnvVar("KVPLANE_TOKEN", str, "", "shared token every kvplane service and client must present (wins over the token file)"),
+        EnvVar("KVPLANE_TOKEN_FILE", str, "", "token file servers write and local clients read (default $XDG_RUNTIME_DIR/kvplane/token, else ~/.kvplane/token)"),
+        EnvVar("KVPLANE_ADMIN_TOKEN", str, "", "admin token of the store master (wins over the admin-token file next to the token file)"),
+        EnvVar("KVPLANE_TENANTS_FILE", str, "", "JSON file of tenant tokens the store master accepts: {\"tenants\": {\"NAME\": \"TOKEN\"}}"),
+        EnvVar("KVPLANE_HANDSHAKE_TIMEOUT", float, 5.0, "seconds a new connection has to authenticate (first RPC frame, data HELLO, HTTP request headers)"),
+        EnvVar("KVPLANE_IDLE_TIMEOUT", float, 300.0, "seconds an authenticated RPC or data connection may stay idle before it is closed"),
+        EnvVar("KVPLANE_HTTP_REQUEST_TIMEOUT", float, 30.0, "seconds an HTTP client has to send a request body once its headers arrived"),
+        EnvVar("KVPLANE_PREAUTH_FRAME", _size, 64 << 10, "largest frame a listener reads from a peer that has not authenticated yet"),
+        EnvVar("KVPLANE_MAX_PREAUTH", int, 64, "unauthenticated connections one listener holds; past it the oldest is closed"),
+        EnvVar("KVPLANE_MAX_PREAUTH_PER_PEER", int, 16, "unauthenticated connections one peer address may hold on one listener; past it its oldest is closed"),
         EnvVar("KVPLANE_LOG_LEVEL", str, "INFO", "log level of the kvplane loggers"),
         EnvVar("KVPLANE_LOG_JSON", parse_bool, False, "emit logs as one JSON object per line"),
         EnvVar("KVPLANE_TRANSFER_TIMEOUT", float, 30.0, "default transfer timeout in seconds (Mooncake MC_TRANSFER_TIMEOUT)"),

@@ -1,15 +1,33 @@
 """Listener: a TCP accept loop that serves each connection on its own named daemon thread.
 
 Shared by the transfer engine's data server and the control RPC server. Blocking per-connection
-threads are the fastest request/response path in CPython (no event-loop hop). Connections past
-``max_connections`` are refused; ``close`` stops accepting and shuts every connection down.
+threads are the fastest request/response path in CPython (no event-loop hop). Every connection
+goes through :class:`~kvplane.common.guard.Admission`: it starts unauthenticated (capped per peer
+and per listener, oldest closed first) until the server calls :meth:`Listener.authenticated`;
+past ``max_connections`` new connections are refused. ``close`` stops accepting and shuts every
+connection down.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import socket
 import threading
 from collections.abc import Callable
+
+from kvplane.common.guard import REJECTED, Admission, Limits, PeerLog, Ticket
+
+log = logging.getLogger(__name__)
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+              errno.EPERM, errno.EPROTO}
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class Listener:
@@ -19,21 +37,27 @@ class Listener:
         serve: handles one connection until it ends; must not close it.
         host: bind address.
         port: 0 picks a free port (read ``.port``).
-        name: thread-name prefix.
+        name: thread-name prefix (and metrics label).
         max_connections: further connections are closed at once (``on_refuse`` is called).
         on_refuse: called for each refused connection (metrics).
+        limits: pre-authentication limits (default: ``Limits.from_env``); ``max_connections``
+            overrides its field of the same name.
     """
 
     def __init__(self, serve: Callable[[socket.socket], None], host: str = "127.0.0.1",
                  port: int = 0, name: str = "listener", max_connections: int = 512,
-                 on_refuse: Callable[[], None] = lambda: None) -> None:
+                 on_refuse: Callable[[], None] = lambda: None, limits: Limits | None = None) -> None:
         self._serve = serve
         self._name = name
-        self._max = max_connections
         self._on_refuse = on_refuse
-        self._lsock = socket.create_server((host, port), backlog=256)
+        self.limits = Limits.from_env(max_connections=max_connections) if limits is None else limits
+        self.admission = Admission(self.limits, name)
+        self._peer_log = PeerLog(log)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._lsock = socket.create_server((host, port), family=family, backlog=256)
         self.host, self.port = self._lsock.getsockname()[:2]
         self.conns: set[socket.socket] = set()
+        self._tickets: dict[socket.socket, Ticket] = {}
         self._lock = threading.Lock()
         self.closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"{name}-accept-{self.port}",
@@ -44,17 +68,36 @@ class Listener:
         while not self.closed.is_set():
             try:
                 conn, addr = self._lsock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self.closed.is_set() or exc.errno not in _TRANSIENT:
+                    return
+                # out of file descriptors or memory: back off instead of dying (or spinning)
+                REJECTED.labels(self._name, "accept_" + errno.errorcode.get(exc.errno or 0, "?")).inc()
+                self._peer_log.warn("*", "accept failed (%s); retrying", exc)
+                self.closed.wait(0.05)
+                continue
+            ticket = self.admission.admit(str(addr[0]), lambda c=conn: _shutdown(c))
+            if ticket is None:
+                conn.close()
+                self._on_refuse()
+                continue
             with self._lock:
-                if len(self.conns) >= self._max:
-                    conn.close()
-                    self._on_refuse()
-                    continue
                 self.conns.add(conn)
+                self._tickets[conn] = ticket
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._run, args=(conn,), daemon=True,
                              name=f"{self._name}-conn-{addr[1]}").start()
+
+    def authenticated(self, conn: socket.socket) -> None:
+        """``conn`` proved the token: it no longer counts (or can be closed) as unauthenticated."""
+        ticket = self._tickets.get(conn)
+        if ticket is not None:
+            self.admission.authenticate(ticket)
+
+    def peer(self, conn: socket.socket) -> str:
+        """The peer address ``conn`` was accepted from."""
+        ticket = self._tickets.get(conn)
+        return ticket.peer if ticket is not None else "?"
 
     def _run(self, conn: socket.socket) -> None:
         try:
@@ -62,6 +105,9 @@ class Listener:
         finally:
             with self._lock:
                 self.conns.discard(conn)
+                ticket = self._tickets.pop(conn, None)
+            if ticket is not None:
+                self.admission.release(ticket)
             conn.close()
 
     def close(self) -> None:
@@ -69,16 +115,10 @@ class Listener:
         if self.closed.is_set():
             return
         self.closed.set()
-        try:
-            self._lsock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _shutdown(self._lsock)
         self._lsock.close()
         with self._lock:
             conns = list(self.conns)
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shutdown(c)
         self._thread.join(2)

@@ -5,25 +5,33 @@ Why not ZeroMQ here: on this class of machine a pyzmq DEALER/ROUTER round trip m
 per call), and the store's small-object latency is mostly master round trips. pyzmq stays the
 transport for KV events (PUB/SUB), where its fan-out and replay sockets are what we need.
 
-Every call carries a request id, a timeout and the shared token; errors travel as numeric
-codes (``kvplane.common.errors``) and are raised again on the client. Frames are limited to
-``max_message`` bytes; a malformed frame closes that connection only.
+Every call carries a request id, a timeout and the token; errors travel as numeric codes
+(``kvplane.common.errors``) and are raised again on the client. A connection authenticates with
+its first frame, which must arrive within the handshake timeout and be at most
+``preauth_frame`` bytes (``kvplane.common.guard``); a client whose first request is larger
+sends a small ``rpc.hello`` first. The token is resolved once per connection; handlers read the
+caller's :class:`~kvplane.common.auth.Principal` with :func:`current_principal`. Later frames
+are limited to ``max_message`` bytes, and their buffers grow as bytes arrive, never to a size
+the peer merely claims. A malformed frame closes that connection only; bad peers are logged
+once per peer at a time.
 """
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
 from kvplane.common import wire
+from kvplane.common.auth import ADMIN, Authenticator, Principal, token_authenticator
+from kvplane.common.guard import REJECTED, Limits, PeerLog
 from kvplane.common.listener import Listener
 from kvplane.common.sockets import recv_exact, recv_spin, set_io_timeout
 from kvplane.common.errors import (
@@ -36,6 +44,9 @@ Handler = Callable[[Any], Any]
 _LEN = struct.Struct("<I")
 
 
+_CHUNK = 1 << 20
+
+
 def _recv_frame(sock: socket.socket, limit: int, spin: bool = True) -> bytearray:
     head = memoryview(bytearray(4))
     got = recv_spin(sock, head) if spin else 0
@@ -45,9 +56,50 @@ def _recv_frame(sock: socket.socket, limit: int, spin: bool = True) -> bytearray
     (n,) = _LEN.unpack(head)
     if n > limit:
         raise ProtocolError(f"frame of {n} bytes exceeds {limit}")
-    body = bytearray(n)
-    recv_exact(sock, memoryview(body))
+    if n <= _CHUNK:
+        body = bytearray(n)
+        recv_exact(sock, memoryview(body))
+        return body
+    body = bytearray()  # large: grow with what arrives, not with what the peer claims
+    while len(body) < n:
+        part = bytearray(min(_CHUNK, n - len(body)))
+        recv_exact(sock, memoryview(part))
+        body += part
     return body
+
+
+def _recv_first(sock: socket.socket, limit: int, timeout: float) -> bytearray:
+    """The first frame of a connection: at most ``limit`` bytes, all of it within ``timeout``.
+
+    Raises:
+        ProtocolError: the frame is larger than ``limit``.
+        TimeoutError: it did not arrive in time.
+    """
+    deadline = time.monotonic() + timeout
+    head = bytearray(4)
+    _recv_by(sock, memoryview(head), deadline)
+    (n,) = _LEN.unpack(head)
+    if n > limit:
+        raise ProtocolError(f"first frame of {n} bytes exceeds {limit} before authentication")
+    body = bytearray(n)
+    _recv_by(sock, memoryview(body), deadline)
+    return body
+
+
+def _recv_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    got = 0
+    while got < len(view):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("handshake timed out")
+        set_io_timeout(sock, left)
+        try:
+            k = sock.recv_into(view[got:])
+        except BlockingIOError as exc:
+            raise TimeoutError("handshake timed out") from exc
+        if k == 0:
+            raise Unavailable("connection closed by peer")
+        got += k
 
 
 def _send_frame(sock: socket.socket, payload: bytes) -> None:
@@ -58,14 +110,25 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
 
 
 _NONE = msgspec.Raw(wire.encode(None))
+HELLO = "rpc.hello"  # a no-op call a client makes to authenticate before a large first request
+_PREAUTH_SAFE = 48 << 10  # a first request larger than this is preceded by HELLO
+_STALE_AFTER = 1.0  # a connection idle this long is checked for a server-side close before use
+_current = threading.local()
 
 
-def dispatch(handlers: Mapping[str, tuple[Handler, type[Any]]], token: str,
+def current_principal() -> Principal:
+    """The principal of the RPC being served on this thread (the admin outside any RPC)."""
+    return getattr(_current, "principal", None) or ADMIN
+
+
+def dispatch(handlers: Mapping[str, tuple[Handler, type[Any]]], token: str | Authenticator,
              data: bytes | bytearray) -> wire.Reply | None:
     """Serve one request frame: decode it, check version and token, run the method's handler.
 
-    Errors the handler raises from the kvplane tree travel back as their code; any other
-    exception is a handler bug, logged and answered with the root code.
+    ``token`` is the shared token ("" accepts anyone) or an authenticator (token -> principal,
+    None rejects). The handler runs with :func:`current_principal` set. Errors the handler
+    raises from the kvplane tree travel back as their code; any other exception is a handler
+    bug, logged and answered with the root code.
 
     Returns:
         The reply to send, or None when ``data`` is not an envelope at all (the caller drops
@@ -75,22 +138,47 @@ def dispatch(handlers: Mapping[str, tuple[Handler, type[Any]]], token: str,
         env = msgspec.msgpack.decode(data, type=wire.Envelope)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    check = token_authenticator(token) if isinstance(token, str) else token
     try:
         if env.v != wire.WIRE_VERSION:
             raise ProtocolError(f"wire version {env.v} not supported")
-        if token and not hmac.compare_digest(env.token, token):
+        principal = check(env.token)
+        if principal is None:
             raise Unauthorized("bad or missing token")
+        if env.method == HELLO:
+            return wire.Reply(env.id, 0, "", _NONE)
         entry = handlers.get(env.method)
         if entry is None:
             raise InvalidArgument(f"unknown method {env.method!r}")
         handler, rtype = entry
-        body = wire.encode(handler(wire.decode(env.body, rtype)))
+        _current.principal = principal
+        try:
+            body = wire.encode(handler(wire.decode(env.body, rtype)))
+        finally:
+            _current.principal = None
         return wire.Reply(env.id, 0, "", msgspec.Raw(body))
     except KVPlaneError as exc:
         return wire.Reply(env.id, exc.code, str(exc), _NONE)
     except Exception as exc:  # a handler bug must not kill the server
         log.exception("rpc handler %s failed", env.method)
         return wire.Reply(env.id, KVPlaneError.code, f"internal error: {exc}", _NONE)
+
+
+class _Session:
+    """Per-connection authenticator: the first accepted token is remembered (checked once)."""
+
+    def __init__(self, check: Authenticator) -> None:
+        self._check = check
+        self.token: str | None = None
+        self.principal: Principal | None = None
+
+    def __call__(self, given: str) -> Principal | None:
+        if self.principal is not None and given == self.token:
+            return self.principal
+        found = self._check(given)
+        if found is not None and self.principal is None:
+            self.token, self.principal = given, found
+        return found
 
 
 class RpcServer:
@@ -102,19 +190,30 @@ class RpcServer:
     Args:
         host: bind address (127.0.0.1 unless told otherwise).
         port: TCP port, 0 picks a free one (read it back from ``.port``).
-        token: shared token; empty disables the check.
-        max_message: largest request accepted, in bytes.
+        token: shared token; empty disables the check (unless ``authenticate`` is given).
+        max_message: largest request accepted from an authenticated peer, in bytes.
         max_connections: inbound connections beyond this are refused.
+        authenticate: token -> principal (None rejects); replaces ``token`` when given.
+        limits: pre-authentication limits (default: from the environment).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "",
-                 max_message: int = wire.MAX_CONTROL_FRAME, max_connections: int = 1024) -> None:
-        self._token = token
+                 max_message: int = wire.MAX_CONTROL_FRAME, max_connections: int = 1024,
+                 authenticate: Authenticator | None = None, limits: Limits | None = None) -> None:
+        self._auth = authenticate or token_authenticator(token)
         self._max = max_message
         self._handlers: dict[str, tuple[Handler, type[Any]]] = {}
         self.malformed = 0
-        self._listener = Listener(self._serve, host, port, "rpc", max_connections)
+        self.peer_log = PeerLog(log)
+        if limits is None:
+            limits = Limits.from_env(max_connections=max_connections)
+        self._listener = Listener(self._serve, host, port, "rpc", limits.max_connections,
+                                  lambda: self.peer_log.warn("*", "refused a connection: "
+                                                             "%d connections held",
+                                                             limits.max_connections),
+                                  limits=limits)
         self.host, self.port = self._listener.host, self._listener.port
+        self.admission = self._listener.admission
 
     def add(self, method: str, handler: Handler, request_type: type[Any]) -> None:
         """Register ``handler(request) -> reply`` for ``method``."""
@@ -125,23 +224,59 @@ class RpcServer:
         return self
 
     def _serve(self, conn: socket.socket) -> None:
+        session = _Session(self._auth)
         try:
+            if not self._handshake(conn, session):
+                return
+            set_io_timeout(conn, self._listener.limits.idle_timeout or 1e9)
             while not self._listener.closed.is_set():
                 try:
                     data = _recv_frame(conn, self._max, spin=False)
-                except ProtocolError:
-                    self.malformed += 1
+                except ProtocolError as exc:
+                    self._reject(conn, "malformed", str(exc))
                     return
-                reply = self._dispatch(data)
-                if reply is None:
-                    self.malformed += 1
+                except TimeoutError:
+                    REJECTED.labels("rpc", "idle").inc()
                     return
-                _send_frame(conn, wire.encode(reply))
+                if not self._answer(conn, session, data):
+                    return
         except (OSError, KVPlaneError):
             pass
 
-    def _dispatch(self, data: bytes | bytearray) -> wire.Reply | None:
-        return dispatch(self._handlers, self._token, data)
+    def _handshake(self, conn: socket.socket, session: _Session) -> bool:
+        """Read, check and answer the first frame; True once the peer is authenticated."""
+        lim = self._listener.limits
+        try:
+            data = _recv_first(conn, lim.preauth_frame, lim.handshake_timeout)
+        except ProtocolError as exc:
+            self._reject(conn, "oversized_unauthenticated", str(exc))
+            return False
+        except TimeoutError:
+            self._reject(conn, "handshake_timeout", "no complete first frame within "
+                         f"{lim.handshake_timeout}s")
+            return False
+        if not self._answer(conn, session, data):
+            return False
+        if session.principal is None:
+            self._reject(conn, "bad_token", "bad or missing token")
+            return False
+        self._listener.authenticated(conn)
+        return True
+
+    def _answer(self, conn: socket.socket, session: _Session, data: bytearray) -> bool:
+        reply = dispatch(self._handlers, session, data)
+        if reply is None:
+            self._reject(conn, "malformed", "not an RPC envelope")
+            return False
+        _send_frame(conn, wire.encode(reply))
+        return True
+
+    def _reject(self, conn: socket.socket, reason: str, detail: str) -> None:
+        if reason.startswith(("malformed", "oversized")):
+            self.malformed += 1
+        REJECTED.labels("rpc", reason).inc()
+        self.peer_log.warn(self._listener.peer(conn), "closing RPC connection (%s): %s",
+                           reason, detail)
 
     def close(self) -> None:
         """Stop serving and drop every connection (idempotent)."""
@@ -172,10 +307,14 @@ class RpcClient:
         self._max = max_message
         self._sock: socket.socket | None = None
         self._armed = -1.0
+        self._used = 0.0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def _socket(self, timeout: float) -> socket.socket:
+    def _socket(self, timeout: float, first: int, now: float) -> socket.socket:
+        """The connection, (re)opened if needed; ``first`` is the size of the next frame."""
+        if self._sock is not None and now - self._used > _STALE_AFTER:
+            self._drop_if_closed()
         if self._sock is None:
             try:
                 s = socket.create_connection(self._addr, timeout=min(timeout, 5.0))
@@ -184,10 +323,38 @@ class RpcClient:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.settimeout(None)
             self._sock, self._armed = s, -1.0
+            if first > _PREAUTH_SAFE:  # the server reads little before we authenticate
+                self._exchange(s, timeout, HELLO, None)
         if timeout != self._armed:
             set_io_timeout(self._sock, timeout)
             self._armed = timeout
         return self._sock
+
+    def _drop_if_closed(self) -> None:
+        """Forget a pooled connection the server closed while it was idle (idle timeout)."""
+        assert self._sock is not None
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return  # alive and quiet
+        except OSError:
+            pass
+        self._reset()  # closed (b""), reset, or unsolicited bytes: the stream is out of step
+
+    def _exchange(self, sock: socket.socket, timeout: float, method: str, request: Any) -> wire.Reply:
+        if timeout != self._armed:
+            set_io_timeout(sock, timeout)
+            self._armed = timeout
+        rid = next(self._ids)
+        env = wire.Envelope(wire.WIRE_VERSION, rid, method, self._token, int(timeout * 1000),
+                            msgspec.Raw(wire.encode(request)))
+        _send_frame(sock, wire.encode(env))
+        rep = wire.decode(_recv_frame(sock, self._max), wire.Reply)
+        if rep.id != rid:
+            raise ProtocolError(f"reply id {rep.id} != request id {rid}")
+        if rep.code and method == HELLO:
+            raise from_code(rep.code, rep.error)
+        return rep
 
     def call(self, method: str, request: Any, reply_type: type[T], timeout: float | None = None) -> T:
         """Call ``method`` and decode the reply as ``reply_type``.
@@ -198,22 +365,22 @@ class RpcClient:
             KVPlaneError: the server's error, re-raised by code.
         """
         t = self._timeout if timeout is None else timeout
+        body = wire.encode(request)
         with self._lock:
-            rid = next(self._ids)
-            env = wire.Envelope(wire.WIRE_VERSION, rid, method, self._token, int(t * 1000),
-                                msgspec.Raw(wire.encode(request)))
+            now = time.monotonic()
             try:
-                sock = self._socket(t)
-                _send_frame(sock, wire.encode(env))
-                rep = wire.decode(_recv_frame(sock, self._max), wire.Reply)
-                if rep.id != rid:
-                    raise ProtocolError(f"reply id {rep.id} != request id {rid}")
+                sock = self._socket(t, len(body), now)
+                rep = self._exchange(sock, t, method, msgspec.Raw(body))
+                self._used = now
             except TimeoutError as exc:
                 self._reset()
                 raise Timeout(f"rpc {method} to {self.endpoint} timed out after {t}s") from exc
             except (OSError, Unavailable, ProtocolError) as exc:
                 self._reset()
                 raise Unavailable(f"rpc {method} to {self.endpoint} failed: {exc}") from exc
+            except KVPlaneError:
+                self._reset()  # the handshake was refused: the server closes this connection
+                raise
         if rep.code:
             raise from_code(rep.code, rep.error)
         return wire.decode(rep.body, reply_type)

@@ -6,6 +6,8 @@ OBJECT_HAS_LEASE, -600 INVALID_PARAMS, ...); ``get`` returns empty bytes on a mi
 1/0 or a negative code, data getters None. Before ``setup()`` (or after a failed one) every call
 answers as Mooncake's client does without a connection: -600, ``b""`` or None; it never raises.
 kvplane exceptions become codes here and only here (``mooncake_types.code_of``).
+``setup``'s ``tenant_id`` must name the tenant the client's token selects on the master (kvplane
+tenants are chosen by token, see docs/security.md); tenants are pure clients (segment size 0).
 
 This module holds setup, the bytes and zero-copy calls, existence and removal. The rest of the
 class comes from mixins: ranges and sessions (``mooncake_ranges``), replica descriptors, copy/move
@@ -80,12 +82,12 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
         if parsed.engine is not None:
             log.info("setup: an existing TransferEngine was passed; kvplane's store client "
                      "runs its own engine")
-        if parsed.tenant_id != "default":
-            rc = self._check_tenant(parsed.tenant_id)
-            if rc:
-                return rc
+        if parsed.tenant_id != "default" and parsed.global_segment_size:
+            log.error("setup: tenant %r: tenants are pure clients (only the service token mounts "
+                      "segments): pass global_segment_size=0", parsed.tenant_id)
+            return INVALID_PARAMS
         try:
-            self._c = setup_args.open_client(parsed)
+            client = setup_args.open_client(parsed)
         except KVPlaneError as exc:
             log.error("setup failed: %s", exc)
             return code_of(exc)
@@ -93,15 +95,29 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
             log.error("setup failed: %s", exc)
             # a host:port that is taken: Mooncake cannot create that client either (-600)
             return INVALID_PARAMS if exc.errno == errno.EADDRINUSE else INTERNAL_ERROR
+        rc = self._check_tenant(client, parsed.tenant_id)
+        if rc:
+            client.close()
+            return rc
+        self._c = client
         self._local_buffer = parsed.local_buffer_size
         self._tenant = parsed.tenant_id
         return OK
 
-    def _check_tenant(self, tenant: str) -> int:
-        """Tenant namespaces need the master's tenant support (the token selects the tenant);
-        until then a non-default ``tenant_id`` is refused rather than silently shared."""
-        log.error("setup: tenant_id %r: this kvplane master has no tenant namespaces", tenant)
-        return INVALID_PARAMS
+    def _check_tenant(self, client: Any, tenant: str) -> int:
+        """A kvplane tenant is chosen by the token, not by the caller: ``tenant_id`` must name
+        the tenant the master says the client's token selects (else -600, never a silently
+        shared or foreign namespace). 0, or a negative code."""
+        try:
+            actual = client.rpc.call("whoami", client.config.client_id, str)
+        except KVPlaneError as exc:
+            log.error("setup: cannot ask the master for this token's tenant: %s", exc)
+            return code_of(exc)
+        if actual != tenant:
+            log.error("setup: tenant_id %r, but the token (KVPLANE_TOKEN or the token file) is "
+                      "tenant %r's: use that tenant's token", tenant, actual)
+            return INVALID_PARAMS
+        return OK
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
         """Mooncake's test-only setup: a segment of ``mount_segment_size`` on the default master."""

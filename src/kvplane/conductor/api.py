@@ -4,20 +4,20 @@ Endpoints: ``POST /register``, ``POST /unregister``, ``POST /query`` (token ids)
 ``POST /query_by_hash`` (64-bit block hashes), ``GET /instances``, ``GET /health``,
 ``GET /metrics``. Request/response schemas live here only. Errors map from the kvplane tree:
 InvalidArgument 400, Unauthorized 401, NotFound 404, Conflict 409, oversized body 413,
-schema violations 422. Every request body is capped (``max_request_bytes``). When a token is
-configured, every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` (or
-``X-KVPlane-Token``).
+schema violations 422. Every request body is capped (``max_request_bytes``). The token
+(``Authorization: Bearer <token>`` or ``X-KVPlane-Token``, every endpoint but ``/health``) is
+checked in front of the app, before any body is read, by the token gate of
+``kvplane.common.http`` that ``server.py`` installs.
 
 Must not bind sockets (``server.py`` does) nor import ``zmq``.
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
@@ -25,6 +25,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from kvplane.common import metrics as common_metrics
 from kvplane.common.errors import (Conflict, InvalidArgument, KVPlaneError, NotFound,
                                    ProtocolError, Unauthorized)
+Secret = Annotated[str, Field(max_length=4096)]
 from kvplane.conductor import instruments
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import Conductor, QueryRequest, Registration
@@ -65,6 +66,8 @@ class RegisterBody(BaseModel):
     additionalsalt: Name = ""
     topic: Name = Field("", description="publisher topic (routes messages on a bound SUB)")
     hash_profile: HashProfileBody | None = None
+    token: Secret = Field("", description="token presented (ZMQ PLAIN) to a publisher that "
+                          "requires one: a kvplane master's KV-event stream; never shown back")
 
 
 class UnregisterBody(BaseModel):
@@ -193,7 +196,7 @@ def to_registration(body: RegisterBody | dict[str, Any]) -> Registration:
                         lora_name=body.lora_name or "", tenant_id=body.tenant_id,
                         dp_rank=body.dp_rank, dp_size=body.dp_size,
                         additional_salt=body.additionalsalt, topic=body.topic,
-                        hash_profile=_profile(body.hash_profile))
+                        hash_profile=_profile(body.hash_profile), token=body.token)
 
 
 class _BodyLimit:
@@ -240,15 +243,6 @@ def create_app(conductor: Conductor) -> FastAPI:
     app = FastAPI(title="kvplane conductor", version="1",
                   description="Global KV cache index fed by vLLM KV events (Mooncake-compatible).")
 
-    def auth(authorization: str | None = Header(None),
-             x_kvplane_token: str | None = Header(None)) -> None:
-        """Require the shared token (``Authorization: Bearer`` or ``X-KVPlane-Token``) if set."""
-        if not cfg.token:
-            return
-        given = x_kvplane_token or (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), cfg.token.encode()):
-            raise Unauthorized("missing or wrong token")
-
     @app.exception_handler(KVPlaneError)
     async def _kv_error(_: Request, exc: KVPlaneError) -> JSONResponse:
         status = next((s for cls, s in _STATUS if isinstance(exc, cls)), 400)
@@ -261,8 +255,8 @@ def create_app(conductor: Conductor) -> FastAPI:
                    "type": str(e.get("type", ""))} for e in exc.errors()]
         return JSONResponse({"detail": errors}, 422)
 
-    _admin_routes(app, conductor, [Depends(auth)])
-    _query_routes(app, conductor, [Depends(auth)])
+    _admin_routes(app, conductor, [])
+    _query_routes(app, conductor, [])
     app.add_middleware(_BodyLimit, limit=cfg.max_request_bytes)
     return app
 

@@ -12,6 +12,11 @@ fully replayed, the stream's entries are dropped (stale hits are worse than miss
 from live events. A jump backwards means the publisher restarted with an empty cache: its entries
 are dropped and whatever its replay ring holds is applied. Malformed frames, undecodable batches,
 oversized payloads and unknown topics are counted and skipped; ingest never stops on content.
+
+Every socket finishes its ZMQ handshake within the handshake timeout, drops silent peers with
+ZMTP heartbeats and refuses frames past 4x ``max_batch_bytes``. A stream registered with a
+``token`` connects with ZMQ PLAIN (the token as password), as an authenticated kvplane master
+requires; bound SUB sockets cannot authenticate (vLLM's publisher sends no credentials).
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from dataclasses import dataclass
 import zmq
 
 from kvplane.common.errors import ProtocolError
+from kvplane.common.guard import Limits
 from kvplane.conductor import instruments
 from kvplane.kvevents import EventBatch, decode_batch, decode_seq
+from kvplane.kvevents.secure import harden
 from kvplane.conductor.service import Conductor, Stream
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,7 @@ class EventIngestor:
     def __init__(self, conductor: Conductor, bind: tuple[str, ...] = ()) -> None:
         self._c = conductor
         self._limit = conductor.config.max_batch_bytes
+        self._limits = Limits.from_env()
         self.stats = IngestStats()
         self._zctx = zmq.Context()
         self._wake_addr = f"inproc://kvplane-ingest-{next(_ids)}"
@@ -87,13 +95,18 @@ class EventIngestor:
         self._closed = False
         conductor.add_listener(self._on_change)
 
-    def _sub(self) -> zmq.Socket:
+    def _sub(self, token: str = "") -> zmq.Socket:
         s = self._zctx.socket(zmq.SUB)
-        s.setsockopt(zmq.LINGER, 0)
+        self._harden(s, token)
         s.setsockopt(zmq.RCVHWM, 100_000)
-        s.setsockopt(zmq.MAXMSGSIZE, _HARD_LIMIT_FACTOR * self._limit)
         s.setsockopt(zmq.SUBSCRIBE, b"")
         return s
+
+    def _harden(self, sock: zmq.Socket, token: str) -> None:
+        harden(sock, self._limits, _HARD_LIMIT_FACTOR * self._limit, server=False)
+        if token:
+            sock.setsockopt(zmq.PLAIN_USERNAME, b"kvplane")
+            sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
 
     def _bind(self, ep: str) -> None:
         s = self._sub()
@@ -177,7 +190,7 @@ class EventIngestor:
             if op == "stop" or stream is None:
                 return False
             if op == "add" and stream.endpoint is not None and stream.key not in self._subs:
-                s = self._sub()
+                s = self._sub(stream.reg.token)
                 s.connect(stream.endpoint)
                 self._subs[stream.key] = s
                 self._by_sock[s] = stream
@@ -277,7 +290,7 @@ class EventIngestor:
             instruments.REPLAY.labels(outcome="no_endpoint").inc()
             self.stats.replay_failures += 1
             return False
-        got = self._fetch(stream.replay_endpoint, start, stop)
+        got = self._fetch(stream.replay_endpoint, start, stop, stream.reg.token)
         expected = got[0][0] if catch_up and got else start
         for seq, payload in got:
             if seq != expected:
@@ -302,13 +315,12 @@ class EventIngestor:
                         stream.replay_endpoint, expected - 1)
         return ok
 
-    def _fetch(self, endpoint: str, start: int, stop: int) -> list[tuple[int, bytes]]:
+    def _fetch(self, endpoint: str, start: int, stop: int, token: str = "") -> list[tuple[int, bytes]]:
         """One replay round trip on a fresh DEALER, bounded by the configured replay timeout."""
         deadline = time.monotonic() + self._c.config.replay_timeout
         out: list[tuple[int, bytes]] = []
         d = self._zctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        d.setsockopt(zmq.MAXMSGSIZE, _HARD_LIMIT_FACTOR * self._limit)
+        self._harden(d, token)
         try:
             d.connect(endpoint)
             d.send_multipart([b"", start.to_bytes(8, "big")])

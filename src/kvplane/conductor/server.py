@@ -1,5 +1,8 @@
 """Process wiring: Conductor + ZMQ ingest thread + HTTP server; the only module that binds.
 
+The HTTP server runs behind the guard of ``kvplane.common.http`` (connection admission,
+header and body timeouts, the token gate on every path but ``/health``).
+
 ``ConductorServer`` is a context manager. ``start()`` serves HTTP from a named daemon thread
 (tests, embedding); ``serve_forever()`` serves from the calling thread with signal handling (CLI).
 """
@@ -8,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 from collections.abc import Callable
 
-import uvicorn
-
+from kvplane.common.auth import token_authenticator
 from kvplane.common.errors import Timeout, Unavailable
+from kvplane.common.http import GuardedServer
 from kvplane.conductor.api import create_app
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.ingest import EventIngestor
@@ -35,19 +37,15 @@ class ConductorServer:
         self.conductor = Conductor(self.config)
         self.ingestor = EventIngestor(self.conductor, self.config.bind)
         self.app = create_app(self.conductor)
-        self._sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            self._sock.bind((self.config.host, self.config.port))
+            self._http = GuardedServer(self.app, self.config.host, self.config.port,
+                                       token_authenticator(self.config.token), "conductor",
+                                       lifespan="on")
         except OSError as exc:
-            self._sock.close()
             self.ingestor.close()
             raise Unavailable(f"cannot bind {self.config.host}:{self.config.port}: {exc}") from exc
-        self.port: int = self._sock.getsockname()[1]
+        self.port: int = self._http.port
         self._ready = threading.Event()
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
-                                                     access_log=False))
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -62,13 +60,13 @@ class ConductorServer:
         return list(self.ingestor.endpoints)
 
     async def _serve(self, on_ready: Callable[[], None] | None = None) -> None:
-        task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
+        task = asyncio.ensure_future(self._http.serve())
         try:
-            while not self._server.started and not task.done():
+            while not self._http.started and not task.done():
                 await asyncio.sleep(0.01)  # uvicorn exposes readiness only as a flag
         finally:
             self._ready.set()
-        if on_ready is not None and self._server.started:
+        if on_ready is not None and self._http.started:
             on_ready()
         await task
 
@@ -82,7 +80,7 @@ class ConductorServer:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()),
                                         name="kvplane-conductor-http", daemon=True)
         self._thread.start()
-        if not self._ready.wait(timeout) or not self._server.started:
+        if not self._ready.wait(timeout) or not self._http.started:
             self.close()
             raise Timeout(f"conductor HTTP server not up within {timeout}s")
         return self
@@ -105,11 +103,10 @@ class ConductorServer:
         if self._closed:
             return
         self._closed = True
-        self._server.should_exit = True
+        self._http.stop()
         if self._thread is not None:
             self._thread.join(timeout)
         self.ingestor.close(timeout)
-        self._sock.close()
 
     def __enter__(self) -> "ConductorServer":
         return self.start()

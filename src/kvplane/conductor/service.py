@@ -49,6 +49,8 @@ class Registration:
         additional_salt: operator namespace salt (part of the index context).
         topic: publisher topic; routes messages arriving on a bound SUB endpoint.
         hash_profile: how the engine hashes blocks (None = the conductor's default).
+        token: token presented (ZMQ PLAIN) to a publisher that requires one, such as a kvplane
+            master's authenticated KV-event stream ("" = none); never listed.
     """
 
     instance_id: str
@@ -64,6 +66,7 @@ class Registration:
     additional_salt: str = ""
     topic: str = ""
     hash_profile: HashProfile | None = None
+    token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.instance_id or not self.model:

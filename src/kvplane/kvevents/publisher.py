@@ -5,7 +5,9 @@ benchmarks use it to play engines).
 events, or the older positional arrays), 3-frame messages ``[topic, seq(8B BE), payload]`` with
 ``seq`` counting from 0, a bounded replay ring served on a ROUTER socket, and a data-parallel rank
 in every batch. It uses an XPUB socket so callers can *wait* for the subscriber to connect instead
-of sleeping. It can drop chosen sequence numbers, send raw frames and restart.
+of sleeping. It can drop chosen sequence numbers, send raw frames and restart. It checks no token
+(vLLM's does not), but its sockets cap inbound messages, the handshake time and silent peers
+(``kvplane.kvevents.secure.harden``); the authenticated variant is ``secure.SecurePublisher``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import msgspec
 import zmq
 
 from kvplane.common.errors import Timeout
+from kvplane.common.guard import Limits
 from kvplane.kvevents.codec import END_OF_REPLAY, encode_batch, encode_seq
+from kvplane.kvevents.secure import MAX_INBOUND, harden
 
 class KVEventPublisher:
     """A vLLM-compatible KV event publisher (XPUB + replay ROUTER).
@@ -50,7 +54,7 @@ class KVEventPublisher:
         self._thread: threading.Thread | None = None
         if replay:
             self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
+            harden(self._router, Limits.from_env(), MAX_INBOUND, server=False)
             port = self._router.bind_to_random_port(f"tcp://{host}")
             self.replay_endpoint = f"tcp://{host}:{port}"
             self._thread = threading.Thread(target=self._serve_replay, name="kvplane-kv-replay",
@@ -59,7 +63,7 @@ class KVEventPublisher:
 
     def _open_pub(self, port: int | None, timeout: float = 5.0) -> tuple[zmq.Socket, str]:
         pub = self._ctx.socket(zmq.XPUB)
-        pub.setsockopt(zmq.LINGER, 0)
+        harden(pub, Limits.from_env(), MAX_INBOUND, server=False)
         pub.setsockopt(zmq.SNDHWM, 100_000)
         if self._connect is not None:
             pub.connect(self._connect)

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvplane.common import envs
 from kvplane.common import log as klog
+from kvplane.common.auth import client_token
 from kvplane.common.errors import Conflict, InvalidArgument, KVPlaneError
 from kvplane.p2p import manifest as mf
 from kvplane.p2p.client import TrackerClient
@@ -74,8 +75,9 @@ class P2PConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "P2PConfig":
-        """Defaults, then KVPLANE_P2P_TRACKER / KVPLANE_TOKEN, then ``overrides``."""
-        base = cls(tracker=envs.get("KVPLANE_P2P_TRACKER"), token=envs.get("KVPLANE_TOKEN"))
+        """Defaults, then KVPLANE_P2P_TRACKER and the token (KVPLANE_TOKEN, else the token file),
+        then ``overrides``."""
+        base = cls(tracker=envs.get("KVPLANE_P2P_TRACKER"), token=client_token())
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvplane.common import envs
+from kvplane.common.auth import client_token
 from kvplane.common.errors import InvalidArgument
 
 
@@ -24,7 +25,10 @@ class StoreConfig:
         local_buffer_size: registered staging for the bytes API (put/get of ``bytes``).
         populate: fault the contributed segment's pages in at start (a put never pays the
             first touch); False maps them on first use.
-        token: shared token for the master and the data listener.
+        token: token for the master and the data listeners (default: ``KVPLANE_TOKEN``, else
+            the token file; see ``kvplane.common.auth``).
+        peer_tokens: more tokens this client's data listener accepts (the tenant tokens, on a
+            process that contributes a segment to a pool with tenants).
         timeout: seconds for one whole call (master RPCs, every replica attempt, PutEnd): the
             call's deadline. Keep it well below the master's lease (default 5 s against 10 s),
             so a read that fails over still ends inside its lease.
@@ -50,7 +54,8 @@ class StoreConfig:
     global_segment_size: int = 0
     local_buffer_size: int = 64 << 20
     populate: bool = True
-    token: str = ""
+    token: str = field(default_factory=client_token)
+    peer_tokens: tuple[str, ...] = ()
     timeout: float = 5.0
     heartbeat_interval: float = 1.0
     lease_ttl: float = 10.0
@@ -71,6 +76,7 @@ class StoreConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreConfig":
-        """Defaults, then KVPLANE_TOKEN and KVPLANE_STORE_CHECKSUM, then explicit ``overrides``."""
-        base = cls(token=envs.get("KVPLANE_TOKEN"), checksum=envs.get("KVPLANE_STORE_CHECKSUM"))
+        """Defaults (the token from KVPLANE_TOKEN or the token file), then
+        KVPLANE_STORE_CHECKSUM, then explicit ``overrides``."""
+        base = cls(checksum=envs.get("KVPLANE_STORE_CHECKSUM"))
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})

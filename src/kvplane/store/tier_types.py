@@ -6,6 +6,8 @@ Kept apart from ``store.types`` (the put/get path). Pure msgspec structs; import
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 from kvplane.store.inventory import Record
@@ -13,12 +15,25 @@ from kvplane.store.inventory import Record
 
 class DiskReplica(msgspec.Struct, array_like=True):
     """A disk copy of an object: held by the owner of ``segment``, served through its disk RPC
-    at ``endpoint`` (Mooncake's LOCAL_DISK replica, whose endpoint is the client's RPC)."""
+    at ``endpoint`` (Mooncake's LOCAL_DISK replica, whose endpoint is the client's RPC).
+
+    ``key`` is the object's key as the master stores it (tenant-scoped) and ``ticket`` the
+    master's keyed hash over key, version and segment: the node serves a read only with it, so
+    a client can load exactly the objects the master listed for it (``ticket_of``)."""
 
     segment: str
     endpoint: str
     path: str
     size: int
+    key: str = ""
+    ticket: bytes = b""
+
+
+def ticket_of(secret: bytes, key: str, version: int, segment: str) -> bytes:
+    """The read ticket of one disk copy (keyed by the service token's inventory secret)."""
+    h = hashlib.blake2b(digest_size=16, key=secret, person=b"kvplane-disk")
+    h.update(version.to_bytes(8, "little") + segment.encode() + b"\0" + key.encode())
+    return h.digest()
 
 
 class OffloadTask(msgspec.Struct, array_like=True):
@@ -103,9 +118,10 @@ class PromoteEndReq(msgspec.Struct):
 class LoadReq(msgspec.Struct):
     """Reader -> disk node: bring these objects into memory (read-through)."""
 
-    keys: list[str]
+    keys: list[str]  # as the master stores them (``DiskReplica.key``)
     versions: list[int]
     inline: bool = True  # small values may come back in the reply (else: promoted first)
+    tickets: list[bytes] = msgspec.field(default_factory=list)  # ``DiskReplica.ticket`` each
 
 
 class LoadRep(msgspec.Struct):

@@ -3,6 +3,8 @@ allocation over and over, and reports when it last acknowledged one.
 
     python -m kvplane.testing.master_probe --master HOST:PORT --seconds 12 [--token T]
 
+(default token: ``KVPLANE_TOKEN`` or the token file, as a client's).
+
 Prints a ready line, then after ``--seconds`` one JSON line: ``answered`` (PutStart answered
 with results), ``not_leader`` (refused with NotLeader), ``failed`` (no answer: timeouts,
 refused connections), and ``last_answer`` / ``first_not_leader``: CLOCK_MONOTONIC seconds of
@@ -18,6 +20,7 @@ import json
 import sys
 import time
 
+from kvplane.common.auth import client_token
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.rpc import RpcClient
 from kvplane.store.errors import NotLeader
@@ -28,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--master", required=True)
     ap.add_argument("--seconds", type=float, required=True)
-    ap.add_argument("--token", default="")
+    ap.add_argument("--token", default=None, help="default: the local client token")
     a = ap.parse_args(argv)
     out = {"answered": 0, "not_leader": 0, "failed": 0, "last_answer": 0.0,
            "first_not_leader": 0.0}
-    rpc = RpcClient(a.master, a.token, 0.5)
+    rpc = RpcClient(a.master, client_token() if a.token is None else a.token, 0.5)
     print(json.dumps({"probe": a.master}), flush=True)
     end, i = time.monotonic() + a.seconds, 0
     while time.monotonic() < end:

@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import selectors
+import signal
 import subprocess
 import time
 from typing import Any
@@ -128,3 +129,94 @@ def prompt(seed: int, n: int = 100) -> list[int]:
 
 def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+class OpenAIServer:
+    """A vLLM OpenAI ``api_server`` subprocess on 127.0.0.1 (tests and benchmarks).
+
+    Prefix caching on (sha256, PYTHONHASHSEED=0), eager mode, float32. With ``events`` it
+    publishes KV events on that endpoint (``ipc://`` or ``tcp://*:`` binds; a router connects)
+    and serves replay on ``replay``. ``VLLM_SERVER_DEV_MODE=1`` enables ``/reset_prefix_cache``.
+
+    Args:
+        model: model directory.
+        log_path: where its output goes.
+        events: KV event PUB endpoint, or None for no events.
+        replay: replay ROUTER endpoint, or None.
+        max_model_len: context length.
+        max_num_seqs: most sequences in one batch.
+        block_size: KV block size.
+        extra: more command-line arguments.
+    """
+
+    def __init__(self, model: str, log_path: pathlib.Path, events: str | None = None,
+                 replay: str | None = None, max_model_len: int = 512, max_num_seqs: int = 2,
+                 block_size: int = BS, extra: list[str] | None = None) -> None:
+        from kvplane.testing.services import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--max-model-len", str(max_model_len),
+                "--max-num-seqs", str(max_num_seqs), "--block-size", str(block_size),
+                "--enforce-eager", "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256",
+                *(extra or [])]
+        if events is not None:
+            cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                   "replay_endpoint": replay, "topic": "kv"}
+            args += ["--kv-events-config", json.dumps(cfg)]
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=vllm_env(VLLM_SERVER_DEV_MODE="1"),
+                                     start_new_session=True)  # its engine core joins the group
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def ready(self) -> bool:
+        """True once ``/health`` answers 200 (raises if the process died)."""
+        import httpx
+
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            return httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metric(self, name: str) -> float:
+        """The sum of one metric's samples in ``/metrics`` (e.g. ``vllm:prefix_cache_hits_total``)."""
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10, trust_env=False).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    def reset_prefix_cache(self) -> None:
+        """Empty its prefix cache (vLLM publishes AllBlocksCleared)."""
+        import httpx
+
+        r = httpx.post(self.url + "/reset_prefix_cache", timeout=30, trust_env=False)
+        r.raise_for_status()
+
+    def kill(self) -> None:
+        """kill -9 the instance (API server and engine core, one process group) and reap."""
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def close(self) -> None:
+        """Terminate the instance (kill -9 after 30 s) and close the log."""
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # whatever of the group is left
+        self.proc.wait(30)
+        self.log.close()

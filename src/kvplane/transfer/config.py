@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvplane.common import envs
+from kvplane.common.auth import client_token
 from kvplane.common.errors import InvalidArgument
 
 PROTOCOLS = ("auto", "tcp", "shm", "file")
@@ -22,7 +23,9 @@ class EngineConfig:
         metadata: ``P2PHANDSHAKE``, ``memory://NAME``, ``http://h:p/metadata``, ``etcd://h:p``
             or ``redis://h:p``.
         protocol: default transport: ``auto`` (shm/file on the same host, else tcp) or one name.
-        token: shared token peers must present (empty: none).
+        token: token this engine presents to peers and its listener requires (empty: none;
+            default ``KVPLANE_TOKEN``, else the token file).
+        extra_tokens: more tokens the listener accepts (e.g. a pool's tenant tokens).
         timeout: default per-transfer timeout, seconds.
         slice_size: largest piece one TCP frame carries.
         streams: TCP connections a large batch is striped over.
@@ -39,7 +42,8 @@ class EngineConfig:
     name: str | None = None
     metadata: str = "P2PHANDSHAKE"
     protocol: str = "auto"
-    token: str = ""
+    token: str = field(default_factory=client_token)
+    extra_tokens: tuple[str, ...] = ()
     timeout: float = 30.0
     slice_size: int = 4 << 20
     streams: int = 2
@@ -62,7 +66,6 @@ class EngineConfig:
     def from_env(cls, **overrides: Any) -> "EngineConfig":
         """Defaults, then KVPLANE_* environment, then explicit ``overrides`` (which win)."""
         base = cls(
-            token=envs.get("KVPLANE_TOKEN"),
             timeout=envs.get("KVPLANE_TRANSFER_TIMEOUT"),
             slice_size=envs.get("KVPLANE_SLICE_SIZE"),
             streams=envs.get("KVPLANE_TCP_STREAMS"),

@@ -38,7 +38,7 @@ from kvplane.transfer.transports.base import TransportContext
 from kvplane.transfer.types import OpCode, SegmentDesc, TransferRequest, TransferStatus
 
 log = logging.getLogger(__name__)
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
 class TransferEngine:
@@ -65,7 +65,7 @@ class TransferEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._server = DataServer(self.memory, self._describe_bytes, cfg.host, cfg.port, cfg.token,
-                                  cfg.max_frame, cfg.max_connections)
+                                  cfg.max_frame, cfg.max_connections, extra_tokens=cfg.extra_tokens)
         self.port = self._server.port
         self.fence = self._server.fence  # store generations this engine's listener refuses
         self.transports: dict[str, Transport] = {}
@@ -213,7 +213,7 @@ class TransferEngine:
         root = self.config.file_root
         if not root:
             raise InvalidArgument("file segments need file_root (KVPLANE_FILE_ROOT)")
-        if not _FILE_NAME.match(name):
+        if not _FILE_NAME.fullmatch(name):
             raise InvalidArgument(f"bad file name {name!r}: plain names only, no paths")
         rootp = os.path.realpath(root)
         path = os.path.realpath(os.path.join(rootp, name))

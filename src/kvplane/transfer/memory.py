@@ -46,7 +46,14 @@ class Region:
     def desc(self) -> RegionDesc:
         """The descriptor peers see."""
         return RegionDesc(self.addr, self.length, self.kind, self.shm,
-                          os.path.basename(self.path) if self.path else "", self.fenced)
+                          os.path.basename(self.path) if self.path else "",
+                          file_identity(self.fd) if self.fd >= 0 else "", fenced=self.fenced)
+
+
+def file_identity(fd_or_path: int | str) -> str:
+    """``"dev:inode"`` of an open file or a path: equal only for the very same file."""
+    st = os.fstat(fd_or_path) if isinstance(fd_or_path, int) else os.stat(fd_or_path)
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 def view_at(addr: int, length: int) -> memoryview:

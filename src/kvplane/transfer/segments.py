@@ -13,7 +13,7 @@ import msgspec
 from kvplane.common.errors import AddressNotRegistered, InvalidArgument, ProtocolError
 from kvplane.transfer.types import RegionDesc, SegmentDesc
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-\[\]@/]{1,255}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.:\-\[\]@/]{1,255}")
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SegmentDesc)
 
@@ -30,7 +30,7 @@ def host_identity() -> str:
 
 def check_name(name: str) -> str:
     """Validate a segment name (no spaces, control characters or over-long names)."""
-    if not _NAME_RE.match(name) or ".." in name:
+    if not _NAME_RE.fullmatch(name) or ".." in name:
         raise InvalidArgument(f"bad segment name {name!r}")
     return name
 

@@ -3,7 +3,11 @@
 The only module of ``kvplane.transfer`` that binds sockets (through ``common.listener``): each
 connection gets one named daemon thread with blocking I/O (the fastest data path in
 CPython: ``recv_into`` straight into registered memory, ``sendmsg`` straight out of it).
-A malformed or hostile frame closes that connection and nothing else.
+A malformed or hostile frame closes that connection and nothing else. A new connection is
+unauthenticated (``kvplane.common.guard``): with a token it must send HELLO, and only HELLO,
+within the handshake timeout; without one its first well-formed frame authenticates it. An
+authenticated connection idle past the idle timeout is closed. Bad peers are logged once per
+peer at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from kvplane.common import metrics
+from kvplane.common.guard import Limits, PeerLog
 from kvplane.common.listener import Listener
 from kvplane.common.errors import Fenced, KVPlaneError, ProtocolError, Unauthorized
 from kvplane.transfer import protocol
@@ -26,7 +31,7 @@ log = logging.getLogger(__name__)
 
 PAYLOAD_TIMEOUT = 30.0  # once a header arrived, its payload must follow within this
 SERVER_SPIN = 100e-6  # busy-poll for the next frame of a peer in a tight loop
-_DRAIN = 1 << 20
+_DRAIN = 64 << 10
 
 
 class _Reject(Exception):
@@ -48,22 +53,28 @@ class DataServer:
         token: shared token; when set, a connection must send HELLO with it first.
         max_frame: largest READ/WRITE length accepted in one frame.
         max_connections: inbound connections beyond this are refused.
+        limits: pre-authentication limits (default: from the environment).
+        extra_tokens: more tokens HELLO may present.
     """
 
     def __init__(self, memory: MemoryTable, describe: Callable[[], bytes], host: str = "127.0.0.1",
                  port: int = 0, token: str = "", max_frame: int = 256 << 20,
-                 max_connections: int = 512) -> None:
+                 max_connections: int = 512, limits: Limits | None = None,
+                 extra_tokens: tuple[str, ...] = ()) -> None:
         self.memory = memory
         self._describe = describe
-        self._token = token.encode()
+        self._tokens = [t.encode() for t in (token, *extra_tokens) if t]
         self.max_frame = max_frame
         self.max_connections = max_connections
         self.rejected = 0
         self.fence = Fence()  # generations this listener refuses (store allocations)
         self.frames = 0  # frames served (tests use it to prove a path did not touch TCP)
         self._frames = {op: metrics.SERVER_FRAMES.labels(name) for op, name in protocol.OPS.items()}
+        self.peer_log = PeerLog(log)
         self._listener = Listener(self._serve, host, port, "te", max_connections,
-                                  lambda: self._count_reject("too_many_connections"))
+                                  lambda: self._count_reject("too_many_connections"),
+                                  limits=limits)
+        self.limits = self._listener.limits
         self.host, self.port = self._listener.host, self._listener.port
         self._conns = self._listener.conns
 
@@ -76,9 +87,9 @@ class DataServer:
         metrics.SERVER_CONNECTIONS.inc()
         hdr = bytearray(protocol.REQ.size)
         hview = memoryview(hdr)
-        authed = not self._token
+        authed = False
         conn.settimeout(None)
-        protocol.set_io_timeout(conn, PAYLOAD_TIMEOUT)
+        protocol.set_io_timeout(conn, self.limits.handshake_timeout)
         quick, done_at = False, time.perf_counter()
         try:
             while not self._listener.closed.is_set():
@@ -87,6 +98,8 @@ class DataServer:
                 try:
                     got = protocol.recv_spin(conn, hview, SERVER_SPIN if quick else 0.0)
                 except TimeoutError:
+                    if self._expired(authed, done_at):
+                        return
                     continue  # idle pooled connection: keep it
                 quick = time.perf_counter() - done_at < SERVER_SPIN
                 if got == 0:
@@ -96,17 +109,34 @@ class DataServer:
                 magic, ver, op, _flags, rid, addr, length, gen = protocol.REQ.unpack(hdr)
                 if magic != protocol.MAGIC or ver != protocol.VERSION:
                     raise _Reject("bad_magic")
-                if not authed and op != protocol.OP_HELLO:
+                if not authed and self._tokens and op != protocol.OP_HELLO:
                     raise _Reject("unauthenticated")
-                authed = self._handle(conn, op, rid, addr, length, gen) or authed
+                said_hello = self._handle(conn, op, rid, addr, length, gen)
+                if not authed and (said_hello or not self._tokens):
+                    authed = True
+                    self._authenticated(conn)
                 done_at = time.perf_counter()
         except _Reject as exc:
             self._count_reject(exc.reason)
-            log.warning("closing data connection: %s", exc)
+            self.peer_log.warn(self._listener.peer(conn), "closing data connection: %s", exc)
         except (OSError, KVPlaneError):
             pass  # peer went away or stalled mid-frame: drop just this connection
         finally:
             metrics.SERVER_CONNECTIONS.dec()
+
+    def _expired(self, authed: bool, since: float) -> bool:
+        """A receive timed out: True closes an authenticated connection idle too long."""
+        if not authed:
+            raise _Reject("handshake_timeout", "no HELLO within the handshake timeout")
+        idle = self.limits.idle_timeout
+        if idle and time.perf_counter() - since > idle:
+            self._count_reject("idle")
+            return True
+        return False
+
+    def _authenticated(self, conn: socket.socket) -> None:
+        self._listener.authenticated(conn)
+        protocol.set_io_timeout(conn, min(PAYLOAD_TIMEOUT, self.limits.idle_timeout or PAYLOAD_TIMEOUT))
 
     def _handle(self, conn: socket.socket, op: int, rid: int, addr: int, length: int,
                 gen: int = 0) -> bool:
@@ -134,7 +164,7 @@ class DataServer:
             raise _Reject("bad_hello")
         token = bytearray(length)
         protocol.recv_exact(conn, memoryview(token))
-        if self._token and not hmac.compare_digest(bytes(token), self._token):
+        if self._tokens and not sum(hmac.compare_digest(bytes(token), t) for t in self._tokens):
             self._error(conn, rid, Unauthorized("bad token"))
             raise _Reject("bad_token")
         conn.sendall(protocol.pack_resp(0, rid, 0))

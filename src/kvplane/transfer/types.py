@@ -65,9 +65,11 @@ class RegionDesc(msgspec.Struct, frozen=True):
 
     ``kind`` is "mem" (reachable over TCP or same-host CMA), "shm" (POSIX shared memory
     ``shm`` that same-host peers map) or "file" (a file ``path`` under the owner's file root;
-    ``addr`` is then a synthetic base address and offsets map onto the file). A ``fenced`` shm
-    region publishes its owner's fence floor in its first 8 bytes: same-host writers check a
-    store generation against it, as the owner's listener does for TCP frames.
+    ``addr`` is then a synthetic base address and offsets map onto the file). ``file_id``
+    (``"dev:inode"``) names the owner's file itself, so a same-host peer opens it only when
+    its own file of that name is the very same file. A ``fenced`` shm region publishes its
+    owner's fence floor in its first 8 bytes: same-host writers check a store generation
+    against it, as the owner's listener does for TCP frames.
     """
 
     addr: int
@@ -75,6 +77,7 @@ class RegionDesc(msgspec.Struct, frozen=True):
     kind: str = "mem"
     shm: str = ""
     path: str = ""
+    file_id: str = ""
     fenced: bool = False  # its first 8 bytes hold the fence floor (``kvplane.transfer.fence``)
 
 

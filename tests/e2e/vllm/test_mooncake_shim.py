@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kvplane.integrations.mooncake_shim import PATH as SHIM_PATH
+from kvplane.testing.auth import headers
 from kvplane.testing.store_procs import spawn_master
 
 from vllm_harness import BS, Driver, max_diff, prompt, requires_vllm, vllm_env
@@ -44,7 +45,8 @@ def test_vllm_mooncake_store_connector_runs_unchanged_on_kvplane(tmp_path, tiny_
         assert out["tokens"] == ref["tokens"]
         assert max_diff(out["logprobs"], ref["logprobs"]) == 0.0
         admin = f"http://127.0.0.1:{master.info['admin_port']}"
-        keys = httpx.get(f"{admin}/get_all_keys", timeout=5, trust_env=False).json()
+        keys = httpx.get(f"{admin}/get_all_keys", timeout=5, trust_env=False,
+                         headers=headers()).json()
         assert len(keys) >= 3  # the blocks live in kvplane (the venv has no real mooncake)
     finally:
         eng.close()

@@ -14,6 +14,7 @@ import sys
 import httpx
 import pytest
 
+from kvplane.testing.auth import headers
 from kvplane.testing.procs import Proc
 from kvplane.testing.services import free_port, wait_until
 
@@ -68,7 +69,8 @@ class Server:
 def complete(url: str, model: str, tokens: list[int], max_tokens: int = 8, **extra) -> dict:
     body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
             "logprobs": 1, "ignore_eos": True, "return_token_ids": True, **extra}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120, trust_env=False)
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120, trust_env=False,
+                   headers=headers())  # the proxy needs the token; vLLM ignores it
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}

@@ -17,9 +17,10 @@ import pytest
 
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
+from kvplane.testing.auth import headers
 from kvplane.testing.services import wait_until
-from kvplane.transfer.memory import sweep_stale_shm
 from kvplane.testing.store_procs import spawn_master, spawn_segment
+from kvplane.transfer.memory import sweep_stale_shm
 
 from vllm_harness import BS, Driver, max_diff, prompt, requires_vllm, store_kv_config
 
@@ -51,7 +52,8 @@ def pool(tmp_path_factory, tiny_model):
 
 
 def stored_keys(admin: str) -> set[str]:
-    return set(httpx.get(f"{admin}/get_all_keys", timeout=5, trust_env=False).json())
+    return set(httpx.get(f"{admin}/get_all_keys", timeout=5, trust_env=False,
+                          headers=headers()).json())
 
 
 def serve_on_a(pool, tokens: list[int]) -> tuple[dict, set[str]]:

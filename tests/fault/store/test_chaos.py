@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from kvplane.testing.auth import headers
 from kvplane.testing.procs import wait_for_line
 from kvplane.testing.services import wait_until
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
@@ -28,14 +29,14 @@ RUN = 24.0  # seconds of load: 3 before the stall, the stall, 2 after, then the 
 
 
 def metric(admin_port, name):
-    for line in httpx.get(f"http://127.0.0.1:{admin_port}/metrics/").text.splitlines():
+    for line in httpx.get(f"http://127.0.0.1:{admin_port}/metrics/", headers=headers()).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return None
 
 
 def replica_counts(admin_port, keys):
-    with httpx.Client(base_url=f"http://127.0.0.1:{admin_port}") as http:
+    with httpx.Client(base_url=f"http://127.0.0.1:{admin_port}", headers=headers()) as http:
         got = [http.get("/query_key", params={"key": k}) for k in keys]
     return [len(g.json()["data"]) if g.status_code == 200 else 0 for g in got]
 

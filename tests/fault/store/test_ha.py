@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from kvplane.testing.auth import headers
 from kvplane.testing.procs import wait_for_line
 from kvplane.testing.services import start_etcd, wait_until
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
@@ -29,7 +30,7 @@ LEASE = "2"  # seconds of the leader lease
 def ha_status(admin_port: int) -> dict:
     try:
         return httpx.get(f"http://127.0.0.1:{admin_port}/ha_status", timeout=2,
-                         trust_env=False).json()
+                         trust_env=False, headers=headers()).json()
     except httpx.HTTPError:
         return {}
 
@@ -37,7 +38,7 @@ def ha_status(admin_port: int) -> dict:
 def key_count(admin_port: int) -> int:
     try:
         return httpx.get(f"http://127.0.0.1:{admin_port}/health", timeout=2,
-                         trust_env=False).json()["keys"]
+                         trust_env=False, headers=headers()).json()["keys"]
     except httpx.HTTPError:
         return 0
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from kvplane.testing.netns import netbed  # noqa: F401  (fixture)
+from kvplane.testing.auth import headers
 from kvplane.testing.procs import wait_for_line
 from kvplane.testing.services import start_etcd, wait_until
 from kvplane.testing.store_procs import CLI
@@ -33,14 +34,14 @@ CUT = 10.0  # seconds a host stays cut off
 
 def get(url: str, path: str) -> dict:
     try:
-        return httpx.get(url + path, timeout=1.0, trust_env=False).json()
+        return httpx.get(url + path, timeout=1.0, trust_env=False, headers=headers()).json()
     except (httpx.HTTPError, ValueError):
         return {}
 
 
 def metric(url: str, name: str) -> float | None:
     try:
-        text = httpx.get(url + "/metrics/", timeout=1.0, trust_env=False).text
+        text = httpx.get(url + "/metrics/", timeout=1.0, trust_env=False, headers=headers()).text
     except httpx.HTTPError:
         return None
     for line in text.splitlines():
@@ -127,9 +128,11 @@ def test_partitioned_leader_stops_acknowledging_and_rejoins_as_standby(netbed, t
         assert seen["answered"] > 0 and seen["not_leader"] > 0, seen
         assert seen["last_answer"] <= cut_at + LEASE, (seen, cut_at)
         assert get(new.url, "/ha_status")["term"] > term
-        wait_until(lambda: get(old.url, "/ha_status").get("role") == "standby", 15,
-                   "the old leader is a standby")
-        assert get(old.url, "/ha_status")["leader"] == new.rpc
+        # a standby once more, following the new leader (it reads the leader key again)
+        wait_until(lambda: (get(old.url, "/ha_status").get("role"),
+                            get(old.url, "/ha_status").get("leader")) == ("standby", new.rpc),
+                   15, "the old leader is a standby of the new one")
+        assert get(new.url, "/ha_status")["role"] == "leader"
         results = finish(workers, run + 60)
         print(f"new leader after {took:.2f} s; old leader's last answer "
               f"{seen['last_answer'] - cut_at:+.2f} s from the cut; acknowledged objects "

@@ -15,6 +15,7 @@ from kvplane.store.errors import InvalidKey
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, PutStartReq, ReplicateConfig, ResultsRep
+from kvplane.testing.auth import headers
 from kvplane.testing.services import wait_until
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
 from kvplane.testing.store_client_proc import value_of
@@ -28,7 +29,7 @@ def ask(proc, timeout=90, **cmd):
 
 
 def rpc_count(admin_port, method):
-    text = httpx.get(f"http://127.0.0.1:{admin_port}/metrics/").text
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/metrics/", headers=headers()).text
     for line in text.splitlines():
         if line.startswith(f'master_rpc_requests_total{{method="{method}"}}'):
             return float(line.split()[-1])
@@ -61,9 +62,9 @@ def test_dead_client_segments_go_within_ttl():
         seg = spawn_segment(addr, "16MiB")
         name = seg.info["segment"]
         url = f"http://127.0.0.1:{admin}/get_all_segments"
-        assert name in httpx.get(url).json()
+        assert name in httpx.get(url, headers=headers()).json()
         seg.kill()
-        wait_until(lambda: name not in httpx.get(url).json(), 6, "segment unmount after TTL")
+        wait_until(lambda: name not in httpx.get(url, headers=headers()).json(), 6, "segment unmount after TTL")
         seg.stop()
 
 

@@ -76,8 +76,12 @@ def test_stalled_peer_times_out(engine):
         assert np.array_equal(local[:MB], pattern(MB))
 
 
-def _raw(port):
+def _raw(port, token=""):
+    """A raw connection; with ``token`` it has said HELLO (a hostile but authenticated peer)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    if token:
+        s.sendall(protocol.pack_req(protocol.OP_HELLO, 0, 0, len(token)) + token.encode())
+        assert protocol.RESP.unpack(s.recv(protocol.RESP.size, socket.MSG_WAITALL))[1] == 0
     return s
 
 
@@ -93,20 +97,21 @@ def _closed(s):
 
 
 def test_listener_survives_hostile_frames():
-    with TransferEngine(protocol="tcp") as b, TransferEngine(protocol="tcp") as a:
+    with TransferEngine(protocol="tcp", token="t") as b, \
+            TransferEngine(protocol="tcp", token="t") as a:
         dst = np.zeros(MB, np.uint8)
         b.register_memory(dst)
         addr = dst.ctypes.data
         # 1. garbage
-        s = _raw(b.port)
+        s = _raw(b.port, "t")
         s.sendall(os.urandom(4096))
         assert _closed(s)
         # 2. truncated header, then close
-        s = _raw(b.port)
+        s = _raw(b.port, "t")
         s.sendall(protocol.pack_req(protocol.OP_WRITE, 1, addr, 100)[:10])
         s.close()
         # 3. write frame whose payload never fully arrives: only what arrived lands
-        s = _raw(b.port)
+        s = _raw(b.port, "t")
         s.sendall(protocol.pack_req(protocol.OP_WRITE, 1, addr, 1000) + b"x" * 10)
         s.close()
         wait_until(lambda: dst[:10].tobytes() == b"x" * 10, 5, "the partial payload")
@@ -114,15 +119,15 @@ def test_listener_survives_hostile_frames():
         assert not dst[10:].any()
         dst[:10] = 0
         # 4. oversized frame
-        s = _raw(b.port)
+        s = _raw(b.port, "t")
         s.sendall(protocol.pack_req(protocol.OP_READ, 1, addr, 1 << 40))
         assert _closed(s)
         # 5. unknown op
-        s = _raw(b.port)
+        s = _raw(b.port, "t")
         s.sendall(protocol.pack_req(99, 1, addr, 0))
         assert _closed(s)
         # 6. a bad offset is an error reply, touches nothing, and the connection stays usable
-        s = _raw(b.port)
+        s = _raw(b.port, "t")
         s.sendall(protocol.pack_req(protocol.OP_WRITE, 7, addr + MB - 4, 16) + b"y" * 16)
         magic, status, rid, n = protocol.RESP.unpack(s.recv(protocol.RESP.size, socket.MSG_WAITALL))
         assert (magic, rid) == (protocol.RESP_MAGIC, 7) and status != 0

@@ -135,10 +135,11 @@ def test_a_dead_dummy_is_detached_and_the_server_keeps_serving(services, dummy):
 
 
 def _sessions(address):
+    from kvplane.common.auth import client_token
     from kvplane.common.rpc import RpcClient
     from kvplane.store.dummy.types import SessionReq
 
-    rpc = RpcClient(address)
+    rpc = RpcClient(address, client_token())
     try:
         return rpc.call("sessions", SessionReq(""), int)
     finally:

@@ -10,6 +10,7 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.errors import InvalidParams, ObjectHasLease, ObjectNotFound
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import ReplicateConfig
+from kvplane.testing.auth import headers
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
 from kvplane.testing.store_client_proc import value_of
 
@@ -36,12 +37,13 @@ def test_two_clients_two_segments(cluster):
         assert ask(w1, op="put", keys=keys, size=100_000, replicas=2) == [0] * 20
         assert set(ask(w2, op="check", keys={k: 100_000 for k in keys}).values()) == {"ok"}
         detail = httpx.get(f"http://127.0.0.1:{cluster['admin']}/query_key",
-                           params={"key": "tc-0"}).json()
+                           params={"key": "tc-0"}, headers=headers()).json()
         assert len({d["segment"] for d in detail["data"]}) == 2  # two distinct segments
         for p in cluster["segments"]:  # every segment process serves its own metrics
-            text = httpx.get(f"http://127.0.0.1:{p.info['metrics_port']}/metrics").text
+            text = httpx.get(f"http://127.0.0.1:{p.info['metrics_port']}/metrics", headers=headers()).text
             assert "kvplane_transfer_server_frames_total" in text
-        segs = httpx.get(f"http://127.0.0.1:{cluster['admin']}/get_segments_detail").json()
+        segs = httpx.get(f"http://127.0.0.1:{cluster['admin']}/get_segments_detail",
+                         headers=headers()).json()
         assert {s["segment_name"] for s in segs} == {p.info["segment"] for p in cluster["segments"]}
         assert all(s["allocator_used_bytes"] > 0 for s in segs)
 
@@ -125,6 +127,6 @@ def test_replicate_config_and_metrics(cluster, client):
     cfg = ReplicateConfig(replica_num=2, with_hard_pin=True)
     client.put("pin-k", b"p", cfg)
     assert client.get("pin-k") == b"p"
-    text = httpx.get(f"http://127.0.0.1:{cluster['admin']}/metrics/").text
+    text = httpx.get(f"http://127.0.0.1:{cluster['admin']}/metrics/", headers=headers()).text
     assert "master_key_count" in text and "master_rpc_requests_total" in text
     assert httpx.get(f"http://127.0.0.1:{cluster['admin']}/health").json()["ready"] is True

@@ -167,7 +167,9 @@ def test_http_metadata_server_limits():
         assert httpx.get(base, params={"key": "nope"}, headers=hdr).status_code == 404
         assert httpx.get(base, headers=hdr).status_code == 422
         assert httpx.delete(base, params={"key": "k"}, headers=hdr).status_code == 200
-        assert "kvplane_metadata_keys" in httpx.get(f"{srv.url}/metrics/").text
+        assert httpx.get(f"{srv.url}/metrics/").status_code == 401  # /metrics needs it too
+        assert "kvplane_metadata_keys" in httpx.get(f"{srv.url}/metrics/", headers=hdr).text
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # the one open path
 
 
 def test_own_segment_is_a_memcpy_even_under_tcp():

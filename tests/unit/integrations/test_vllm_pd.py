@@ -1,13 +1,10 @@
-"""PD pure parts (pull planning) and the pd-proxy choreography against mocked instances."""
+"""PD pure parts (pull planning). The proxy choreography is tested with the router
+(tests/unit/gateway/test_gateway_mock.py), which `kvplane pd-proxy` is an alias of."""
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
-from kvplane.cli import pd_proxy
 from kvplane.integrations.vllm.layout import KVLayout, LayerSpan
 from kvplane.integrations.vllm.pd_plan import params_ok, pull_job, read_requests
 from kvplane.transfer import OpCode
@@ -47,47 +44,3 @@ def test_read_requests_pair_remote_and_local_addresses_per_layer():
     other = KVLayout.from_spans([LayerSpan(8 << 20, 2048, 16), LayerSpan(9 << 20, 2048, 16)])
     with pytest.raises(Exception, match="layouts differ"):
         read_requests(job, other, handle=5)
-
-
-def proxy_with(upstream) -> httpx.AsyncClient:
-    """The proxy app in process (ASGI), its upstream instances mocked."""
-    app = pd_proxy.build_app(["http://p1", "http://p2"], ["http://d1"], 10,
-                             transport=httpx.MockTransport(upstream))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
-
-
-async def test_proxy_prefills_then_decodes_with_the_returned_params_round_robin():
-    seen = []
-
-    def upstream(req: httpx.Request) -> httpx.Response:
-        body = json.loads(req.content)
-        seen.append((req.url.host, body))
-        if req.url.host.startswith("p"):
-            return httpx.Response(200, json={"choices": [{"text": "x"}],
-                                             "kv_transfer_params": {"remote_block_ids": [1]}})
-        return httpx.Response(200, json={"choices": [{"token_ids": [4, 5]}]})
-
-    async with proxy_with(upstream) as client:
-        for _ in range(2):
-            r = await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 5})
-            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [4, 5]
-    hosts = [h for h, _ in seen]
-    assert hosts == ["p1", "d1", "p2", "d1"]
-    p_body, d_body = seen[0][1], seen[1][1]
-    assert p_body["max_tokens"] == 1 and p_body["kv_transfer_params"]["do_remote_decode"] is True
-    assert d_body["max_tokens"] == 5 and d_body["kv_transfer_params"] == {"remote_block_ids": [1]}
-
-
-async def test_proxy_streams_the_decode_answer_and_reports_a_prefill_without_params():
-    def upstream(req: httpx.Request) -> httpx.Response:
-        if req.url.host.startswith("p"):
-            return httpx.Response(200, json={"kv_transfer_params": {"a": 1}})
-        return httpx.Response(200, content=b"data: 1\n\ndata: [DONE]\n\n")
-
-    async with proxy_with(upstream) as client:
-        r = await client.post("/v1/completions", json={"prompt": [1], "stream": True})
-        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
-
-    async with proxy_with(lambda req: httpx.Response(200, json={"choices": []})) as client:
-        r = await client.post("/v1/chat/completions", json={"messages": []})
-        assert r.status_code == 502 and "no kv_transfer_params" in r.json()["error"]

@@ -40,6 +40,9 @@ class ModelConfig:
         vram_reserve: fraction of VRAM not usable for KV after weights (assumed 0.1:
             activations, fragmentation).
         decode_max_batch: most sequences one decode instance runs at once (assumed 256).
+        prefill_fit: ``(c0, k1, k2)`` measured on real instances: seconds, seconds per token,
+            seconds per token². When set it replaces the FLOP-derived prefill polynomial
+            (``benchmarks/router.py`` fits it on vLLM CPU instances); empty = derived.
     """
 
     layers: int = 80
@@ -58,6 +61,11 @@ class ModelConfig:
     vram_bytes: float = 8 * 80e9
     vram_reserve: float = 0.1
     decode_max_batch: int = 256
+    prefill_fit: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.prefill_fit and (len(self.prefill_fit) != 3 or min(self.prefill_fit) < 0):
+            raise InvalidArgument("prefill_fit must be three non-negative numbers c0,k1,k2")
 
     @property
     def kv_bytes_per_token(self) -> int:

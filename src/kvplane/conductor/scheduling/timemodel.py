@@ -21,7 +21,7 @@ class TimeModel:
     """
 
     __slots__ = ("model", "cluster", "_k1", "_k2", "_decode_fixed", "_decode_per_kv",
-                 "_h2d_block", "_nic_block", "_pool_block")
+                 "_h2d_block", "_nic_block", "_pool_block", "_c0")
 
     def __init__(self, model: ModelConfig, cluster: ClusterConfig) -> None:
         self.model, self.cluster = model, cluster
@@ -30,6 +30,9 @@ class TimeModel:
         # flops(n) = l·(a·n²·d + b·n·d²)  =>  T(n, p) = c0 + k1·(n − p) + k2·(n² − p²)
         self._k1 = m.layers * m.linear_coeff * m.hidden ** 2 / rate
         self._k2 = m.layers * m.attn_coeff * m.hidden / rate
+        self._c0 = m.prefill_overhead_s
+        if m.prefill_fit:  # measured on the real instances: replaces the FLOP model
+            self._c0, self._k1, self._k2 = m.prefill_fit
         kv = m.kv_bytes_per_token
         hbm = m.hbm_bytes_per_s * m.hbm_efficiency
         self._decode_fixed = m.weight_bytes / hbm
@@ -55,7 +58,7 @@ class TimeModel:
         """
         n = max(0, input_length)
         p = min(max(0, prefix_tokens), n)
-        return (self.model.prefill_overhead_s + self._k1 * (n - p)
+        return (self._c0 + self._k1 * (n - p)
                 + self._k2 * (n * n - p * p))
 
     def reuse_s(self, cpu_blocks: int = 0, remote_blocks: int = 0, pool_blocks: int = 0) -> float:

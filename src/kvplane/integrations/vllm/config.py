@@ -40,7 +40,8 @@ class ConnectorConfig:
         cache_prefix: namespace of every key (default: the model directory's last component).
         timeout: seconds one lookup, load or save may take before it counts as a miss.
         save_queue_size: pending background saves per worker; a save beyond it is dropped.
-        token: shared token for the master and data listeners.
+        token: token for the master and data listeners (None: ``KVPLANE_TOKEN``, else the
+            token file, as every kvplane client finds it).
         transfer_timeout: seconds a prefill instance holds blocks for a decode instance (PD).
     """
 
@@ -53,7 +54,7 @@ class ConnectorConfig:
     cache_prefix: str = ""
     timeout: float = 5.0
     save_queue_size: int = 256
-    token: str = ""
+    token: str | None = None
     transfer_timeout: float = 120.0
 
     def __post_init__(self) -> None:

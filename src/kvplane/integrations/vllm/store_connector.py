@@ -73,7 +73,7 @@ def key_space(vllm_config: "VllmConfig", cfg: ConnectorConfig, layer_names: list
 
 def store_client(cfg: ConnectorConfig, contribute: bool) -> StoreClient:
     """A store client for one connector role (only workers contribute a segment)."""
-    return StoreClient(StoreConfig(
+    return StoreClient(StoreConfig.from_env(
         master=cfg.master_server_address, metadata=cfg.metadata_server,
         local_hostname=cfg.local_hostname, protocol=cfg.protocol,
         global_segment_size=cfg.global_segment_size if contribute else 0,

@@ -75,7 +75,8 @@ class StoreClient:
         self.config = cfg
         self.engine = TransferEngine(EngineConfig.from_env(
             host=cfg.local_hostname, port=cfg.port, metadata=cfg.metadata,
-            protocol=cfg.protocol, token=cfg.token, timeout=cfg.timeout))
+            protocol=cfg.protocol, token=cfg.token, timeout=cfg.timeout,
+            extra_tokens=cfg.peer_tokens or None))
         self._handles: dict[str, int] = {}
         self._segments: list[SegmentInfo] = []
         self._closed = threading.Event()

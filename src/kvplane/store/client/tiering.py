@@ -141,7 +141,9 @@ def _load(client: "StoreClient", keys: list[str], results: list[KeyResult],
     for endpoint, idx in by_endpoint.items():
         try:
             rep = client.disk_links.get(endpoint).call(
-                "load", LoadReq([keys[i] for i in idx], [results[i].version for i in idx], inline),
+                "load", LoadReq([results[i].disk[0].key or keys[i] for i in idx],
+                                [results[i].version for i in idx], inline,
+                                [results[i].disk[0].ticket for i in idx]),
                 LoadRep, timeout=moves.coarse(deadline.check("disk read-through")))
         except KVPlaneError:
             client.suspects.add([results[i].disk[0].segment for i in idx])

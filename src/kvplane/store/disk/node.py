@@ -7,8 +7,11 @@
   names the task's key and version under a valid tag, the value matches the checksum: space that
   was freed and reused in the meantime is never written to disk), and writes it crash-safely
   (``layout.write_atomic``).
-* **Read-through** (``load``, served on this node's disk RPC port, token-checked): a reader
-  that found only disk copies asks their owner for them. Every file is verified as it is read
+* **Read-through** (``load``, served on this node's disk RPC port to the service token and the
+  tenants' tokens): a reader that found only disk copies asks their owner for them, each key
+  (as the master stores it, tenant-scoped) with the ticket the master listed it with; a key
+  without a valid ticket is answered as missing, so a tenant reads only what the master gave
+  it. Every file is verified as it is read
   (length, footer, tag, key, version, checksum); one that fails is deleted and reported lost,
   never served. Values up to ``INLINE_BUDGET`` per reply come back in the reply itself and are
   promoted into memory in the background (promotion on hit); larger ones are promoted first:
@@ -23,6 +26,7 @@ Imports the transfer fence through the client, ``disk.store`` and the tier wire 
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -31,6 +35,7 @@ import numpy as np
 
 from kvplane.common import log as klog
 from kvplane.common.errors import KVPlaneError
+from kvplane.common.auth import ADMIN, Authenticator, Principal
 from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
 from kvplane.store.disk import layout
@@ -38,7 +43,7 @@ from kvplane.store.disk.store import DiskStore, Entry
 from kvplane.store.errors import ObjectNotFound
 from kvplane.store.tier_types import (
     DiskAdoptReq, DiskSyncRep, DiskSyncReq, LoadRep, LoadReq, OffloadResult, OffloadTask,
-    PromoteEndReq, PromoteRep, PromoteReq,
+    PromoteEndReq, PromoteRep, PromoteReq, ticket_of,
 )
 
 if TYPE_CHECKING:
@@ -68,7 +73,8 @@ class DiskDuty:
         self._wake = threading.Event()
         self.offloaded = 0
         self.promoted = 0
-        self.rpc = RpcServer(cfg.local_hostname, 0, cfg.token)
+        self.rpc = RpcServer(cfg.local_hostname, 0, authenticate=_members(cfg.token,
+                                                                          cfg.peer_tokens))
         self.rpc.add("load", self._load, LoadReq)
         self.rpc.start()
         self._thread = threading.Thread(target=self._work, daemon=True,
@@ -160,7 +166,11 @@ class DiskDuty:
         in the background), larger ones promoted into memory first (see the module docstring)."""
         codes = [0] * len(req.keys)
         data = [b""] * len(req.keys)
-        entries = [self.store.entry(k, v) for k, v in zip(req.keys, req.versions, strict=True)]
+        seg = self._c._segments[0].name
+        tickets = req.tickets or [b""] * len(req.keys)
+        entries = [self.store.entry(k, v) if hmac.compare_digest(
+            t, ticket_of(self.store.secret, k, v, seg)) else None
+                   for k, v, t in zip(req.keys, req.versions, tickets, strict=True)]
         budget = INLINE_BUDGET if req.inline else 0
         large = []
         for i, e in enumerate(entries):
@@ -245,3 +255,17 @@ class DiskDuty:
             self._thread.join(5.0)
         self.rpc.close()
 
+
+def _members(token: str, peers: tuple[str, ...]) -> Authenticator:
+    """The disk RPC's check: the service token or a tenant's (reads also need a ticket)."""
+    if not token:
+        return lambda _given: ADMIN
+    wanted = [t.encode() for t in (token, *peers) if t]
+
+    def check(given: str) -> Principal | None:
+        raw = given.encode()
+        ok = False
+        for want in wanted:  # no early exit
+            ok |= hmac.compare_digest(raw, want)
+        return ADMIN if ok else None
+    return check

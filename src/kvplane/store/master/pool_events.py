@@ -4,14 +4,22 @@ A conductor registers the store as a shared pool (``"type": "kvplane"``), so a p
 the pool counts as a CPU-tier hit for every engine. The block hash of an object is read from its
 key, as Mooncake's publisher does: the key itself, or its last ``@``/``/``/``:``-separated part,
 as a decimal or ``0x`` hex u64. Keys without one are not published.
+
+With a service token the events go through :class:`~kvplane.kvevents.secure.SecurePublisher`:
+subscribers authenticate with ZMQ PLAIN (the token as password) and see only their own
+tenant's stream. Without one (``--no-auth``) the plain vLLM publisher serves the default
+tenant's events only.
 """
 
 from __future__ import annotations
 
 import re
 
+from kvplane.common.auth import DEFAULT_TENANT, TokenTable
 from kvplane.kvevents.codec import removed, stored
 from kvplane.kvevents.publisher import KVEventPublisher
+from kvplane.kvevents.secure import SecurePublisher
+from kvplane.store.master.access import unscoped
 
 _SPLIT = re.compile(r"[@/:]")
 U64 = (1 << 64) - 1
@@ -36,26 +44,51 @@ class PoolEvents:
     Args:
         host: bind address of the PUB and replay sockets.
         port: PUB port (0 picks one); the replay ROUTER gets a free port.
-        topic: topic frame of every message.
+        topic: topic frame of every message (unauthenticated publisher only).
+        auth: the master's tokens; with a service token, subscribers must present one.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, topic: str = "") -> None:
-        self.pub = KVEventPublisher(host=host, port=port or None, topic=topic)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, topic: str = "",
+                 auth: TokenTable | None = None) -> None:
+        self.secure: SecurePublisher | None = None
+        self.pub: KVEventPublisher | SecurePublisher
+        if auth is not None and auth.token:
+            self.secure = self.pub = SecurePublisher(auth, host, port)
+        else:
+            self.pub = KVEventPublisher(host=host, port=port or None, topic=topic)
         self.endpoint = self.pub.endpoint
         self.replay_endpoint = self.pub.replay_endpoint
 
     def publish(self, changes: list[tuple[str, str]]) -> int:
-        """Send one batch for ``changes`` ((kind, key) pairs); returns the events sent."""
-        put = [h for kind, k in changes if kind == "stored" and (h := key_hash(k)) is not None]
-        gone = [h for kind, k in changes if kind == "removed" and (h := key_hash(k)) is not None]
-        events = []
-        if gone:
-            events.append(removed(gone, medium="CPU"))
-        if put:
-            events.append(stored(put, [], 0, medium="CPU"))
-        if events:
-            self.pub.publish(events)
-        return len(put) + len(gone)
+        """Send one batch per tenant for ``changes`` ((kind, key) pairs); returns events sent."""
+        by_tenant: dict[str, list[tuple[str, str]]] = {}
+        for kind, internal in changes:
+            tenant, key = unscoped(internal)
+            by_tenant.setdefault(tenant, []).append((kind, key))
+        sent = 0
+        for tenant, items in by_tenant.items():
+            if self.secure is None and tenant != DEFAULT_TENANT:
+                continue  # unauthenticated stream: nobody could be told apart
+            events, n = _events(items)
+            if not events:
+                continue
+            if self.secure is not None:
+                self.secure.publish(tenant, events)
+            else:
+                self.pub.publish(events)  # type: ignore[call-arg]
+            sent += n
+        return sent
 
     def close(self) -> None:
         self.pub.close()
+
+
+def _events(items: list[tuple[str, str]]) -> tuple[list, int]:  # type: ignore[type-arg]
+    put = [h for kind, k in items if kind == "stored" and (h := key_hash(k)) is not None]
+    gone = [h for kind, k in items if kind == "removed" and (h := key_hash(k)) is not None]
+    events = []
+    if gone:
+        events.append(removed(gone, medium="CPU"))
+    if put:
+        events.append(stored(put, [], 0, medium="CPU"))
+    return events, len(put) + len(gone)

@@ -8,7 +8,9 @@ misses with ``Recovering`` meanwhile; it stops answering as soon as its lease ma
 Without ``ha`` it leads alone, with a random epoch, and takes over what segments re-register
 after a restart the same way.
 
-The only module of the store master that binds sockets.
+Every RPC and admin request is authenticated (``kvplane.common.auth.TokenTable``: service,
+admin and tenant tokens) and checked by ``access.Access`` (tenant namespaces, segment
+ownership). The only module of the store master that binds sockets.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import FastAPI
 
 from kvplane.common import log as klog
 from kvplane.common import metrics
+from kvplane.common.auth import TokenTable
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, NotLeader, ObjectNotFound, Recovering
+from kvplane.store.master import admin
+from kvplane.store.master.access import Access
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.replica_rpc import ReplicaRpc
@@ -72,9 +77,12 @@ class MasterServer:
         host: bind address for both listeners.
         port: RPC port (Mooncake default 50051; 0 picks one).
         admin_port: admin/metrics HTTP port (Mooncake default 9003; 0 picks one; None disables).
-        token: shared token for RPC (it also keys the inventory headers' tags).
+        token: the service token for RPC, admin HTTP and KV events ("" = no authentication);
+            it also keys the inventory headers' tags.
         clock: monotonic clock (tests may inject one).
         kv_events_port: publish KV events on this ZMQ port (0 picks one; None: off).
+        tenants: tenant name -> token; each tenant sees only its own keys.
+        admin_token: the admin token (unmounts anyone's segment, lists any tenant).
         ha: ``etcd://h1:2379;h2:2379[/CLUSTER]``: campaign for the leadership of that cluster.
         cluster: the cluster id (overrides the one in ``ha``).
         advertise: the address clients reach this master at (default ``host:port``).
@@ -84,19 +92,21 @@ class MasterServer:
     def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0,
                  admin_port: int | None = 0, token: str = "",
                  clock: Callable[[], float] = time.monotonic,
-                 kv_events_port: int | None = None, ha: str | None = None,
-                 cluster: str | None = None, advertise: str | None = None,
-                 lease_ttl: int = 3) -> None:
+                 kv_events_port: int | None = None, tenants: dict[str, str] | None = None,
+                 admin_token: str = "", ha: str | None = None, cluster: str | None = None,
+                 advertise: str | None = None, lease_ttl: int = 3) -> None:
         self.config = config or MasterConfig()
         self._secret = inventory.secret_of(token)
         self.state = self._fresh_state(secrets.randbits(23) | 1)  # epoch: new on every start
         self._evicted_seen = 0
+        self.auth = TokenTable(token, admin_token, tenants)
+        self.access = Access(self.state)
         self.events: PoolEvents | None = None
         if kv_events_port is not None:
-            self.events = PoolEvents(host, kv_events_port)
+            self.events = PoolEvents(host, kv_events_port, auth=self.auth)
         self.clock = clock
         self.lock = threading.Lock()
-        self.rpc = RpcServer(host, port, token)
+        self.rpc = RpcServer(host, port, authenticate=self.auth)
         self.port = self.rpc.port
         for name, fn, typ in (
             ("mount", self._mount, MountReq), ("unmount", self._unmount, MountReq),
@@ -106,9 +116,11 @@ class MasterServer:
             ("get_size", self._get_size, KeysReq), ("remove", self._remove, RemoveReq),
             ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
             ("repair_done", self._repair_done, RepairDoneReq), ("adopt", self._adopt, AdoptReq),
+            ("whoami", self.access.whoami, str),
         ):
-            self.rpc.add(name, self._counted(name, fn), typ)
+            self.add_handler(name, fn, typ)
         self.replicas = ReplicaRpc(self)
+        self.access.tasks = self.replicas.tasks
         self.replicas.install()
         TierRpc(self).install()
         self.rpc.start()
@@ -125,7 +137,8 @@ class MasterServer:
         self._timer.start()
         self.http: ServerThread | None = None
         if admin_port is not None:
-            self.http = ServerThread(self.admin_app(), host, admin_port)
+            self.http = ServerThread(self.admin_app(), host, admin_port, authenticate=self.auth,
+                                     name="master-admin")
         if self.election is not None:
             self.election.start()
         klog.event("master_started", port=self.port, ha=bool(ha),
@@ -150,7 +163,7 @@ class MasterServer:
     def _elected(self, term: int, expected: set[str] | None) -> None:
         """Won the term: serve from an empty state in its epoch (the election thread)."""
         with self.lock:
-            self.state = self._fresh_state(term)
+            self._switch(self._fresh_state(term))
             self._evicted_seen = 0
             if expected:
                 self.state.recover(self.clock(), self.config.recovery_grace, expected)
@@ -159,12 +172,19 @@ class MasterServer:
         """Lost the lease: forget everything (a standby holds no state)."""
         log.warning("no longer the leader: %s", why)
         with self.lock:
-            self.state = self._fresh_state(secrets.randbits(23) | 1)
+            self._switch(self._fresh_state(secrets.randbits(23) | 1))
+
+    def _switch(self, state: MasterState) -> None:
+        """Serve ``state`` from now on (under the lock): handlers, access checks and tasks."""
+        self.state = state
+        self.access.state = state
+        self.access.tasks = self.replicas.tasks  # a new table for the new state
 
     # -- rpc handlers (each under the state lock) --------------------------------------------
     def add_handler(self, name: str, fn: Callable[[Any], Any], request_type: type[Any]) -> None:
-        """Serve ``name`` with ``fn(request)`` under the state lock (counted like the others)."""
-        self.rpc.add(name, self._counted(name, fn), request_type)
+        """Serve ``name`` with ``fn(request)`` under the state lock (counted like the others),
+        behind the access checks (tenant key scoping, ownership)."""
+        self.rpc.add(name, self._counted(name, self.access.guard(name, fn)), request_type)
 
     def _counted(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         counter = RPCS.labels(name)
@@ -297,11 +317,11 @@ class MasterServer:
 
     def _remove_regex(self, req: RegexReq) -> int:
         self._gate(self.clock(), True)
-        return self.state.remove_regex(req.pattern, req.force, self.clock())
+        return self.access.remove_regex(req.pattern, req.force, self.clock())
 
     def _remove_all(self, req: RegexReq) -> int:
         self._gate(self.clock(), True)
-        return self.state.remove_all(req.force, self.clock())
+        return self.access.remove_all(req.force, self.clock())
 
     # -- background --------------------------------------------------------------------------------
     def _tick_loop(self) -> None:
@@ -363,60 +383,19 @@ class MasterServer:
 
     # -- admin http -----------------------------------------------------------------------------
     def admin_app(self) -> FastAPI:
-        """Mooncake-style admin API (read-only views; no leases are taken)."""
-        app = FastAPI(title="kvplane master", version="1")
+        """Mooncake-style admin API (read-only views, scoped by the caller's token), with the
+        HA role in ``/health`` and ``/ha_status``."""
+        return admin.build(lambda: self.state, self.lock, self.ha_status)
 
-        @app.get("/health")
-        def health() -> dict[str, Any]:
-            st = self.state
-            return {"status": "ok", "role": self.role, "ready": self.leading(),
-                    "keys": len(st.objects), "segments": len(st.segments)}
-
-        @app.get("/ha_status")
-        def ha_status() -> dict[str, Any]:
-            e = self.election
-            with self.lock:
-                recovering = self.state.recovering(self.clock())
-            return {"role": self.role, "ha": e is not None, "term": e.term if e else 0,
-                    "leader": e.leader if e else f"{self.rpc.host}:{self.port}",
-                    "epoch": self.state.epoch, "recovering": recovering,
-                    "elections": e.elections if e else 0}
-
-        @app.get("/query_key")
-        def query_key(key: str = Query(..., max_length=4096)) -> dict[str, Any]:
-            with self.lock:
-                st = self.state
-                obj = st.objects.get(key)
-                if obj is None or not obj.complete:
-                    raise HTTPException(404, detail={"error_code": -704})
-                data = [{"size_": obj.size, "buffer_address_": r.addr, "protocol_": "tcp",
-                         "transport_endpoint_": r.endpoint, "segment": r.segment}
-                        for r in obj.replicas_of(st.segments)]
-            return {"success": True, "data": data}
-
-        @app.get("/get_all_keys")
-        def all_keys(limit: int = Query(10000, ge=1, le=1_000_000)) -> list[str]:
-            with self.lock:
-                return [k for k, o in list(self.state.objects.items())[:limit] if o.complete]
-
-        @app.get("/get_all_segments")
-        def all_segments() -> list[str]:
-            with self.lock:
-                return list(self.state.segments)
-
-        @app.get("/segments")
-        def segments() -> list[dict[str, Any]]:
-            with self.lock:
-                return [{"segment_name": n, "client_id": s.info.client_id, "base_address": s.info.base,
-                         "size_bytes": s.info.size, "te_endpoint": s.info.endpoint,
-                         "allocator_used_bytes": s.alloc.used,
-                         "allocator_capacity_bytes": s.alloc.capacity,
-                         "allocator_usage_percent": round(100 * s.alloc.used / s.alloc.capacity, 2)}
-                        for n, s in self.state.segments.items()]
-
-        app.add_api_route("/get_segments_detail", segments, methods=["GET"])
-        app.mount("/metrics", metrics.asgi_app())
-        return app
+    def ha_status(self) -> dict[str, Any]:
+        """Role, term, leader address, epoch, recovering (``/ha_status``)."""
+        e = self.election
+        with self.lock:
+            recovering = self.state.recovering(self.clock())
+        return {"role": self.role, "ha": e is not None, "term": e.term if e else 0,
+                "leader": e.leader if e else f"{self.rpc.host}:{self.port}",
+                "epoch": self.state.epoch, "recovering": recovering,
+                "elections": e.elections if e else 0}
 
     def close(self) -> None:
         """Stop the timer, RPC and HTTP (idempotent); a leader hands its lease back."""

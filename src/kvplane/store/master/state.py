@@ -392,7 +392,7 @@ class MasterState:
         if len(reps) > 1 and any(self.segments[r[0]].suspect_since is not None for r in reps):
             reps = sorted(reps, key=lambda r: self.segments[r[0]].suspect_since is not None)
         return KeyResult(0, obj.replicas_of(self.segments, reps), obj.size, obj.version,
-                         obj.checksum, disk=self.tiers.disk_replicas(obj) if obj.disk else [])
+                         obj.checksum, disk=self.tiers.disk_replicas(key, obj) if obj.disk else [])
 
     def exist(self, key: str, now: float) -> int:
         """1 if a complete object exists (and lease it, as Mooncake's ExistKey does), else 0."""

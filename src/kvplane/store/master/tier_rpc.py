@@ -1,15 +1,18 @@
 """The master's SSD-tier RPCs: ``disk_sync``, ``disk_adopt``, ``promote_start``, ``promote_end``.
 
 Thin handlers over ``MasterState.tiers`` (``tiers.py``), each run under the server's state
-lock like every other handler. Only the owner of a segment may speak for its disk: every
-request names the client, and the master acts on that client's segments only.
+lock like every other handler. Only the pool's own segment processes may call them (the default
+tenant: a tenant token is refused), and the master acts on the calling client's segments only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvplane.common import metrics
+from kvplane.common.auth import DEFAULT_TENANT
+from kvplane.common.errors import Unauthorized
+from kvplane.common.rpc import current_principal
 from kvplane.store.errors import SegmentNotFound
 from kvplane.store.tier_types import (
     DiskAdoptReq, DiskSyncRep, DiskSyncReq, PromoteEndReq, PromoteRep, PromoteReq, PromoteTask,
@@ -35,6 +38,15 @@ def gauges(state: "MasterState") -> None:
     PROMOTED.set(tiers.promoted)
 
 
+def _service_only(method: str, fn: Any) -> Any:
+    """Only the pool's own segment processes (the default tenant) speak for a disk."""
+    def guarded(req: Any) -> Any:
+        if current_principal().tenant != DEFAULT_TENANT:
+            raise Unauthorized(f"{method} is for the pool's own segment processes")
+        return fn(req)
+    return guarded
+
+
 class TierRpc:
     """Installs the SSD-tier handlers on a ``MasterServer``."""
 
@@ -47,7 +59,7 @@ class TierRpc:
             ("promote_start", self._promote_start, PromoteReq),
             ("promote_end", self._promote_end, PromoteEndReq),
         ):
-            self._srv.rpc.add(name, self._srv._counted(name, fn), typ)
+            self._srv.add_handler(name, _service_only(name, fn), typ)
 
     def _segments(self, client_id: str) -> set[str]:
         client = self._srv.state.clients.get(client_id)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from kvplane.common.errors import KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, ObjectNotFound
-from kvplane.store.tier_types import DiskReplica, OffloadTask, PromoteTask
+from kvplane.store.tier_types import DiskReplica, OffloadTask, PromoteTask, ticket_of
 from kvplane.transfer.fence import epoch_of
 
 if TYPE_CHECKING:
@@ -301,9 +301,10 @@ class DiskTier:
             st.graveyard.hold(p.segment, p.offset, size, now, p.gen)  # fenced before reuse
 
     # -- reads and re-adoption ------------------------------------------------------------------
-    def disk_replicas(self, obj: "Obj") -> list[DiskReplica]:
+    def disk_replicas(self, key: str, obj: "Obj") -> list[DiskReplica]:
         st = self._st
-        return [DiskReplica(s, st.segments[s].info.disk_endpoint, path, obj.size)
+        return [DiskReplica(s, st.segments[s].info.disk_endpoint, path, obj.size, key,
+                            ticket_of(st.secret, key, obj.version, s))
                 for s, path in obj.disk.items() if s in st.segments]
 
     def adopt(self, seg: "Segment", records: list[inventory.Record], paths: list[str],

@@ -1,8 +1,10 @@
 """File transport: a file-backed region on this host, moved with pread/pwrite into registered memory.
 
 Only files under this engine's own file root are opened, whatever a descriptor says, so a
-hostile descriptor cannot make us write outside it; other targets go over TCP, where the
-owner serves its own file.
+hostile descriptor cannot make us write outside it. And only when the file found there is the
+owner's very file (same device and inode as the descriptor's ``file_id``): two engines with
+different roots may use the same file name. Other targets go over TCP, where the owner serves
+its own file.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import threading
 
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
+from kvplane.transfer.memory import file_identity
 from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, TransferStatus
 
@@ -35,17 +38,26 @@ class FileTransport(Transport):
         path = os.path.realpath(os.path.join(root, route.region.path))
         if os.path.dirname(path) != root or not os.path.isfile(path):
             return None
+        try:
+            if not route.region.file_id or file_identity(path) != route.region.file_id:
+                return None  # same name, another file (another root): not ours to touch
+        except OSError:
+            return None
         return path
 
     def can_reach(self, route: Route) -> bool:
         return self._path(route) is not None
 
-    def _fd(self, path: str) -> int:
+    def _fd(self, path: str, file_id: str) -> int:
+        key = f"{path}\0{file_id}"
         with self._lock:
-            fd = self._fds.get(path)
+            fd = self._fds.get(key)
             if fd is None:
                 fd = os.open(path, os.O_RDWR)
-                self._fds[path] = fd
+                if file_identity(fd) != file_id:  # replaced between the check and the open
+                    os.close(fd)
+                    raise OSError(f"{path} is not the segment's file")
+                self._fds[key] = fd
             return fd
 
     def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
@@ -59,7 +71,7 @@ class FileTransport(Transport):
                 continue
             off = s.remote - route.region.addr
             try:
-                fd = self._fd(path)
+                fd = self._fd(path, route.region.file_id)
                 done = 0
                 while done < s.length:
                     part = s.local[done:]

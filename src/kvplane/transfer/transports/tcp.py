@@ -16,7 +16,7 @@ import threading
 
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
-from kvplane.common.errors import KVPlaneError, ProtocolError, Unavailable, from_code
+from kvplane.common.errors import KVPlaneError, ProtocolError, Timeout, Unavailable, from_code
 from kvplane.transfer import protocol
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
@@ -99,6 +99,9 @@ class Conn:
         host, port = self.peer
         try:
             self.call(protocol.OP_HELLO, 0, token.encode(), timeout)
+        except TimeoutError as exc:  # a stalled peer is a timeout, not a failure
+            self.close()
+            raise Timeout(f"handshake with {host}:{port} timed out after {timeout}s") from exc
         except (OSError, ProtocolError) as exc:
             self.close()
             raise Unavailable(f"handshake with {host}:{port} failed: {exc}") from exc
@@ -302,7 +305,9 @@ class TcpTransport(Transport):
             try:
                 conn = self._acquire(peer, deadline)
             except KVPlaneError as exc:
-                _finish(slices, TransferStatus.FAILED, str(exc))
+                timed_out = isinstance(exc, Timeout) or deadline.expired()
+                _finish(slices, TransferStatus.TIMEOUT if timed_out else TransferStatus.FAILED,
+                        str(exc))
                 return
             try:
                 conn.execute(slices, deadline)

@@ -1,0 +1,168 @@
+"""Failure handling of `kvplane router`: retry before the first token, error event after it,
+ejection within 2 s and re-admission, over fake vLLM servers with scripted faults."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvplane.conductor.gateway import instruments
+from kvplane.testing.services import wait_until
+
+from kvplane.testing.fake_vllm import router_over_fakes as cluster, words
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
+
+
+def counter(metric, *labels) -> float:
+    return (metric.labels(*labels) if labels else metric)._value.get()
+
+
+def stream(http, url: str, prompt: str, n: int = 4) -> httpx.Response:
+    return http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": n, "stream": True})
+
+
+def test_death_before_the_first_token_is_retried_on_another_backend(http):
+    with cluster(2, policy="round-robin") as (server, (bad, good)):
+        bad.die_after = 0  # headers, then the connection drops before any event
+        retries = counter(instruments.RETRIES, "both")
+        for i in range(4):
+            r = stream(http, server.url, words(i, 1, 2))
+            assert r.status_code == 200 and r.headers["x-kvplane-backend"] == good.id
+            assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+        assert len(bad.requests) >= 1
+        assert counter(instruments.RETRIES, "both") - retries == len(bad.requests)
+
+
+def test_5xx_before_the_first_token_is_retried_once_then_502(http):
+    with cluster(2, policy="round-robin") as (server, (bad, good)):
+        bad.fail_status = 500
+        for i in range(3):
+            r = http.post(server.url + "/v1/completions", json={"prompt": words(i, 9)})
+            assert r.status_code == 200 and r.headers["x-kvplane-backend"] == good.id
+        good.fail_status = 503
+        r = http.post(server.url + "/v1/completions", json={"prompt": words(7)})
+        assert r.status_code == 502 and "before the first token" in r.json()["error"]["message"]
+        assert len(bad.requests) + len(good.requests) >= 5
+        good.fail_status = 400  # a client error is the client's answer, never retried
+        n = len(bad.requests) + len(good.requests)
+        assert http.post(server.url + "/v1/completions", json={"prompt": words(7)}).status_code == 400
+        assert len(bad.requests) + len(good.requests) - n in (1, 2)
+
+
+def test_client_error_is_passed_through_without_retry(http):
+    with cluster(2, policy="round-robin") as (server, fakes):
+        for f in fakes:
+            f.fail_status = 422
+        r = http.post(server.url + "/v1/completions", json={"prompt": words(1)})
+        assert r.status_code == 422
+        assert sum(len(f.requests) for f in fakes) == 1
+
+
+def test_death_after_the_first_token_ends_the_stream_with_an_error_event(http):
+    with cluster(1) as (server, (fake,)):
+        fake.die_after = 2
+        errors = counter(instruments.STREAM_ERRORS, "RemoteProtocolError")
+        start = time.monotonic()
+        r = stream(http, server.url, words(1, 2, 3), n=6)
+        assert time.monotonic() - start < 10  # never a hang
+        events = [e for e in r.text.split("\n\n") if e]
+        assert r.status_code == 200 and len(events) == 4, r.text
+        assert '"text"' in events[0] and '"text"' in events[1]
+        assert '"error"' in events[2] and '"upstream_error"' in events[2]
+        assert events[3] == "data: [DONE]"
+        assert counter(instruments.STREAM_ERRORS, "RemoteProtocolError") - errors == 1
+        assert server.router.in_flight() == 0
+
+
+def test_refused_backend_is_ejected_at_once_and_its_requests_go_elsewhere(http):
+    with cluster(2, policy="round-robin") as (server, (dead, alive)):
+        dead.close()
+        for i in range(4):
+            r = http.post(server.url + "/v1/completions", json={"prompt": words(i)})
+            assert r.status_code == 200 and r.headers["x-kvplane-backend"] == alive.id
+        assert not server.pool.get(dead.id).up
+        assert http.get(server.url + "/health").json()["backends_up"] == 1
+
+
+def test_silent_backend_is_ejected_within_2s_and_readmitted(http):
+    with cluster(2, policy="round-robin") as (server, (sick, well)):
+        b = server.pool.get(sick.id)
+        assert b.up and server.config.ejection_bound_s <= 2.0
+        start = time.monotonic()
+        sick.health_stall = True  # /health never answers: every check times out
+        wait_until(lambda: not b.up, 5, "ejection")
+        took = time.monotonic() - start
+        assert took <= 2.0 + 0.5, took  # bound 2 s; 0.5 s of slack for a loaded box
+        for i in range(3):
+            r = http.post(server.url + "/v1/completions", json={"prompt": words(i)})
+            assert r.headers["x-kvplane-backend"] == well.id
+        sick.health_stall = False
+        wait_until(lambda: b.up, 5, "re-admission")
+        seen = {http.post(server.url + "/v1/completions", json={"prompt": words(i)}).headers[
+            "x-kvplane-backend"] for i in range(4)}
+        assert seen == {sick.id, well.id}
+
+
+def test_request_stuck_on_a_backend_that_goes_silent_is_retried_elsewhere(http):
+    with cluster(2, policy="round-robin") as (server, (stuck, well)):
+        server.router.set_available(well.id, False)  # the first request lands on `stuck`
+        stuck.stall = True
+        out: dict = {}
+
+        def send() -> None:
+            out["r"] = stream(http, server.url, words(5, 6, 7))
+
+        t = threading.Thread(target=send)
+        t.start()
+        wait_until(lambda: len(stuck.requests) == 1, 5, "request on the stuck backend")
+        server.router.set_available(well.id, True)
+        start = time.monotonic()
+        stuck.health_stall = True  # it stops answering: ejection aborts what waits on it
+        t.join(15)
+        assert not t.is_alive()
+        r = out["r"]
+        assert r.status_code == 200 and r.headers["x-kvplane-backend"] == well.id
+        assert r.text.endswith("data: [DONE]\n\n") and time.monotonic() - start < 5
+
+
+def test_no_backend_at_all_is_503_not_a_hang(http):
+    with cluster(1) as (server, (fake,)):
+        fake.close()
+        r = http.post(server.url + "/v1/completions", json={"prompt": words(1)})
+        assert r.status_code in (502, 503)
+        wait_until(lambda: http.get(server.url + "/health").status_code == 503, 5, "unhealthy")
+        assert http.post(server.url + "/v1/completions", json={"prompt": words(1)}).status_code == 503
+
+
+def test_ejection_spares_a_stream_that_keeps_producing_and_ends_one_that_stalls(http):
+    with cluster(1) as (server, (fake,)):
+        b = server.pool.get(fake.id)
+        fake.token_delay = 0.1  # 30 tokens over ~3 s: the ejection happens mid-stream
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", stream(http, server.url, words(1), 30)))
+        t.start()
+        wait_until(lambda: len(fake.requests) == 1, 5, "stream started")
+        fake.health_stall = True
+        wait_until(lambda: not b.up, 5, "ejection")
+        t.join(20)
+        r = out["r"]
+        assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+        assert r.text.count('"text"') == 30  # a slow /health is not a dead stream
+        fake.health_stall = False
+        wait_until(lambda: b.up, 5, "re-admission")
+        fake.token_delay, fake.stall_after = 0.0, 2
+        out.clear()
+        t = threading.Thread(target=lambda: out.setdefault("r", stream(http, server.url, words(2), 6)))
+        t.start()
+        wait_until(lambda: len(fake.requests) == 2, 5, "second stream started")
+        start = time.monotonic()
+        fake.health_stall = True  # stalled stream + silent /health: ejected, stream ended
+        t.join(20)
+        assert time.monotonic() - start < 5
+        events = [e for e in out["r"].text.split("\n\n") if e]
+        assert events[:2] == [e for e in events[:2] if '"text"' in e] and len(events) == 4
+        assert '"error"' in events[2] and events[3] == "data: [DONE]"
