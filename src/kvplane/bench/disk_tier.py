@@ -71,7 +71,8 @@ def _gets(client: Any, keys: list[str], values: dict[str, bytes]) -> list[float]
     return out
 
 
-def store_rows(size: int, n: int, root: Path) -> list[dict[str, Any]]:
+def store_rows(size: int, n: int, root: Path) -> tuple[list[dict[str, Any]], str]:
+    """The store rows, and the token the processes used (it keys the files' tags)."""
     from kvplane.store.client.client import StoreClient
     from kvplane.store.client.replica_ops import ReplicaOps
     from kvplane.testing.services import wait_until
@@ -81,6 +82,7 @@ def store_rows(size: int, n: int, root: Path) -> list[dict[str, Any]]:
     rows = []
     with spawn_master() as m, StoreClient(master=m.info["master"], timeout=30) as c:
         addr = m.info["master"]
+        token = c.config.token
         keys = [f"disk-bench-{i}" for i in range(n)]
         values = {k: os.urandom(size) for k in keys}
         node = _node(addr, root, seg_mb, False)
@@ -105,16 +107,17 @@ def store_rows(size: int, n: int, root: Path) -> list[dict[str, Any]]:
     rows.append({"row": "store", "tier": "recompute", "size": size, "tokens": tokens,
                  "p50_us": round(tokens * PREFILL_MS_PER_TOKEN * 1000), "measured": False,
                  "source": "docs/benchmarks.md vLLM TTFT run 2: 668 ms / 2000 tokens"})
-    return rows
+    return rows, token
 
 
-def file_rows(size: int, n: int, root: Path) -> list[dict[str, Any]]:
+def file_rows(size: int, n: int, root: Path, token: str) -> list[dict[str, Any]]:
     """The file read alone: page cache vs O_DIRECT, cold and warm."""
     from kvplane.store import inventory
     from kvplane.store.disk import layout
 
+    secret = inventory.secret_of(token)
     paths = list(root.rglob("*.kv"))[:n]
-    recs = [layout.read_header(p, inventory.secret_of("")) for p in paths]
+    recs = [layout.read_header(p, secret) for p in paths]
     dest = memoryview(bytearray(max(r.hdr + r.size for r in recs)))
     rows = []
     for mode, direct, cold in (("cached-cold", False, True), ("direct-cold", True, True),
@@ -123,11 +126,11 @@ def file_rows(size: int, n: int, root: Path) -> list[dict[str, Any]]:
             drop_cache(root)
         else:
             for p, r in zip(paths, recs):
-                layout.read_into(p, r, dest, inventory.secret_of(""))
+                layout.read_into(p, r, dest, secret)
         lat = []
         for p, r in zip(paths, recs):
             t0 = time.perf_counter()
-            layout.read_into(p, r, dest, inventory.secret_of(""), direct=direct)
+            layout.read_into(p, r, dest, secret, direct=direct)
             lat.append(time.perf_counter() - t0)
         rows.append(_row(mode, size, lat, row="file"))
     return rows
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     size = parse_size(args.size)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        rows = store_rows(size, args.objects, Path(tmp))
-        rows += file_rows(size, args.objects, Path(tmp))
+        rows, token = store_rows(size, args.objects, Path(tmp))
+        rows += file_rows(size, args.objects, Path(tmp), token)
     _print(rows, args.json)
     return 0
