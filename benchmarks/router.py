@@ -39,6 +39,7 @@ import json
 import os
 import pathlib
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -240,13 +241,18 @@ def cached_check(url: str, n: int, coef: tuple[float, float, float]) -> str:
 
 
 # one policy ---------------------------------------------------------------------------------------
+ROUTER_TOKEN = secrets.token_urlsafe(24)
+ROUTER_AUTH = {"Authorization": f"Bearer {ROUTER_TOKEN}"}
+
+
 def run_policy(policy: str, specs: list[str], urls: list[str], items: list[Item], speed: float,
                coef: tuple[float, float, float], max_tokens: int) -> dict[str, Any]:
     reset(urls)
     q0 = {u: metric(u, "vllm:prefix_cache_queries_total") for u in urls}
     h0 = {u: metric(u, "vllm:prefix_cache_hits_total") for u in urls}
+    # the router is secure by default: this run's own token, sent by the replay client
     argv = [sys.executable, "-m", "kvplane.cli.router", "--policy", policy, "--port", "0",
-            "--set", "model.prefill_fit=%r,%r,%r" % coef]
+            "--token", ROUTER_TOKEN, "--set", "model.prefill_fit=%r,%r,%r" % coef]
     for s in specs:
         argv += ["--backend", s]
     router = Proc(argv, ready_timeout=60, stop_signal=15)
@@ -270,6 +276,11 @@ def run_policy(policy: str, specs: list[str], urls: list[str], items: list[Item]
             "spread": sorted(spread.values(), reverse=True)}
 
 
+def _s(seconds: float | None) -> str:
+    """Seconds for a progress line ("n/a" when every request of the run failed)."""
+    return "n/a" if seconds is None else f"{seconds:.3f} s"
+
+
 def wait_all_up(url: str, n: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -281,7 +292,7 @@ def wait_all_up(url: str, n: int, timeout: float = 60) -> None:
 
 
 async def replay(url: str, items: list[Item], speed: float, max_tokens: int) -> list[Any]:
-    async with httpx.AsyncClient(timeout=600, trust_env=False,
+    async with httpx.AsyncClient(timeout=600, trust_env=False, headers=ROUTER_AUTH,
                                  limits=httpx.Limits(max_connections=1000)) as client:
         start = time.perf_counter()
 
@@ -382,8 +393,8 @@ def report(args: argparse.Namespace, items: list[Item], specs: list[str]) -> int
         for policy in policies:
             got = run_policy(policy, specs, urls, items, speed, coef, args.max_tokens)
             runs[policy].append(got)
-            print(f"  run {rep + 1}/{args.repeat} {policy}: TTFT mean {got['ttft_mean_s']:.3f} s, "
-                  f"p90 {got['ttft_p90_s']:.3f} s, hit {got['hit_ratio']:.1%}, errors {got['errors']}, "
+            print(f"  run {rep + 1}/{args.repeat} {policy}: TTFT mean {_s(got['ttft_mean_s'])}, "
+                  f"p90 {_s(got['ttft_p90_s'])}, hit {got['hit_ratio']:.1%}, errors {got['errors']}, "
                   f"load average {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     for policy in policies:

@@ -4,7 +4,9 @@ take turns (``--slice`` seconds each, ``--rounds`` rounds, the order flipped eve
 Prints the median latency per call of each tree and after/before.
 
 Usage: python benchmarks/store_ab.py --before /path/to/old/src --after /path/to/new/src
-           [--cells get:4096:tcp,put:1048576:auto] [--rounds 12] [--slice 0.2]
+           [--cells get:4096:tcp,put:1048576:auto,bget32:4096:tcp] [--rounds 12] [--slice 0.2]
+
+Ops: ``get`` (get_into), ``put`` (put_from), ``bgetN`` (batch_get_into of N keys, N <= 128).
 """
 
 from __future__ import annotations
@@ -36,17 +38,24 @@ def worker() -> int:
             op, size_s, proto, secs = line.split()
             size, c = int(size_s), clients[proto]
             if (proto, size) not in state:
-                buf = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+                buf = np.random.default_rng(size).integers(0, 256, size * 128, dtype=np.uint8)
                 addr = c.register_buffer(buf)
-                keys = [f"{proto}-{size}-{i}" for i in range(64)]
+                keys = [f"{proto}-{size}-{i}" for i in range(256)]
                 for k in keys:
                     c.put_from(k, addr, size)
                 state[(proto, size)] = (buf, addr, keys, {"get": 0, "put": 0})
             _, addr, keys, count = state[(proto, size)]
             lat, end = [], time.monotonic() + float(secs)
+            k = int(op[4:]) if op.startswith("bget") else 1  # bgetN: batch_get_into of N keys
+            count.setdefault(op, 0)
             while time.monotonic() < end:
                 i, t = count[op], time.perf_counter()
-                if op == "get":
+                if k > 1:
+                    batch = [keys[(i * k + j) % len(keys)] for j in range(k)]
+                    got = c.batch_get_into(batch, [addr + j * size for j in range(k)], [size] * k)
+                    if any(n != size for n in got):
+                        raise RuntimeError(f"batch get failed: {got[:3]}")
+                elif op == "get":
                     c.get_into(keys[i % len(keys)], addr, size)
                 else:
                     c.put_from(f"p-{proto}-{size}-{i}", addr, size)

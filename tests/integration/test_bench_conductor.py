@@ -26,3 +26,16 @@ def test_bench_conductor_smoke(capsys):
     assert row, out
     assert re.search(r"^walk    4 instances \| GPU tier only +[\d.]+ / +[\d.]+ \| shared pool on CPU +[\d.]+ / +[\d.]+$",
                      out, re.M), out
+
+
+def test_bench_conductor_ab_smoke(capsys):
+    """benchmarks/conductor_ab.py with this tree on both sides: both answer alike, a row per path."""
+    spec = importlib.util.spec_from_file_location("bench_conductor_ab", BENCH.with_name("conductor_ab.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = str(BENCH.parents[1] / "src")
+    assert mod.main(["--before", src, "--after", src, "--rounds", "2", "--per-turn", "2",
+                     "--blocks", "2000", "--instances", "4", "--prompt-tokens", "1024", "--prompts", "2"]) == 0
+    out = capsys.readouterr().out
+    for path in ("/query_by_hash", "/query"):
+        assert re.search(rf"^{path} +p50 before +[\d.]+ ms after +[\d.]+ ms after/before [\d.]+ \|", out, re.M), out

@@ -16,17 +16,22 @@ def test_store_benchmark_smoke(tmp_path):
     sides = "kvplane-tcp,kvplane-shm,kvplane-tcp-ha" + (",redis" if shutil.which("redis-server") else "")
     plot = tmp_path / "s.png"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/store.py"), "--sizes", "4KiB,64KiB", "--batch", "4",
+        [sys.executable, str(ROOT / "benchmarks/store.py"), "--sizes", "4KiB,64KiB", "--batch", "4,6",
          "--duration", "0.05", "--clients", "1", "--sides", sides, "--segment-mb", "64",
          "--cap-mb", "8", "--json", "--plot", str(plot)],
         capture_output=True, text=True, timeout=230)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in out.stdout.splitlines()]
     cells = [r for r in rows if not r.get("ratio")]
-    assert {r["impl"] for r in cells} == set(sides.split(",")) | {"memcpy"}
+    assert {r["impl"] for r in cells} == set(sides.split(",")) | {"memcpy", "floor"}
     assert all(r["verified"] and r["ops_s"] > 0 for r in cells)
-    stores = [r for r in cells if r["impl"] != "memcpy"]
-    assert {(r["op"], r["batch"]) for r in stores} == {("put", 1), ("get", 1), ("put", 4), ("get", 4)}
+    stores = [r for r in cells if r["impl"] not in ("memcpy", "floor")]
+    assert {(r["op"], r["batch"]) for r in stores} == {(op, k) for op in ("put", "get") for k in (1, 4, 6)}
+    floors = {(r["size"], r["batch"]) for r in cells if r["impl"] == "floor"}
+    assert floors == {(s, k) for s in (4096, 65536) for k in (1, 4, 6)}  # one raw round trip each
+    remote_get = [r for r in rows if r.get("ratio") and r["topology"] == "remote" and r["op"] == "get"
+                  and r["clients"] == 1]
+    assert remote_get and all(r["vs_floor"] > 0 for r in remote_get)
     assert {r["topology"] for r in stores} == {"remote", "local"}
     local_get = [r for r in rows if r.get("ratio") and r["topology"] == "local" and r["op"] == "get"
                  and r["batch"] == 1]

@@ -67,3 +67,47 @@ def raw_stream(size: int, duration: float) -> dict[str, float]:
         p.join(10)
         if p.is_alive():
             p.kill()
+
+
+def _responder(conn, size: int) -> None:  # type: ignore[no-untyped-def]
+    ls = socket.create_server(("127.0.0.1", 0))
+    conn.send(ls.getsockname()[1])
+    c, _ = ls.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = memoryview(np.ones(size, np.uint8))
+    req = bytearray(8)
+    while c.recv_into(req, 8, socket.MSG_WAITALL) == 8:
+        c.sendall(data[:int.from_bytes(req, "little")])
+    c.close()
+
+
+def round_trip(nbytes: int, duration: float) -> list[int]:
+    """The floor of a remote get: one raw Python TCP round trip (an 8-byte request, an
+    ``nbytes`` answer received with ``recv_into``) to another process; per-call nanoseconds."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_responder, args=(b, nbytes), daemon=True)
+    p.start()
+    try:
+        s = socket.create_connection(("127.0.0.1", a.recv()), timeout=30)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = memoryview(bytearray(nbytes))
+        req = nbytes.to_bytes(8, "little")
+        lat: list[int] = []
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < duration or len(lat) < 3:
+            x = time.perf_counter_ns()
+            s.sendall(req)
+            got = 0
+            while got < nbytes:
+                k = s.recv_into(buf[got:], nbytes - got, socket.MSG_WAITALL)
+                if k == 0:
+                    raise RuntimeError("round-trip responder closed")
+                got += k
+            lat.append(time.perf_counter_ns() - x)
+        s.close()
+        return lat
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()

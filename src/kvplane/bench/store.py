@@ -32,7 +32,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py
 @dataclass
 class Options:
     sizes: list[int] = field(default_factory=lambda: [4096, 65536, 1 << 20, 16 << 20])
-    batch: int = 32
+    batches: list[int] = field(default_factory=lambda: [32])
     duration: float = 1.0
     clients: list[int] = field(default_factory=lambda: [1, 2])
     sides: list[str] = field(default_factory=lambda: ["kvplane-tcp", "kvplane-shm", "mooncake", "redis"])
@@ -173,9 +173,9 @@ def _worker(py: str, impl: str, label: str, master: str, opt: Options, clients: 
             extra_env: dict[str, str] | None = None) -> list[dict]:
     cmd = [py, WORKER, "--impl", impl, "--label", label, "--master", master, "--metadata", metadata,
            "--protocol", protocol, "--clients", str(clients), "--segment-mb", str(segment_mb),
-           "--sizes", ",".join(map(str, opt.sizes)), "--batch", str(opt.batch),
+           "--sizes", ",".join(map(str, opt.sizes)), "--batch", ",".join(map(str, opt.batches)),
            "--duration", str(opt.duration), "--cap-mb", str(opt.cap_mb),
-           "--local-buffer-mb", str(max(64, opt.batch * max(opt.sizes) >> 20))]
+           "--local-buffer-mb", str(max(64, max(opt.batches) * max(opt.sizes) >> 20))]
     env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2", **(extra_env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -199,6 +199,8 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
         progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
     if "local" in opt.topologies:
         rows += _memcpy_rows(opt, progress)
+    if "remote" in opt.topologies:
+        rows += _floor_rows(opt, progress)
     for cell in _cells(opt, mc):
         progress(f"{cell.side} {cell.topology} x{cell.clients}")
         rows += _measure(cell, opt, mc)
@@ -237,6 +239,23 @@ def _memcpy_rows(opt: Options, progress: Callable[[str], None]) -> list[dict]:
         rows.append(dict(impl="memcpy", topology="local", clients=1, op="get", size=size,
                          batch=1, p50_us=float("nan"), p99_us=float("nan"), verified=True,
                          **limits.memcpy(size, max(size, 256 << 20), opt.duration)))
+    return rows
+
+
+def _floor_rows(opt: Options, progress: Callable[[str], None]) -> list[dict]:
+    """The floor of a remote get of a call's bytes: one raw socket round trip (limits.round_trip)."""
+    from kvplane.bench import limits
+
+    rows = []
+    for size in opt.sizes:
+        for k in (1, *opt.batches):
+            progress(f"floor {size} x{k}")
+            lat = sorted(limits.round_trip(size * k, opt.duration))
+            el = sum(lat) / 1e9
+            rows.append(dict(impl="floor", topology="remote", clients=1, op="get", size=size, batch=k,
+                             ops_s=len(lat) * k / el, gb_s=len(lat) * k * size / el / 1e9,
+                             p50_us=lat[len(lat) // 2] / 1e3, p99_us=lat[int(0.99 * (len(lat) - 1))] / 1e3,
+                             verified=True))
     return rows
 
 
@@ -280,12 +299,14 @@ def ratios(rows: list[dict]) -> list[dict]:
         mc, rd = idx.get(("mooncake", *key)), idx.get(("redis", *key))
         plain = idx.get((r["impl"].removesuffix("-ha"), *key)) if r["impl"].endswith("-ha") \
             else None
+        fl = idx.get(("floor", *key)) if r["clients"] == 1 else None
         cp = idx.get(("memcpy", "local", 1, "get", r["size"], 1)) if r["topology"] == "local" \
             and r["op"] == "get" and r["batch"] == 1 else None
         out.append(dict(side=r["impl"], topology=r["topology"], clients=r["clients"], op=r["op"],
                         size=r["size"], batch=r["batch"], gb_s=r["gb_s"], ops_s=r["ops_s"],
                         vs_mooncake=r["gb_s"] / mc["gb_s"] if mc else None,
                         vs_redis=r["gb_s"] / rd["gb_s"] if rd else None,
+                        vs_floor=r["gb_s"] / fl["gb_s"] if fl else None,
                         vs_memcpy=r["gb_s"] / cp["gb_s"] if cp else None,
                         vs_non_ha=r["ops_s"] / plain["ops_s"] if plain else None))
     return out

@@ -138,13 +138,14 @@ def _phase(fn, keys_for, duration: float, min_calls: int):  # type: ignore[no-un
 def client(cid: int, a: argparse.Namespace, barrier, q) -> None:  # type: ignore[no-untyped-def]
     try:
         sizes = [int(s) for s in a.sizes.split(",")]
+        batches = [int(b) for b in str(a.batch).split(",")]
         tx = np.resize(np.random.default_rng(cid).integers(0, 256, 1 << 20, dtype=np.uint8),
-                       max(sizes) * a.batch)
+                       max(sizes) * max(batches))
         rx = np.zeros_like(tx)
         impl = RedisImpl(a, tx, rx) if a.impl == "redis" else StoreImpl(a.impl, a, tx, rx)
         pfx = f"{a.label}-{cid}-{os.getpid()}"
         for size in sizes:
-            for k in (1, a.batch):
+            for k in (1, *batches):
                 cap = max(k, (a.cap_mb << 20) // size // k * k)
                 live: list[str] = []
                 barrier.wait(120)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-mb", type=int, default=0, help="memory each client contributes")
     ap.add_argument("--local-buffer-mb", type=int, default=64)
     ap.add_argument("--sizes", default="4096,65536,1048576,16777216")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", default="32", help="objects per batch call, comma separated")
     ap.add_argument("--duration", type=float, default=1.0)
     ap.add_argument("--min-calls", type=int, default=3)
     ap.add_argument("--cap-mb", type=int, default=256)

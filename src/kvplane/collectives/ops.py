@@ -102,7 +102,8 @@ class Attempt:
         self.mesh.exchange(sends, posts, self.deadline, self.stale)
 
 
-SEGMENT_BYTES = 32 << 20  # ring blocks larger than this are streamed in segments (bounds frame size)
+SEGMENT_BYTES = 4 << 20  # ring blocks are streamed in segments of this size: a rank folds and forwards
+# the first segment of a block while the rest arrives (32 MiB meant no pipelining below 128 MiB)
 
 
 class _Ring:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -66,6 +67,8 @@ class KvplaneOptions:
             max_message=self.max_message or envs.get("KVPLANE_PG_MAX_MESSAGE"),
             is_extension=self.is_extension,
         )
+
+_OVERLAP_COPY_BYTES = 4 << 20  # smaller exact-restart copies are made inline
 
 
 def _reduce_kind(opts: Any) -> str:
@@ -126,6 +129,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         self.core = GroupCore(store, rank, size, self.options.settings(timeout.total_seconds()))
         self._name = ""
         self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._copier: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -164,6 +168,22 @@ class KvplaneProcessGroup(dist.ProcessGroup):
             self._bufs[(name, dtype)] = b
         return b[:numel]
 
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[Any]:
+        """``dst.copy_(src)``, on a helper thread when it is big enough to be worth overlapping.
+
+        The exact-restart copy of an allreduce input then runs while the ring's reduce-scatter
+        (which only reads the input) is under way; the ring waits for it before its first write.
+        One helper thread runs copies in submission order, so a copy into a reused buffer never
+        overtakes an earlier one.
+        """
+        if dst.numel() * dst.element_size() < _OVERLAP_COPY_BYTES:
+            done: Future[Any] = Future()
+            done.set_result(dst.copy_(src))
+            return done
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvplane-pg-copy")
+        return self._copier.submit(dst.copy_, src)
+
     def _scratch(self, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._buf("s0", dtype, numel), self._buf("s1", dtype, numel)
 
@@ -194,14 +214,21 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         holder: dict[str, torch.Tensor] = {}
 
         exact = self.options.exact_restart
+        copying: list[Future[Any]] = []
+
+        def copied() -> None:  # the ring calls this before it first writes into ``flat``
+            while copying:
+                copying.pop().result()
 
         def body(a: ops.Attempt) -> None:
             if exact and "backup" not in holder and a.n > 1:
                 holder["backup"] = self._buf("backup", flat.dtype, flat.numel())
-                holder["backup"].copy_(flat)
-            ops.allreduce(a, flat, kind, self._scratch(flat.dtype, math.ceil(flat.numel() / a.n)))
+                copying.append(self._copy(holder["backup"], flat))
+            ops.allreduce(a, flat, kind, self._scratch(flat.dtype, math.ceil(flat.numel() / a.n)),
+                          copied)
 
         def restore() -> None:
+            copied()
             if "backup" in holder:
                 flat.copy_(holder["backup"])
 
@@ -429,6 +456,8 @@ class KvplaneProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Stop the communication thread and close sockets (idempotent)."""
         self.core.close()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
 
     def abort(self) -> None:
         """Same as :meth:`shutdown`."""

@@ -29,6 +29,11 @@ from kvplane.common.http_guard import Head, Refused, check_head, parse_head
 
 log = logging.getLogger(__name__)
 _ACCEPT_BURST = 16  # connections accepted per wake-up, so served clients are not kept waiting
+# A refused request's unread body would turn close() into a reset that can reach the client
+# before the answer (httpx then reports "connection reset", not the 401). So a refused
+# connection is half-closed and drained for a moment; bounded in time and in count.
+_LINGER_S = 0.5
+_MAX_LINGER = 256
 
 
 @dataclass(eq=False)
@@ -66,6 +71,7 @@ class HttpFront:
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, seq, fd)
         self._seq = itertools.count()
+        self._linger: dict[int, tuple[socket.socket, float]] = {}  # fd -> (sock, close at)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-front-{self.port}",
                                         daemon=True)
@@ -79,13 +85,17 @@ class HttpFront:
                 for key, _ in self._sel.select(wait):
                     if key.data is None:
                         self._accept()
+                    elif isinstance(key.data, socket.socket):
+                        self._drain(key.data)
                     else:
                         self._read(key.data)
                 self._expire(time.monotonic())
+                self._unlinger(time.monotonic())
                 time.sleep(0)  # let the event loop's thread take the GIL between bursts
         finally:
             for p in list(self._pending.values()):
                 self._drop(p)
+            self._unlinger(float("inf"))
             self._sel.close()
 
     def _accept(self) -> None:
@@ -152,7 +162,42 @@ class HttpFront:
                 p.sock.send(exc.reply)
             except OSError:
                 pass
+            else:
+                if len(self._linger) < _MAX_LINGER:
+                    self._forget(p)
+                    self.admission.release(p.ticket)
+                    self._start_linger(p.sock)
+                    return
         self._drop(p)
+
+    def _start_linger(self, sock: socket.socket) -> None:
+        try:
+            sock.shutdown(socket.SHUT_WR)  # the answer is sent; the peer sees its end
+        except OSError:
+            sock.close()
+            return
+        self._linger[sock.fileno()] = (sock, time.monotonic() + _LINGER_S)
+        self._sel.register(sock, selectors.EVENT_READ, sock)
+
+    def _drain(self, sock: socket.socket) -> None:
+        """Discard what a refused peer still sends; close at its end of stream."""
+        try:
+            if sock.recv(65536):
+                return
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._close_linger(sock.fileno())
+
+    def _unlinger(self, now: float) -> None:
+        for fd in [fd for fd, (_, at) in self._linger.items() if at <= now]:
+            self._close_linger(fd)
+
+    def _close_linger(self, fd: int) -> None:
+        sock, _ = self._linger.pop(fd)
+        self._sel.unregister(sock)
+        sock.close()
 
     def _forget(self, p: _Pending) -> None:
         fd = p.sock.fileno()

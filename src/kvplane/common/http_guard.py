@@ -227,10 +227,38 @@ class TokenGate:
             client = scope.get("client") or ("?",)
             self.peer_log.warn(str(client[0]), "HTTP %s %s without a valid token",
                                scope.get("method"), scope.get("path"))
+            await _discard_body(receive)
             await _send_raw(send, 401, UNAUTHORIZED)
             return
         scope.setdefault("state", {})[PRINCIPAL_KEY] = principal
+        if principal is None:  # a tokenless probe of an open path gets one answer: say so
+            await self.app(scope, receive, _closing(send))
+            return
         await self.app(scope, receive, send)
+
+
+def _closing(send: Any) -> Any:
+    """``send`` with ``Connection: close`` on the response, so the client does not reuse a
+    connection the server closes after this answer (GuardedH11.on_response_complete)."""
+    async def wrapped(message: Any) -> None:
+        if message.get("type") == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"connection", b"close")]}
+        await send(message)
+    return wrapped
+
+
+async def _discard_body(receive: Any, cap: int = 65536) -> None:
+    """Read (and drop) up to ``cap`` bytes of a refused request's body: a connection closed
+    with its body unread is reset, and the reset can reach the client before the 401."""
+    seen = 0
+    while seen <= cap:
+        message = await receive()
+        if message.get("type") != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
 
 
 async def _send_raw(send: Any, status: int, raw: bytes) -> None:

@@ -155,6 +155,11 @@ def _decode_query(body: bytes, content_type: str, by_hash: bool) -> QueryRequest
                         additional_salt=q.additionalsalt, lora_path=q.lora_path)
 
 
+def _json(answer: Any) -> Response:
+    """A query answer as JSON (msgspec; FastAPI's response_model pass is documentation only)."""
+    return Response(msgspec.json.encode(answer), media_type="application/json")
+
+
 def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     content = {"schema": schema}
@@ -245,20 +250,79 @@ def create_app(conductor: Conductor) -> FastAPI:
 
     @app.exception_handler(KVPlaneError)
     async def _kv_error(_: Request, exc: KVPlaneError) -> JSONResponse:
-        status = next((s for cls, s in _STATUS if isinstance(exc, cls)), 400)
-        return JSONResponse({"detail": str(exc), "code": exc.code}, status)
+        return JSONResponse(*_kv_error_body(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's default handler echoes the raw input and crashes (500) on non-UTF-8 bytes
-        errors = [{"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")),
-                   "type": str(e.get("type", ""))} for e in exc.errors()]
-        return JSONResponse({"detail": errors}, 422)
+        return JSONResponse(*_invalid_body(exc))
 
     _admin_routes(app, conductor, [])
     _query_routes(app, conductor, [])
+    app.add_middleware(_QueryFastPath, conductor=conductor)
     app.add_middleware(_BodyLimit, limit=cfg.max_request_bytes)
     return app
+
+
+def _kv_error_body(exc: KVPlaneError) -> tuple[dict[str, Any], int]:
+    status = next((s for cls, s in _STATUS if isinstance(exc, cls)), 400)
+    return {"detail": str(exc), "code": exc.code}, status
+
+
+def _invalid_body(exc: RequestValidationError) -> tuple[dict[str, Any], int]:
+    # FastAPI's default handler echoes the raw input and crashes (500) on non-UTF-8 bytes
+    errors = [{"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")),
+               "type": str(e.get("type", ""))} for e in exc.errors()]
+    return {"detail": errors}, 422
+
+
+class _QueryFastPath:
+    """ASGI middleware: ``POST /query`` and ``/query_by_hash`` without FastAPI's per-request work.
+
+    Same decoding, answer and error bodies as the routes of :func:`_query_routes` (which stay
+    for the OpenAPI schema); it skips the request object and the response-model pass. The token
+    gate in front of the app has already checked the token. Other paths and methods go to the
+    app.
+    """
+
+    _PATHS = {"/query": False, "/query_by_hash": True}
+
+    def __init__(self, app: Any, conductor: Conductor) -> None:
+        self.app, self.conductor = app, conductor
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        by_hash = self._PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if by_hash is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        try:
+            body = await _read_body(receive)
+            if body is None:
+                return  # the client went away before sending its body
+            req = _decode_query(body, headers.get(b"content-type", ""), by_hash=by_hash)
+            payload, status = msgspec.json.encode(self.conductor.query(req)), 200
+        except KVPlaneError as exc:
+            answer, status = _kv_error_body(exc)
+            payload = msgspec.json.encode(answer)
+        except RequestValidationError as exc:
+            answer, status = _invalid_body(exc)
+            payload = msgspec.json.encode(answer)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    """The whole request body (already bounded by _BodyLimit), or None on a disconnect."""
+    chunks, more = [], True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        chunks.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    return b"".join(chunks)
 
 
 def _admin_routes(app: FastAPI, conductor: Conductor, guarded: list[Any]) -> None:
@@ -303,7 +367,7 @@ def _query_routes(app: FastAPI, conductor: Conductor, guarded: list[Any]) -> Non
         """Longest cached prefix per instance and tier for prompt token ids (JSON or msgpack)."""
         body = await request.body()
         req = _decode_query(body, request.headers.get("content-type", ""), by_hash=False)
-        return conductor.query(req)
+        return _json(conductor.query(req))
 
     @app.post("/query_by_hash", dependencies=guarded, response_model=QueryResponse,
               openapi_extra=_body_doc(QueryByHashBody))
@@ -311,4 +375,4 @@ def _query_routes(app: FastAPI, conductor: Conductor, guarded: list[Any]) -> Non
         """Longest cached prefix per instance and tier for u64 block hashes (JSON or msgpack)."""
         body = await request.body()
         req = _decode_query(body, request.headers.get("content-type", ""), by_hash=True)
-        return conductor.query(req)
+        return _json(conductor.query(req))

@@ -6,17 +6,25 @@ where ``H`` is SHA-256 over pickle protocol 5 (``sha256``, vLLM's default) or ov
 string. Events carry the low 64 bits of the digest (last 8 bytes, big-endian). The next block is
 chained on the **full** 32-byte digest, never on the projection. Only complete blocks are hashed.
 
-Pure: no I/O. Must not import sockets, HTTP or anything outside the standard library.
+Long prompts take a batched path (:func:`_fast_chain`): the hash inputs of many blocks are laid
+out at once with numpy, so the per-block Python work is one concatenation and one SHA-256 call. It
+is exact by construction and checked against the generic encoder on the first block of every
+batch (any difference falls back to the generic path).
+
+Pure: no I/O. Must not import sockets, HTTP or anything outside the standard library and numpy.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 import pickle
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 from kvplane.common.errors import InvalidArgument
 
@@ -118,6 +126,113 @@ def _sha256_cbor(obj: object) -> bytes:
 
 _HASH_FNS = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
 
+# Batched path. A block's hash input is ``pre + parent + tail`` where only ``parent`` depends on
+# the previous block. pickle protocol 5 of (bytes32, (t0, .., tn), None): PROTO 5, FRAME <u64>,
+# SHORT_BINBYTES 32 <parent>, MEMOIZE, MARK, BININT1/BININT2/BININT per token, TUPLE, MEMOIZE,
+# NONE, TUPLE3, MEMOIZE, STOP (tuples of 1-3 items use TUPLE1-3 and no MARK). CBOR of the same:
+# array(3), bytes(32) <parent>, array(n), one unsigned int per token, null.
+_FIRST_BATCH = 64  # blocks hashed before the first yield (a walk may stop early)
+_BATCH_GROWTH = 8
+_MIN_BATCH = 8  # fewer blocks than this are cheaper block by block
+_PICKLE_SMALL_TUPLE = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
+_FRAME_LIMIT = 1 << 16  # the pickler starts a new frame past 64 KiB; such blocks go generic
+CHUNK_BLOCKS = 64  # prefix-cache granularity: whole chunks of this many blocks are remembered
+CACHE_CHUNKS = 2048  # chunks remembered per profile (about 6 KiB each with 16-token blocks)
+
+
+def _as_tokens(token_ids: Sequence[int]) -> np.ndarray | None:
+    """Token ids as int64 (each as ``operator.index`` gives it), or None if one is not an int."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.astype(np.int64) if token_ids.dtype.kind in "iu" else None
+    try:
+        return np.frombuffer(struct.pack(f"<{len(token_ids)}q", *token_ids), dtype=np.int64)
+    except (struct.error, TypeError, OverflowError):
+        return None
+
+
+# Per size class of a token id: the first byte of its encoding and which of the 5 slot bytes
+# (that byte, then the u32 in the encoding's byte order) the encoding uses.
+_PICKLE_OPS = np.array([0x4B, 0x4D, 0x4A], np.uint8)  # BININT1 <256, BININT2 <65536, BININT
+_PICKLE_USED = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+_CBOR_USED = np.array([[1, 0, 0, 0, 0], [1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]], bool)
+
+
+def _token_slots(tok: np.ndarray, cbor: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's encoding in a 5-byte slot and the mask of the slot bytes it uses."""
+    n = tok.size
+    slots = np.empty((n, 5), np.uint8)
+    word = tok.astype(">u4" if cbor else "<u4")
+    slots[:, 1:] = word.view(np.uint8).reshape(n, 4)
+    size = (tok >= 256).view(np.int8) + (tok >= 65536).view(np.int8)
+    if cbor:  # <24: the value itself; 0x18 u8, 0x19 u16, 0x1a u32 (big-endian, the low bytes)
+        size += (tok >= 24).view(np.int8)
+        slots[:, 0] = np.where(size == 0, tok.astype(np.uint8), size + 0x17)
+        return slots, _CBOR_USED[size]
+    slots[:, 0] = _PICKLE_OPS[size]  # BININT1 u8, BININT2 u16, BININT i32 (little-endian)
+    return slots, _PICKLE_USED[size]
+
+
+def _layout(tok: np.ndarray, bs: int, cbor: bool) -> tuple[list[bytes], list[bytes]] | None:
+    """Per block: the bytes before the parent digest and the bytes after it; None = go generic."""
+    if tok.size == 0 or int(tok.min()) < 0 or int(tok.max()) >= (1 << 32 if cbor else 1 << 31):
+        return None  # negative or LONG1-sized ids: the generic encoders handle them
+    nb = tok.size // bs
+    slots, used = _token_slots(tok, cbor)
+    if cbor:
+        mid, post = _cbor_head(4, bs), b"\xf6"
+    elif bs in _PICKLE_SMALL_TUPLE:
+        mid, post = b"\x94", _PICKLE_SMALL_TUPLE[bs] + b"\x94N\x87\x94."
+    else:
+        mid, post = b"\x94(", b"t\x94N\x87\x94."
+    m, width = len(mid), len(mid) + 5 * bs + len(post)
+    rows = np.empty((nb, width), np.uint8)
+    rows[:, :m] = np.frombuffer(mid, np.uint8)
+    rows[:, m:width - len(post)] = slots.reshape(nb, 5 * bs)
+    rows[:, width - len(post):] = np.frombuffer(post, np.uint8)
+    mask = np.ones((nb, width), bool)
+    mask[:, m:width - len(post)] = used.reshape(nb, 5 * bs)
+    blob = rows[mask].tobytes()
+    ends = np.cumsum(mask.sum(axis=1)).tolist()
+    tails = [blob[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+    if cbor:
+        return [b"\x83\x58\x20"] * nb, tails
+    frames = [len(t) + 34 for t in tails]  # SHORT_BINBYTES with its 32 bytes, then the tail
+    if max(frames) >= _FRAME_LIMIT:
+        return None
+    heads = {f: b"\x80\x05\x95" + f.to_bytes(8, "little") + b"C\x20" for f in set(frames)}
+    return [heads[f] for f in frames], tails
+
+
+def _fast_chain(algorithm: str, tok: np.ndarray, bs: int, parent: bytes) -> list[bytes] | None:
+    """Digests of every complete block of ``tok`` chained from ``parent``, no extra keys.
+
+    Returns None when the batched layout does not apply or does not reproduce the generic
+    encoder on the first block; the caller then hashes block by block.
+    """
+    layout = _layout(tok, bs, algorithm == "sha256_cbor")
+    if layout is None:
+        return None
+    heads, tails = layout
+    first = tuple(tok[:bs].tolist())
+    generic = (pickle.dumps((parent, first, None), protocol=pickle.HIGHEST_PROTOCOL)
+               if algorithm == "sha256" else cbor_canonical((parent, first, None)))
+    if heads[0] + parent + tails[0] != generic:
+        return None
+    sha = hashlib.sha256
+    out: list[bytes] = []
+    append = out.append
+    for head, tail in zip(heads, tails):
+        parent = sha(head + parent + tail).digest()
+        append(parent)
+    return out
+
+
+def low64_all(digests: list[bytes]) -> list[int]:
+    """:func:`low64` of many digests at once."""
+    if not digests:
+        return []
+    return np.frombuffer(b"".join(digests), dtype=">u8")[3::4].tolist()
+
 
 def low64(digest: bytes) -> int:
     """Project a digest to the event hash: its last 8 bytes as a big-endian unsigned int."""
@@ -145,6 +260,8 @@ class HashProfile:
     strategy: Literal["vllm_v1", "vllm_v1_tagged"] = "vllm_v1"
     index_projection: Literal["low64_be"] = "low64_be"
     _none_hash: bytes = field(init=False, repr=False, compare=False, default=b"")
+    _chunks: dict[tuple[bytes, bytes], bytes] = field(init=False, repr=False, compare=False,
+                                                      default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.algorithm not in _HASH_FNS:
@@ -175,7 +292,9 @@ class HashProfile:
         """Lazily yield the digest of every complete block of ``token_ids``.
 
         Args:
-            token_ids: prompt token ids; the trailing partial block is ignored.
+            token_ids: prompt token ids (a sequence or an integer numpy array); each is hashed as
+                the Python int ``operator.index`` gives (so numpy integers hash like vLLM's
+                ints); the trailing partial block is ignored.
             block_size: tokens per block (> 0).
             lora_name: LoRA adapter name, folded into every block's extra keys.
             cache_salt: request cache salt, folded into the first block only.
@@ -189,21 +308,102 @@ class HashProfile:
         Raises:
             InvalidArgument: for a non-positive block size.
         """
+        for batch in self.digest_batches(token_ids, block_size, lora_name=lora_name,
+                                         cache_salt=cache_salt, extra_keys=extra_keys,
+                                         lora_path=lora_path):
+            yield from batch
+
+    def digest_batches(self, token_ids: Sequence[int], block_size: int, *,
+                       lora_name: str | None = None, cache_salt: str | None = None,
+                       extra_keys: Sequence[ExtraKeys] | None = None,
+                       lora_path: str | None = None) -> Iterator[list[bytes]]:
+        """:meth:`digests` in lists of growing length (64 blocks, then 8 times more each)."""
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be > 0, got {block_size}")
-        if not isinstance(token_ids, list | tuple):
-            token_ids = [int(t) for t in token_ids]  # numpy ints would pickle differently
-        fn = _HASH_FNS[self.algorithm]
-        parent = self._none_hash
-        plain = not lora_name and not cache_salt and extra_keys is None
-        for i in range(len(token_ids) // block_size):
-            block = tuple(token_ids[i * block_size:(i + 1) * block_size])
-            if plain:
-                parent = fn((parent, block, None))
+        if not isinstance(token_ids, list | tuple | np.ndarray):
+            token_ids = list(token_ids)
+        n_blocks = len(token_ids) // block_size
+        parent, start, size = self._none_hash, 0, _FIRST_BATCH
+        keyed = bool(lora_name) or extra_keys is not None
+        if cache_salt and not keyed and n_blocks:  # the salt is in the first block's keys only
+            parent = self._generic(token_ids, block_size, 0, 1, parent, None, None, cache_salt, None)[0]
+            yield [parent]
+            start = 1
+        while start < n_blocks:
+            end = min(n_blocks, start + size)
+            if keyed:
+                out = self._generic(token_ids, block_size, start, end, parent, lora_name,
+                                    lora_path, cache_salt, extra_keys)
             else:
-                extra = self._extra(i, lora_name, lora_path, cache_salt, extra_keys)
-                parent = fn((parent, block, extra))
-            yield parent
+                out = self._plain(token_ids, block_size, start, end, parent)
+            yield out
+            parent, start, size = out[-1], end, size * _BATCH_GROWTH
+
+    def _plain(self, token_ids: Sequence[int], bs: int, start: int, stop: int,
+               parent: bytes) -> list[bytes]:
+        """Blocks ``start..stop`` without extra keys: batched (_fast_chain) when it applies."""
+        if stop - start >= _MIN_BATCH:
+            tok = _as_tokens(token_ids[start * bs:stop * bs])
+            out = None if tok is None else self._cached_chain(tok, bs, parent)
+            if out is not None:
+                return out
+        return self._generic(token_ids, bs, start, stop, parent, None, None, None, None)
+
+    def _cached_chain(self, tok: np.ndarray, bs: int, parent: bytes) -> list[bytes] | None:
+        """:func:`_fast_chain` with an exact prefix cache of ``CHUNK_BLOCKS``-block chunks.
+
+        A chunk's key is its parent digest and its token ids (the exact bytes, so a hit can
+        only be the same chain); its value is the chunk's digests. Hits are taken from the
+        start; the rest is hashed in one batch and its whole chunks are remembered (at most
+        ``CACHE_CHUNKS``, oldest dropped first).
+        """
+        out: list[bytes] = []
+        step = CHUNK_BLOCKS * bs
+        if tok.size and (int(tok.min()) < 0 or int(tok.max()) >= 1 << 31):
+            return _fast_chain(self.algorithm, tok, bs, parent)
+        ids = tok.astype(np.int32)
+        done = 0
+        while done + step <= tok.size:
+            got = self._chunks.get((parent, ids[done:done + step].tobytes()))
+            if got is None:
+                break
+            out += [got[i:i + 32] for i in range(0, len(got), 32)]
+            parent, done = out[-1], done + step
+        if done == tok.size:
+            return out
+        rest = _fast_chain(self.algorithm, tok[done:], bs, parent)
+        if rest is None:
+            return None if not out else out + self._generic(tok[done:], bs, 0, (tok.size - done) // bs,
+                                                            parent, None, None, None, None)
+        for k in range(0, len(rest) - CHUNK_BLOCKS + 1, CHUNK_BLOCKS):
+            key = ids[done + k * bs:done + (k + CHUNK_BLOCKS) * bs].tobytes()
+            self._chunks[(parent if k == 0 else rest[k - 1], key)] = b"".join(rest[k:k + CHUNK_BLOCKS])
+        while len(self._chunks) > CACHE_CHUNKS:
+            try:
+                del self._chunks[next(iter(self._chunks))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread trimmed it
+                break
+        return out + rest
+
+    def clear_cache(self) -> None:
+        """Forget the remembered chunks (benchmarks measure the cold path with this)."""
+        self._chunks.clear()
+
+    def _generic(self, token_ids: Sequence[int], bs: int, start: int, stop: int, parent: bytes,
+                 lora_name: str | None, lora_path: str | None, cache_salt: str | None,
+                 extra_keys: Sequence[ExtraKeys] | None) -> list[bytes]:
+        """Block by block, any extra keys (the reference path)."""
+        fn = _HASH_FNS[self.algorithm]
+        plain = not lora_name and not cache_salt and extra_keys is None
+        array = isinstance(token_ids, np.ndarray)
+        out = []
+        for i in range(start, stop):
+            chunk = token_ids[i * bs:(i + 1) * bs]
+            block = tuple(chunk.tolist() if array else map(operator.index, chunk))  # type: ignore[union-attr]
+            extra = None if plain else self._extra(i, lora_name, lora_path, cache_salt, extra_keys)
+            parent = fn((parent, block, extra))
+            out.append(parent)
+        return out
 
     def _extra(self, i: int, lora_name: str | None, lora_path: str | None,
                cache_salt: str | None, extra_keys: Sequence[ExtraKeys] | None) -> ExtraKeys:
@@ -219,5 +419,5 @@ class HashProfile:
 
     def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> Iterator[int]:
         """Like :meth:`digests` but yields the 64-bit event projections (index keys)."""
-        for d in self.digests(token_ids, block_size, **kw):  # type: ignore[arg-type]
-            yield low64(d)
+        for batch in self.digest_batches(token_ids, block_size, **kw):  # type: ignore[arg-type]
+            yield from low64_all(batch)

@@ -494,6 +494,12 @@ class Conductor:
                 })
             return rows
 
+    def clear_hash_caches(self) -> None:
+        """Forget every profile's remembered prompt chunks (the next token query hashes cold)."""
+        with self._lock:
+            for profile in set(self._profiles.values()):
+                profile.clear_cache()
+
     def health(self) -> dict[str, object]:
         """Liveness plus sizes; ``status`` is ``degraded`` while any stream has a hash mismatch."""
         with self._lock:

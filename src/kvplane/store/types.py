@@ -74,10 +74,13 @@ class MountReq(msgspec.Struct):
 
 
 class MountRep(msgspec.Struct):
-    """The master's epoch, and the lowest generation it issues from now on (the fence floor)."""
+    """The master's epoch, and the lowest generation it issues from now on (the fence floor).
+    ``secret``: the key of the inventory headers' tags, sent only to a mount that brings
+    segments (only the service token may: tenants never learn it)."""
 
     epoch: int
     floor: int = 0
+    secret: bytes = b""
 
 
 class AdoptReq(msgspec.Struct):

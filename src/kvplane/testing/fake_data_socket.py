@@ -2,13 +2,15 @@
 
 :class:`FakeDataPeer` is the far side: a bytearray of "registered memory" at ``base`` that
 answers the data protocol of :mod:`kvplane.transfer.protocol` (HELLO, DESCRIBE, PING, READ,
-WRITE) the moment a request is complete. :meth:`FakeDataPeer.connect` hands out
+READV, WRITE) the moment a request is complete. :meth:`FakeDataPeer.connect` hands out
 :class:`FakeDataSocket` objects, which implement just what ``transports.tcp.Conn`` calls on a
-socket (``sendmsg``, ``recv_into`` with ``MSG_DONTWAIT``/``MSG_WAITALL``, ``setsockopt`` for the
-kernel timeouts, ``close``). No file descriptors, no threads.
+socket (``sendmsg``, ``recv_into`` with ``MSG_DONTWAIT``/``MSG_WAITALL``, ``recvmsg_into``,
+``setsockopt`` for the kernel timeouts, ``close``). No file descriptors, no threads.
 
 Faults come from a :class:`~kvplane.testing.faults.FaultPlan`, keyed by the peer's ``name`` and
-the request's op name (``"read"``, ``"write"``, ``"hello"``, ``"describe"``, ``"ping"``):
+the request's op name (``"read"``, ``"write"``, ``"hello"``, ``"describe"``, ``"ping"``; each
+entry of a READV is decided as a ``"read"``, and a DROP, DISCONNECT, DELAY or CORRUPT of one
+entry applies to the whole READV answer):
 
 * DROP       the peer stalls: this request and every later one on the connection go unanswered,
              so a receive blocks for the armed kernel timeout and then fails like one.
@@ -162,6 +164,19 @@ class FakeDataSocket:
             self._outbox.popleft()
         return n
 
+    def recvmsg_into(self, buffers: Sequence[memoryview], ancbufsize: int = 0,
+                     flags: int = 0) -> tuple[int, list, int, None]:  # type: ignore[type-arg]
+        """Scatter receive: like ``recv_into`` into the buffers in order (one chunk at most)."""
+        total = 0
+        for buf in buffers:
+            if total and not self._readable():
+                break
+            n = self.recv_into(memoryview(buf), len(buf), flags if not total else socket.MSG_DONTWAIT)
+            total += n
+            if n < len(buf) or self.peer.recv_chunk:
+                break
+        return total, [], 0, None
+
     # -- internals -------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self.closed:
@@ -188,7 +203,7 @@ class FakeDataSocket:
             if magic != protocol.MAGIC or version != protocol.VERSION or op not in protocol.OPS:
                 self.hung_up = True  # the real server closes the connection on a bad frame
                 return
-            carries_body = op in (protocol.OP_WRITE, protocol.OP_HELLO)
+            carries_body = op in (protocol.OP_WRITE, protocol.OP_HELLO, protocol.OP_READV)
             total = protocol.REQ.size + (length if carries_body else 0)
             if len(self._inbox) < total:
                 return
@@ -198,6 +213,9 @@ class FakeDataSocket:
 
     def _answer(self, op: int, rid: int, addr: int, length: int, body: bytes) -> None:
         self.peer.arrivals.append((protocol.OPS[op], len(self._outbox)))
+        if op == protocol.OP_READV:
+            self._answer_readv(rid, body)
+            return
         fault = self.peer.plan.decide(self.peer.name, protocol.OPS[op])
         if fault is not None and fault.kind is FaultKind.DROP:
             self.stalled = True
@@ -211,6 +229,38 @@ class FakeDataSocket:
             ready_at += fault.seconds
         if fault is not None and fault.kind is FaultKind.CORRUPT:
             fault.flip(response)
+        self._outbox.append(_Outgoing(response, ready_at))
+
+    def _answer_readv(self, rid: int, table: bytes) -> None:
+        """Each entry served (and faulted) like a READ; one answer for the frame."""
+        codes, parts, ready_at, flips, served = [], [], time.monotonic(), [], []
+        for addr, length, _gen in protocol.READV_ENTRY.iter_unpack(table):
+            fault = self.peer.plan.decide(self.peer.name, "read")
+            kind = fault.kind if fault is not None else None
+            if kind is FaultKind.DROP:
+                self.stalled = True
+                return
+            if kind is FaultKind.DISCONNECT:
+                self.hung_up = True
+                return
+            try:
+                if kind is FaultKind.FAIL:
+                    raise fault.error(f"injected failure of read at {addr:#x}")  # type: ignore[union-attr]
+                parts.append(self.peer.answer(protocol.OP_READ, addr, length, b""))
+                codes.append(0)
+                served.append(("read", addr, length))
+            except KVPlaneError as exc:
+                codes.append(exc.code)
+            if kind is FaultKind.DELAY:
+                ready_at += fault.seconds  # type: ignore[union-attr]
+            if kind is FaultKind.CORRUPT:
+                flips.append(fault)
+        payload = b"".join(parts)
+        response = bytearray(protocol.pack_resp(0, rid, len(payload))
+                             + struct.pack(f"<{len(codes)}i", *codes) + payload)
+        for fault in flips:
+            fault.flip(response)
+        self.peer.served.extend(served)
         self._outbox.append(_Outgoing(response, ready_at))
 
     def _response(self, op: int, rid: int, addr: int, length: int, body: bytes,

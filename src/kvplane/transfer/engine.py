@@ -303,6 +303,7 @@ class TransferEngine:
 
     def _plan(self, tasks: list[Task]) -> dict[tuple[Any, ...], tuple[Transport, Route, list[Slice]]]:
         groups: dict[tuple[Any, ...], tuple[Transport, Route, list[Slice]]] = {}
+        chosen: dict[tuple[Any, ...], tuple[Route, Transport]] = {}  # per (segment, region, hint)
         for task in tasks:
             req = task.req
             try:
@@ -311,8 +312,11 @@ class TransferEngine:
                 local = self.memory.view(req.source, req.length)
                 seg = self.segment(req.target)
                 region = seg.region(req.target_offset, req.length)
-                route = Route(seg.desc, region, seg.same_host)
-                t = self._choose(req, route)
+                pick = chosen.get((req.target, region.addr, req.transport))
+                if pick is None:
+                    route = Route(seg.desc, region, seg.same_host)
+                    pick = chosen[(req.target, region.addr, req.transport)] = (route, self._choose(req, route))
+                route, t = pick
             except KVPlaneError as exc:
                 status = TransferStatus.TIMEOUT if isinstance(exc, Timeout) else TransferStatus.FAILED
                 task.batch.fail(task, status, str(exc))
@@ -541,10 +545,17 @@ _BYTE_COUNTERS = {op: metrics.TRANSFER_BYTES.labels(op.name.lower(), "any") for 
 
 
 def _count_done(batch: Batch) -> None:
-    for t in batch.tasks:
-        _REQ_COUNTERS[(t.req.op, t.status)].inc()
+    done: dict[tuple[OpCode, TransferStatus], int] = {}
+    moved: dict[OpCode, int] = {}
+    for t in batch.tasks:  # one counter update per kind, not per request
+        key = (t.req.op, t.status)
+        done[key] = done.get(key, 0) + 1
         if t.transferred:
-            _BYTE_COUNTERS[t.req.op].inc(t.transferred)
+            moved[t.req.op] = moved.get(t.req.op, 0) + t.transferred
+    for key, n in done.items():
+        _REQ_COUNTERS[key].inc(n)
+    for op, n in moved.items():
+        _BYTE_COUNTERS[op].inc(n)
 
 
 def _raise_first(tasks: list[Task]) -> None:

@@ -6,6 +6,12 @@ length u64, gen u64. ``gen`` is the store allocation's generation (0: unfenced; 
 belongs to another master epoch. A WRITE is followed by ``length`` payload bytes; HELLO by a ``length``-byte token.
 Response (24 bytes): magic u32, status i32 (0 ok, else a kvplane error code), id u64, length
 u64, followed by ``length`` bytes (READ data, a DESCRIBE descriptor, or an error message).
+
+READV reads up to ``MAX_READV`` slices in one round trip: the request's ``addr`` is the entry
+count N and ``length`` is ``N * 24``; the header is followed by N entries (addr u64, length u64,
+gen u64, each checked and fenced like a READ). The response's ``length`` is the payload total;
+it is followed by N status codes (i32; 0 ok, else the error code of that entry, whose bytes are
+then absent) and the payloads of the entries that succeeded, in order.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from kvplane.common.errors import ProtocolError
+from kvplane.common.errors import ProtocolError, Unavailable
 from kvplane.common.sockets import recv_exact, recv_spin, set_io_timeout  # noqa: F401 (re-exported)
 
 MAGIC = 0x4C50564B  # "KVPL"
@@ -28,7 +34,11 @@ OP_DESCRIBE = 2
 OP_READ = 3
 OP_WRITE = 4
 OP_PING = 5
-OPS = {OP_HELLO: "hello", OP_DESCRIBE: "describe", OP_READ: "read", OP_WRITE: "write", OP_PING: "ping"}
+OP_READV = 6
+OPS = {OP_HELLO: "hello", OP_DESCRIBE: "describe", OP_READ: "read", OP_WRITE: "write", OP_PING: "ping",
+       OP_READV: "readv"}
+READV_ENTRY = struct.Struct("<QQQ")  # addr, length, gen
+MAX_READV = 256  # entries per READV frame (a reply's iovecs stay far below IOV_MAX)
 
 MAX_TOKEN = 4096
 MAX_ERROR = 4096
@@ -62,6 +72,32 @@ def send_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
                 sent = 0
         if views and len(views[0]) == 0:
             views.pop(0)
+
+
+def recv_scatter(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view in order from ``sock`` (``recvmsg_into``: one call for many buffers).
+
+    Raises:
+        Unavailable: the peer closed the connection.
+        TimeoutError: the kernel timeout expired with bytes still missing.
+    """
+    views = [v for v in views if len(v)]
+    first = 0
+    try:
+        while first < len(views):
+            n = sock.recvmsg_into(views[first:first + 512], 0, socket.MSG_WAITALL)[0]
+            if n == 0:
+                raise Unavailable("connection closed by peer")
+            while n:
+                head = views[first]
+                if n >= len(head):
+                    n -= len(head)
+                    first += 1
+                else:
+                    views[first] = head[n:]
+                    n = 0
+    except BlockingIOError as exc:
+        raise TimeoutError("receive timed out") from exc
 
 
 def check_resp_magic(magic: int) -> None:

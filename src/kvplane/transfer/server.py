@@ -16,6 +16,7 @@ import hmac
 import logging
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -146,6 +147,8 @@ class DataServer:
         self.frames += 1
         if op == protocol.OP_READ:
             self._read(conn, rid, addr, length, gen)
+        elif op == protocol.OP_READV:
+            self._readv(conn, rid, addr, length)
         elif op == protocol.OP_WRITE:
             self._write(conn, rid, addr, length, gen)
         elif op == protocol.OP_DESCRIBE:
@@ -189,6 +192,33 @@ class DataServer:
             return
         off = addr - region.addr
         protocol.send_all(conn, [protocol.pack_resp(0, rid, length), region.view[off:off + length]])  # type: ignore[index]
+
+    def _readv(self, conn: socket.socket, rid: int, count: int, length: int) -> None:
+        """Many READs in one frame; each entry is checked and fenced on its own (see protocol)."""
+        if not 0 < count <= protocol.MAX_READV or length != count * protocol.READV_ENTRY.size:
+            raise _Reject("bad_readv", f"READV of {count} entries in {length} bytes")
+        table = bytearray(length)
+        protocol.recv_exact(conn, memoryview(table))
+        codes: list[int] = []
+        parts: list[bytes | memoryview] = []
+        total = 0
+        for addr, n, gen in protocol.READV_ENTRY.iter_unpack(table):
+            self._check_length(n)
+            try:
+                region = self.memory.find(addr, n)
+                if not self.fence.admit(gen):
+                    raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
+            except KVPlaneError as exc:
+                codes.append(exc.code)
+                continue
+            off = addr - region.addr
+            parts.append(os.pread(region.fd, n, off) if region.kind == "file"
+                         else region.view[off:off + n])  # type: ignore[index]
+            codes.append(0)
+            total += n
+        self._check_length(total)
+        protocol.send_all(conn, [protocol.pack_resp(0, rid, total),
+                                 struct.pack(f"<{count}i", *codes), *parts])
 
     def _write(self, conn: socket.socket, rid: int, addr: int, length: int, gen: int = 0) -> None:
         self._check_length(length)

@@ -20,7 +20,7 @@ from kvplane.testing.services import free_port, wait_until
 
 from vllm_harness import VLLM_PYTHON, max_diff, prompt, requires_vllm, vllm_env
 
-pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(600)]
 
 
 def pd_kv_config(role: str) -> dict:
@@ -82,8 +82,8 @@ def test_prefill_decode_through_proxy_matches_single_instance(tmp_path, tiny_mod
     d = Server(model, "kv_consumer", tmp_path / "decode.log")
     proxy = None
     try:
-        wait_until(p.ready, 200, "prefill server")
-        wait_until(d.ready, 200, "decode server")
+        wait_until(p.ready, 400, "prefill server")  # two vLLM starts share 2 cores
+        wait_until(d.ready, 400, "decode server")
         proxy = Proc([sys.executable, "-m", "kvplane.cli.pd_proxy", "--prefill", p.url,
                       "--decode", d.url, "--port", "0"], ready_timeout=30)
         tokens = prompt(5, 97)  # three full blocks + 1 token: 4 blocks move

@@ -3,6 +3,7 @@
 import pytest
 
 from kvplane import kvevents
+from kvplane.common.errors import NotFound
 from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import QueryRequest
@@ -146,6 +147,17 @@ def test_shared_token(make_server):
         assert h.get("/instances", headers={"X-KVPlane-Token": "s3cret"}).status_code == 200
         assert h.get("/metrics").status_code == 401
         assert h.get("/health").status_code == 200
+        query = {"model": "m", "token_ids": list(range(BS)), "block_size": BS}
+        for path, q in (("/query", query), ("/query_by_hash", {"model": "m", "seq_hashes": [1]})):
+            r = h.post(path, json=q)  # the token gate stands in front of the query fast path too
+            assert r.status_code == 401 and "missing or wrong token" in r.json()["detail"]
+            assert h.post(path, json=q, headers={"Authorization": "Bearer nope"}).status_code == 401
+            ok = h.post(path, json=q, headers={"X-KVPlane-Token": "s3cret"})
+            assert ok.status_code == 200 and ok.headers["content-type"] == "application/json"
+            assert ok.json() == {"default": {"x": {"longest_matched": 0, "GPU": 0, "CPU": 0,
+                                                   "DISK": 0, "DP": {"0": 0}}}}
+        r = h.post("/query", json={**query, "instance_id": "nobody"}, headers={"X-KVPlane-Token": "s3cret"})
+        assert r.status_code == 404 and r.json()["code"] == NotFound.code
 
 
 def test_query_bodies_json_msgpack_and_422(server, http, publishers, wait_seq):

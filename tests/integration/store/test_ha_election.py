@@ -13,7 +13,7 @@ from kvplane.common.rpc import RpcClient
 from kvplane.compat.mooncake import MooncakeDistributedStore
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
-from kvplane.store.errors import NotLeader
+from kvplane.store.errors import NotLeader, Recovering
 from kvplane.store.etcd import HaAddress
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, ResultsRep
@@ -52,7 +52,17 @@ def test_standby_refuses_and_takes_over_with_a_higher_term(etcd):
         leader.close()  # hands its lease back
         wait_until(standby.leading, 5, "the standby leads")
         assert standby.election.term == term + 1 and standby.state.epoch == term + 1
-        rpc.call("get_replicas", KeysReq("x", ["k"]), ResultsRep)  # answers now
+        # no segment list in etcd (none ever mounted): a miss waits out the recovery grace
+        with pytest.raises(Recovering):
+            rpc.call("get_replicas", KeysReq("x", ["k"]), ResultsRep)
+
+        def answers() -> bool:
+            try:
+                rpc.call("get_replicas", KeysReq("x", ["k"]), ResultsRep)
+            except Recovering:
+                return False
+            return True
+        wait_until(answers, standby.config.recovery_grace + 5, "the new leader answers misses")
         rpc.close()
     finally:
         leader.close()

@@ -3,6 +3,7 @@
 import hashlib
 import pickle
 
+import numpy as np
 import pytest
 
 from kvplane.common.errors import InvalidArgument
@@ -125,3 +126,85 @@ def test_tagged_strategy_matches_vllm_032_extra_keys():
     assert got[0] != untagged[0]
     # without LoRA or salt both strategies agree (and match the golden vectors)
     assert list(p.event_hashes(TOKENS, 4)) == [10362225831949560093, 12472515041799373675]
+
+
+def _reference(p, tokens, bs, salt=None):
+    """Block by block through the generic encoders (the path the golden vectors pin)."""
+    out, parent = [], None
+    for i in range(len(tokens) // bs):
+        extra = (salt,) if salt and i == 0 else None
+        parent = p.hash_block(parent, [int(t) for t in tokens[i * bs:(i + 1) * bs]], extra)
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("algo", sorted(GOLDEN))
+@pytest.mark.parametrize("bs", [1, 2, 3, 4, 5, 16, 23, 24, 255, 256])
+def test_batched_path_matches_block_by_block(algo, bs):
+    """Every token size class of both encodings, every tuple/array head, across batch edges."""
+    import random
+    from kvplane.conductor import hashing
+    rng = random.Random(bs)
+    classes = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1]
+    n = (hashing._FIRST_BATCH + hashing._FIRST_BATCH * hashing._BATCH_GROWTH + 3) * bs + bs // 2
+    tokens = [rng.choice(classes) if rng.random() < 0.3 else rng.randrange(1 << 17) for _ in range(n)]
+    p = HashProfile(algo)
+    want = _reference(p, tokens, bs)
+    assert list(p.digests(tokens, bs)) == want
+    assert list(p.digests(np.array(tokens, dtype=np.int64), bs)) == want
+    assert list(p.digests([np.int32(t) for t in tokens[:9 * bs]], bs)) == want[:9]
+    assert list(p.event_hashes(tuple(tokens), bs)) == [low64(d) for d in want]
+    assert list(p.digests(tokens, bs, cache_salt="s")) == _reference(p, tokens, bs, "s")
+    batches = [len(b) for b in p.digest_batches(tokens, bs)]
+    assert batches[:2] == [hashing._FIRST_BATCH, hashing._FIRST_BATCH * hashing._BATCH_GROWTH]
+
+
+@pytest.mark.parametrize("algo", sorted(GOLDEN))
+def test_batched_path_falls_back_where_it_does_not_apply(algo, monkeypatch):
+    from kvplane.conductor import hashing
+    p = HashProfile(algo)
+    big = [2**31 + 5, 7] * 40  # LONG1 for pickle, a u32 for CBOR
+    assert list(p.digests(big, 4)) == _reference(p, big, 4)
+    wide = list(range(70000, 70000 + 2 * 13200))  # one block's pickle: more than a 64 KiB frame
+    assert list(p.digests(wide, 13200)) == _reference(p, wide, 13200)
+    layout = hashing._layout(np.array(wide, np.int64), 13200, algo == "sha256_cbor")
+    assert (layout is None) == (algo == "sha256")  # CBOR has no frames
+    # a layout that stops matching the generic encoder is caught on a batch's first block
+    monkeypatch.setattr(hashing, "_PICKLE_OPS", np.array([0x4B, 0x4D, 0x4B], np.uint8))
+    monkeypatch.setattr(hashing, "_CBOR_USED", hashing._CBOR_USED[[0, 1, 1, 3]])
+    odd = [70000 if algo == "sha256" else 300] * 16 * 10
+    assert hashing._fast_chain(algo, np.array(odd, np.int64), 16, p.none_hash) is None
+    assert list(p.digests(odd, 16)) == _reference(p, odd, 16)
+    with pytest.raises(TypeError):
+        list(p.digests([1.5] * 64, 4))
+
+
+@pytest.mark.parametrize("algo", sorted(GOLDEN))
+def test_prefix_cache_is_exact_and_reused_by_a_longer_prompt(algo):
+    import random
+    from kvplane.conductor import hashing
+    rng = random.Random(9)
+    p, bs = HashProfile(algo), 16
+    turn1 = [rng.randrange(50_000) for _ in range(bs * 300 + 5)]
+    turn2 = turn1[:bs * 200] + [rng.randrange(50_000) for _ in range(bs * 150)]  # shares 200 blocks
+    want1, want2 = _reference(p, turn1, bs), _reference(p, turn2, bs)
+    assert list(p.digests(turn1, bs)) == want1  # cold: fills the cache
+    filled = len(p._chunks)
+    assert filled == (300 - hashing._FIRST_BATCH) // hashing.CHUNK_BLOCKS + 1
+    assert list(p.digests(turn1, bs)) == want1  # warm: the same chain from the cache
+    assert list(p.digests(turn2, bs)) == want2  # shares whole chunks, then diverges
+    other = HashProfile(algo)
+    assert list(other.digests(turn1[:bs * 150], 8)) == _reference(other, turn1[:bs * 150], 8)
+    assert list(p.digests(turn1[:bs * 150], 8)) == _reference(p, turn1[:bs * 150], 8)  # other block size
+    p.clear_cache()
+    assert not p._chunks and list(p.digests(turn2, bs)) == want2
+
+
+def test_prefix_cache_is_bounded(monkeypatch):
+    from kvplane.conductor import hashing
+    monkeypatch.setattr(hashing, "CACHE_CHUNKS", 3)
+    p = HashProfile()
+    for seed in range(4):
+        toks = [(seed * 7919 + i) % 30_000 for i in range(16 * 64 * 4)]
+        assert list(p.digests(toks, 16)) == _reference(p, toks, 16)
+        assert len(p._chunks) <= 3

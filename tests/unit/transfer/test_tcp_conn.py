@@ -50,7 +50,7 @@ def test_writes_and_reads_complete_and_move_the_bytes():
     local = bytearray(b"\x07" * 8 * 64)
     ops = [OpCode.READ] * 4 + [OpCode.WRITE] * 4
     slices = make_slices(ops, 64, local)
-    Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+    Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     assert statuses(slices) == [TransferStatus.COMPLETED] * 8
     assert local[:4 * 64] == peer.memory[:4 * 64]
     assert peer.memory[4 * 64:] == b"\x07" * 4 * 64
@@ -63,7 +63,7 @@ def test_reads_are_pipelined_up_to_the_window_and_no_further():
     fill(peer, n * 16)
     local = bytearray(n * 16)
     slices = make_slices([OpCode.READ] * n, 16, local)
-    Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+    Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     assert statuses(slices) == [TransferStatus.COMPLETED] * n
     assert local == peer.memory
     in_flight = [unread + 1 for _, unread in peer.arrivals]
@@ -74,7 +74,7 @@ def test_a_write_waits_until_no_read_is_outstanding():
     ops = [OpCode.READ, OpCode.READ, OpCode.WRITE, OpCode.READ, OpCode.WRITE, OpCode.WRITE]
     peer = FakeDataPeer(size=len(ops) * 32)
     slices = make_slices(ops, 32, bytearray(len(ops) * 32))
-    Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+    Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     assert statuses(slices) == [TransferStatus.COMPLETED] * len(ops)
     # (op, answers still unread when it arrived): each write went only once no read was
     # outstanding; reads and writes behind a write pipeline freely.
@@ -87,7 +87,7 @@ def test_partial_sends_and_receives_still_move_every_byte():
     fill(peer, 3 * 100)
     local = bytearray(b"\x01" * 6 * 100)
     slices = make_slices([OpCode.READ] * 3 + [OpCode.WRITE] * 3, 100, local)
-    Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+    Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     assert statuses(slices) == [TransferStatus.COMPLETED] * 6
     assert local[:300] == peer.memory[:300] and peer.memory[300:] == b"\x01" * 300
 
@@ -96,7 +96,7 @@ def test_an_error_answer_fails_that_slice_only_and_keeps_the_connection():
     plan = FaultPlan(seed=1).fail(op="read", after=1, error=AddressNotRegistered)
     peer = FakeDataPeer(size=4 * 64, plan=plan)
     slices = make_slices([OpCode.READ] * 4, 64, bytearray(4 * 64))
-    conn = Conn(peer.connect(), ADDR)
+    conn = Conn(peer.connect(), ADDR, readv=False)
     conn.execute(slices, Deadline.after(5))
     assert statuses(slices) == [TransferStatus.COMPLETED, TransferStatus.FAILED,
                                 TransferStatus.COMPLETED, TransferStatus.COMPLETED]
@@ -108,7 +108,7 @@ def test_a_peer_that_hangs_up_reports_the_unfinished_slices():
     plan = FaultPlan(seed=2).disconnect(op="read", after=2)
     peer = FakeDataPeer(size=5 * 64, plan=plan)
     slices = make_slices([OpCode.READ] * 5, 64, bytearray(5 * 64))
-    conn = Conn(peer.connect(), ADDR)
+    conn = Conn(peer.connect(), ADDR, readv=False)
     with pytest.raises(_Broken) as info:
         conn.execute(slices, Deadline.after(5))
     assert info.value.left == slices[2:]
@@ -123,7 +123,7 @@ def test_unconfirmed_writes_are_handed_back_even_if_the_peer_applied_them():
     peer = FakeDataPeer(size=5 * 64, plan=plan)
     slices = make_slices([OpCode.WRITE] * 5, 64, bytearray(5 * 64))
     with pytest.raises(_Broken) as info:
-        Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+        Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     done = [s for s in slices if s.task.status == TransferStatus.COMPLETED]
     assert set(map(id, done)).isdisjoint(map(id, info.value.left))
     assert len(done) + len(info.value.left) == 5  # nothing lost: confirmed or handed back
@@ -136,7 +136,7 @@ def test_a_corrupt_response_header_breaks_the_connection(at, match):
     peer = FakeDataPeer(size=3 * 64, plan=plan)
     slices = make_slices([OpCode.READ] * 3, 64, bytearray(3 * 64))
     with pytest.raises(_Broken) as info:
-        Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+        Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     assert isinstance(info.value.__cause__, ProtocolError) and match in str(info.value)
     assert info.value.left == slices[1:]
 
@@ -146,14 +146,14 @@ def test_a_read_answered_with_the_wrong_length_is_a_protocol_error():
     peer = FakeDataPeer(size=64, plan=plan)
     slices = make_slices([OpCode.READ], 64, bytearray(64))
     with pytest.raises(_Broken, match="READ returned"):
-        Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+        Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
 
 
 def test_a_stalled_peer_times_out_every_unfinished_slice_by_the_deadline():
     plan = FaultPlan(seed=5).drop(op="read", after=2)
     peer = FakeDataPeer(size=6 * 64, plan=plan)
     slices = make_slices([OpCode.READ] * 6, 64, bytearray(6 * 64))
-    conn = Conn(peer.connect(), ADDR)
+    conn = Conn(peer.connect(), ADDR, readv=False)
     t0 = time.monotonic()
     conn.execute(slices, Deadline.after(0.3))
     assert time.monotonic() - t0 < 3.0
@@ -164,7 +164,7 @@ def test_a_stalled_peer_times_out_every_unfinished_slice_by_the_deadline():
 def test_a_passed_deadline_times_out_without_waiting_for_the_peer():
     peer = FakeDataPeer(size=2 * 64)
     slices = make_slices([OpCode.READ] * 2, 64, bytearray(2 * 64))
-    Conn(peer.connect(), ADDR).execute(slices, Deadline(time.monotonic() - 1))
+    Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline(time.monotonic() - 1))
     assert statuses(slices) == [TransferStatus.TIMEOUT] * 2
 
 
@@ -172,7 +172,7 @@ def test_a_delayed_answer_within_the_deadline_still_completes():
     plan = FaultPlan(seed=6).delay(0.05, op="read")
     peer = FakeDataPeer(size=64, plan=plan)
     slices = make_slices([OpCode.READ], 64, bytearray(64))
-    Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+    Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     assert statuses(slices) == [TransferStatus.COMPLETED]
     assert plan.count(FaultKind.DELAY) == 1
 
@@ -286,3 +286,67 @@ def test_a_rejected_token_fails_the_slices_without_retrying(lane_peer):
     assert statuses(slices) == [TransferStatus.FAILED]
     assert "bad token" in slices[0].task.error
     assert len(peer.sockets) == 1 and peer.sockets[0].closed
+
+
+# -- READV: many READs in one frame ----------------------------------------------------------------
+def test_reads_go_as_readv_frames_and_move_the_bytes():
+    from kvplane.transfer import protocol
+    from kvplane.transfer.transports.tcp import READV_WINDOW
+    n = 3 * protocol.MAX_READV + 7
+    peer = FakeDataPeer(size=n * 16, recv_chunk=100)  # partial scatter receives too
+    fill(peer, n * 16)
+    local = bytearray(n * 16)
+    slices = make_slices([OpCode.READ] * n, 16, local)
+    Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+    assert statuses(slices) == [TransferStatus.COMPLETED] * n and local == peer.memory
+    assert [op for op, _ in peer.arrivals] == ["readv"] * 4
+    assert max(unread + 1 for _, unread in peer.arrivals) == READV_WINDOW
+
+
+def test_a_failed_readv_entry_fails_that_slice_only_and_keeps_the_connection():
+    plan = FaultPlan(seed=1).fail(op="read", after=1, error=AddressNotRegistered)
+    peer = FakeDataPeer(size=4 * 64, plan=plan)
+    fill(peer, 4 * 64)
+    local = bytearray(4 * 64)
+    slices = make_slices([OpCode.READ] * 4, 64, local)
+    conn = Conn(peer.connect(), ADDR)
+    conn.execute(slices, Deadline.after(5))
+    assert statuses(slices) == [TransferStatus.COMPLETED, TransferStatus.FAILED,
+                                TransferStatus.COMPLETED, TransferStatus.COMPLETED]
+    assert "AddressNotRegistered" in slices[1].task.error and conn.alive
+    assert local[:64] == peer.memory[:64] and local[128:] == peer.memory[128:]
+    assert local[64:128] == bytes(64)  # the failed entry's bytes were not sent, nothing landed
+
+
+def test_a_hang_up_inside_a_readv_hands_back_every_slice_of_unanswered_frames():
+    from kvplane.transfer import protocol
+    n = protocol.MAX_READV + 10  # two frames; the peer hangs up inside the second
+    plan = FaultPlan(seed=2).disconnect(op="read", after=protocol.MAX_READV + 3)
+    peer = FakeDataPeer(size=n * 8, plan=plan)
+    slices = make_slices([OpCode.READ] * n, 8, bytearray(n * 8))
+    with pytest.raises(_Broken) as info:
+        Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+    assert info.value.left == slices[protocol.MAX_READV:]
+    assert statuses(slices[:protocol.MAX_READV]) == [TransferStatus.COMPLETED] * protocol.MAX_READV
+
+
+def test_a_stalled_readv_peer_times_out_every_slice_by_the_deadline():
+    plan = FaultPlan(seed=3).drop(op="read", after=0)
+    peer = FakeDataPeer(size=6 * 32, plan=plan)
+    slices = make_slices([OpCode.READ] * 6, 32, bytearray(6 * 32))
+    t0 = time.monotonic()
+    conn = Conn(peer.connect(), ADDR)
+    conn.execute(slices, Deadline.after(0.3))
+    assert time.monotonic() - t0 < 3.0 and not conn.alive
+    assert statuses(slices) == [TransferStatus.TIMEOUT] * 6
+
+
+@pytest.mark.parametrize("at,match", [(0, "magic"), (24, "READV returned")])
+def test_a_corrupt_readv_answer_breaks_the_connection(at, match):
+    plan = FaultPlan(seed=4).corrupt(op="read", after=0, at=at)
+    peer = FakeDataPeer(size=3 * 32, plan=plan)
+    slices = make_slices([OpCode.READ] * 3, 32, bytearray(3 * 32))
+    with pytest.raises(_Broken) as info:
+        Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
+    assert isinstance(info.value.__cause__, ProtocolError) and match in str(info.value)
+    assert info.value.left == slices

@@ -45,7 +45,7 @@ class Holdings:
     def __init__(self, client: "StoreClient") -> None:
         self._c = client
         self.history: list[int] = []
-        self.secret = inventory.secret_of(client.config.token)
+        self.secret = b""  # the master's tag key, from its mount answer
         self.adopted = 0
         self.refused = 0
         self.last_scan_s = 0.0
@@ -60,6 +60,7 @@ class Holdings:
         if c.rpc.ha and rep.epoch < c.rpc.term:
             raise NotLeader(f"a master of term {rep.epoch} answered after term {c.rpc.term}")
         c.rpc.saw_epoch(rep.epoch)
+        self.secret = rep.secret  # the master's tag key: a segment's own token may differ
         fresh = not self.history
         c.engine.fence.set_epoch(rep.epoch, rep.floor)
         if not self.history or self.history[-1] != rep.epoch:

@@ -9,8 +9,9 @@ Keys of cluster C (``kvplane.store.etcd.HaAddress.key``):
   and term + 1. Two masters can never win the same term; the term is the new leader's epoch,
   so every generation it issues is newer than any a deposed leader issued.
 * ``kvplane/C/segments``: the segments the leader serves, written (only while the leader key
-  still holds its own value) when they change. A new leader waits for them to re-register
-  before it answers misses (``MasterState.recover``).
+  still holds its own value) when they change (checked every 0.1 s). A new leader waits for
+  them to re-register before it answers misses (``MasterState.recover``), or for the whole
+  recovery grace when there is no list.
 
 No split brain: the leader counts its lease from *before* each keepalive was sent
 (``leading_until``), so it ends no later than etcd's copy, and it stops answering

@@ -126,12 +126,8 @@ class MasterServer:
         self.rpc.start()
         self.election: Any = None
         if ha:
-            from kvplane.store.etcd import HaAddress
-            from kvplane.store.master.ha import Election
-
-            self.election = Election(HaAddress.parse(ha, cluster),
-                                     advertise or f"{host}:{self.port}", lease_ttl,
-                                     self._elected, self._deposed)
+            self.election = self._election(ha, cluster, advertise or f"{host}:{self.port}",
+                                           lease_ttl)
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="master-timer", daemon=True)
         self._timer.start()
@@ -145,6 +141,13 @@ class MasterServer:
                    admin_port=self.http.port if self.http else None)
 
     # -- roles -----------------------------------------------------------------------------------
+    def _election(self, ha: str, cluster: str | None, advertise: str, lease_ttl: int) -> Any:
+        from kvplane.store.etcd import HaAddress
+        from kvplane.store.master.ha import Election
+
+        return Election(HaAddress.parse(ha, cluster), advertise, lease_ttl, self._elected,
+                        self._deposed)
+
     def _fresh_state(self, epoch: int) -> MasterState:
         state = MasterState(self.config, epoch=epoch)
         state.secret = self._secret
@@ -165,8 +168,9 @@ class MasterServer:
         with self.lock:
             self._switch(self._fresh_state(term))
             self._evicted_seen = 0
-            if expected:
-                self.state.recover(self.clock(), self.config.recovery_grace, expected)
+            # misses wait for the segments the last leader listed, or (no list: it died before
+            # publishing one) the whole grace
+            self.state.recover(self.clock(), self.config.recovery_grace, expected)
 
     def _deposed(self, why: str) -> None:
         """Lost the lease: forget everything (a standby holds no state)."""
@@ -218,10 +222,11 @@ class MasterServer:
         st = self.state
         floor = st.mount(req.client_id, req.segments, now, adopt=req.adopt)
         st.view_version += 1
-        if req.adopt and self.election is None and not st.gate_until:
-            # a lone master learns it restarted from the first segment that remounts
+        if req.adopt and self.election is None and (not st.gate_until or st.recovering(now)):
+            # a lone master learns it restarted from the first segment that remounts; each
+            # further one that arrives while it recovers extends the wait
             st.recover(now, self.config.recovery_grace, None)
-        return MountRep(st.epoch, floor)
+        return MountRep(st.epoch, floor, self._secret if req.segments else b"")
 
     def _adopt(self, req: AdoptReq) -> list[int]:
         return self.state.adopt(req.client_id, req.segment, req.records, req.history, req.done,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import socket
+import struct
 import threading
 
 from kvplane.common import metrics
@@ -23,7 +24,11 @@ from kvplane.transfer.transports.base import Capabilities, Route, Transport, Tra
 from kvplane.transfer.types import OpCode, TransferStatus
 
 WINDOW = 64  # most frames in flight on one connection
+READV_WINDOW = 4  # READV frames in flight on one connection
+READV_BYTES = 16 << 20  # most payload bytes asked in one READV frame
 STRIPE_MIN = 512 << 10  # batches smaller than this stay on one connection
+STRIPE_SLICE_MIN = 64 << 10  # and so do batches of smaller slices (READV moves them in one frame;
+# helper lanes would only contend for the GIL)
 MAX_IDLE = 16  # pooled idle connections per peer
 
 
@@ -66,9 +71,10 @@ class Conn:
         peer: (host, port) it is connected to (the pool key).
     """
 
-    def __init__(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+    def __init__(self, sock: socket.socket, peer: tuple[str, int], readv: bool = True) -> None:
         self.sock = sock
         self.peer = peer
+        self.readv = readv  # several READs go as READV frames (False: one READ frame each)
         self._timeout = -1.0
         self._rid = 0
         self._hdr = bytearray(protocol.RESP.size)
@@ -165,12 +171,16 @@ class Conn:
     def execute(self, slices: list[Slice], deadline: Deadline) -> None:
         """Run ``slices`` pipelined, finishing each through ``slice.done``.
 
+        Only READs (more than one): READV frames, each all or nothing on a broken connection.
         A passed deadline finishes every unfinished slice as TIMEOUT (and closes the
         connection); an error answer finishes just that slice as FAILED.
 
         Raises:
             _Broken: the connection died; it carries the slices that did not finish, in order.
         """
+        if self.readv and len(slices) > 1 and all(s.op == OpCode.READ for s in slices):
+            self._execute_readv(slices, deadline)
+            return
         flight = _InFlight(slices)
         self.set_timeout(deadline)
         try:
@@ -184,6 +194,59 @@ class Conn:
         except (OSError, Unavailable, ProtocolError) as exc:
             self.close()
             raise _Broken(flight.unfinished(), exc) from exc
+
+    def _execute_readv(self, slices: list[Slice], deadline: Deadline) -> None:
+        """Only READs: up to ``MAX_READV`` per READV frame, ``READV_WINDOW`` frames in flight;
+        each answer lands straight in the slices' buffers (one scatter receive per frame)."""
+        groups = _readv_groups(slices)
+        waiting: collections.deque[tuple[list[Slice], int]] = collections.deque()
+        sent = 0
+        self.set_timeout(deadline)
+        try:
+            while sent < len(groups) or waiting:
+                while sent < len(groups) and len(waiting) < READV_WINDOW:
+                    waiting.append((groups[sent], self._send_readv(groups[sent])))
+                    sent += 1
+                if deadline.expired():
+                    raise TimeoutError("deadline passed")
+                self.set_timeout(deadline)
+                self._receive_readv(*waiting[0])
+                waiting.popleft()
+        except TimeoutError:
+            self.close()
+            for s in [s for g, _ in waiting for s in g] + [s for g in groups[sent:] for s in g]:
+                s.done(TransferStatus.TIMEOUT, "deadline passed waiting for the peer")
+        except (OSError, Unavailable, ProtocolError) as exc:
+            self.close()
+            left = [s for g, _ in waiting for s in g] + [s for g in groups[sent:] for s in g]
+            raise _Broken(left, exc) from exc
+
+    def _send_readv(self, group: list[Slice]) -> int:
+        rid = self.next_id()
+        table = b"".join(protocol.READV_ENTRY.pack(s.remote, s.length, s.task.req.gen) for s in group)
+        protocol.send_all(self.sock, [protocol.pack_req(protocol.OP_READV, rid, len(group),
+                                                        len(table)), table])
+        return rid
+
+    def _receive_readv(self, group: list[Slice], rid: int) -> None:
+        status, length = self.read_resp(rid)
+        if status:  # the whole frame was refused
+            err = str(self.read_error(status, length))
+            for s in group:
+                s.done(TransferStatus.FAILED, err)
+            return
+        raw = bytearray(4 * len(group))
+        protocol.recv_exact(self.sock, memoryview(raw))
+        codes = struct.unpack(f"<{len(group)}i", raw)
+        if length != sum(s.length for s, c in zip(group, codes) if c == 0):
+            raise ProtocolError(f"READV returned {length} bytes for the entries that succeeded")
+        protocol.recv_scatter(self.sock, [s.local for s, c in zip(group, codes) if c == 0])
+        for s, code in zip(group, codes):
+            if code:
+                err = from_code(code, "")
+                s.done(TransferStatus.FAILED, f"READ refused by the peer: {type(err).__name__} ({code})")
+            else:
+                s.done(TransferStatus.COMPLETED)
 
     def _send_more(self, flight: _InFlight) -> None:
         """Send requests until the window is full or the next WRITE has to wait.
@@ -283,7 +346,7 @@ class TcpTransport(Transport):
         lanes = 1
         if len(slices) > 1 and self.ctx.streams > 1:
             total = sum(s.length for s in slices)
-            if total >= STRIPE_MIN:
+            if total >= STRIPE_MIN and total >= STRIPE_SLICE_MIN * len(slices):
                 lanes = min(self.ctx.streams, len(slices))
         if lanes == 1:
             self._lane(peer, slices, deadline)
@@ -346,6 +409,22 @@ class TcpTransport(Transport):
             for c in conns:
                 c.close()
         self._lanes.shutdown(wait=False, cancel_futures=True)
+
+
+def _readv_groups(slices: list[Slice]) -> list[list[Slice]]:
+    """Consecutive slices cut into READV frames of at most MAX_READV entries and READV_BYTES."""
+    groups: list[list[Slice]] = []
+    cur: list[Slice] = []
+    size = 0
+    for s in slices:
+        if cur and (len(cur) >= protocol.MAX_READV or size + s.length > READV_BYTES):
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(s)
+        size += s.length
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def _finish(slices: list[Slice], status: TransferStatus, error: str) -> None:

@@ -1,0 +1,85 @@
+"""The data listener's READV: per-entry checks and fences, one answer, hostile frames refused."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+from kvplane.common.errors import AddressNotRegistered, Fenced
+from kvplane.transfer import protocol
+from kvplane.transfer.fence import EPOCH_SHIFT
+from kvplane.transfer.memory import MemoryTable, Region
+from kvplane.transfer.server import DataServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(20)]
+BASE = 0x100000
+
+
+@pytest.fixture
+def server():
+    mem = MemoryTable()
+    data = bytearray(bytes(range(256)) * 16)  # 4 KiB
+    mem.add(Region(BASE, len(data), memoryview(data)))
+    srv = DataServer(mem, lambda: b"{}")
+    srv.fence.set_epoch(1)
+    yield srv, data
+    srv.close()
+
+
+def connect(srv: DataServer) -> socket.socket:
+    sock = socket.create_connection((srv.host, srv.port), timeout=5)
+    sock.settimeout(5)
+    return sock
+
+
+def recv_n(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "connection closed"
+        out += chunk
+    return bytes(out)
+
+
+def readv(sock: socket.socket, entries: list[tuple[int, int, int]], rid: int = 7) -> None:
+    table = b"".join(protocol.READV_ENTRY.pack(*e) for e in entries)
+    sock.sendall(protocol.pack_req(protocol.OP_READV, rid, len(entries), len(table)) + table)
+
+
+def test_each_entry_is_checked_and_fenced_on_its_own(server):
+    srv, data = server
+    good, fenced = 1 << EPOCH_SHIFT | 5, 1 << EPOCH_SHIFT | 6
+    srv.fence.install([fenced])
+    entries = [(BASE + 10, 100, good), (BASE + 4000, 200, good), (BASE, 50, fenced),
+               (BASE + 300, 8, 2 << EPOCH_SHIFT | 1), (BASE + 1000, 30, 0)]
+    with connect(srv) as sock:
+        readv(sock, entries)
+        magic, status, rid, length = protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))
+        assert (magic, status, rid, length) == (protocol.RESP_MAGIC, 0, 7, 130)
+        codes = struct.unpack("<5i", recv_n(sock, 20))
+        assert codes == (0, AddressNotRegistered.code, Fenced.code, Fenced.code, 0)
+        assert recv_n(sock, 130) == bytes(data[10:110]) + bytes(data[1000:1030])
+        readv(sock, [(BASE, 4, 0), (BASE + 4, 4, 0)], rid=8)  # the connection still serves
+        assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:] == (0, 8, 8)
+        assert recv_n(sock, 8 + 8)[8:] == bytes(data[:8])
+
+
+@pytest.mark.parametrize("count,length", [(0, 0), (protocol.MAX_READV + 1, 24 * (protocol.MAX_READV + 1)),
+                                          (2, 24 * 3)])
+def test_a_malformed_readv_closes_the_connection(server, count, length):
+    srv, _ = server
+    before = srv.rejected
+    with connect(srv) as sock:
+        sock.sendall(protocol.pack_req(protocol.OP_READV, 1, count, length))
+        assert sock.recv(64) == b""  # closed without an answer
+    assert srv.rejected == before + 1
+
+
+def test_a_readv_over_the_frame_limit_closes_the_connection(server):
+    srv, _ = server
+    srv.max_frame = 64
+    with connect(srv) as sock:
+        readv(sock, [(BASE, 40, 0), (BASE + 40, 40, 0)])  # each fits, the total does not
+        assert sock.recv(64) == b""
