@@ -53,3 +53,16 @@ def test_tenants_read_their_disk_objects_and_only_theirs(tmp_path):
                 assert link.call("load", good, LoadRep).codes == [0]  # a ticket is the grant
             with RpcClient(addr, token=TOK["b"]) as other, pytest.raises(Unauthorized):
                 other.call("disk_sync", DiskSyncReq(seg.config.client_id), object)
+
+
+def test_a_node_on_the_admin_token_keys_its_files_with_the_masters_key(tmp_path):
+    with MasterServer(token=SVC, admin_token=ADM) as m:
+        addr = f"127.0.0.1:{m.port}"
+        with StoreClient(master=addr, token=ADM, global_segment_size=8 * MB, peer_tokens=(SVC,),
+                         disk_dir=str(tmp_path), disk_size=256 * MB) as seg, \
+                StoreClient(master=addr, token=SVC, protocol="tcp", timeout=10) as c:
+            values = {f"adm-{i}": os.urandom(MB // 2) for i in range(40)}  # 20 MiB into 8
+            for k, v in values.items():
+                c.put(k, v)
+            assert seg.disk.store.usage()["files"] >= 20 and seg.disk.store.foreign == 0
+            assert all(c.get(k) == v for k, v in values.items())

@@ -45,7 +45,7 @@ def test_a_truncated_file_is_detected_by_scan_and_by_read(tmp_path, cut):
     dest = bytearray(rec.hdr + rec.size)
     with pytest.raises(layout.Corrupt):
         layout.read_into(path, rec, memoryview(dest), SECRET)
-    assert [r for _, r in layout.scan(tmp_path, SECRET)] == [None]
+    assert [type(r) for _, r in layout.scan(tmp_path, SECRET)] == [layout.Corrupt]
 
 
 def test_a_flipped_value_byte_fails_the_checksum(tmp_path):
@@ -67,8 +67,12 @@ def test_a_file_written_under_another_token_does_not_verify(tmp_path):
     rec, image = image_of("k", b"x" * 100, secret=other)
     (tmp_path / "tmp").mkdir()
     path = layout.write_atomic(tmp_path, rec.key, image[:rec.hdr], image[rec.hdr:])
-    with pytest.raises(layout.Corrupt, match="tag"):
+    with pytest.raises(layout.Foreign, match="tag"):
         layout.read_header(path, SECRET)
+    store = DiskStore(tmp_path, 8 << 20, SECRET)  # kept and counted, never indexed or served
+    assert store.foreign == 1 and store.records() == [] and path.exists() and store.used > 0
+    store.open(other)  # the master's key changed back: it is served again
+    assert [r.key for r, _ in store.records()] == ["k"] and store.foreign == 0
 
 
 def test_a_file_with_another_objects_header_is_not_served(tmp_path):

@@ -124,7 +124,7 @@ class StoreClient:
         rep = self.rpc.call("mount", MountReq(self.config.client_id, self._segments, history,
                                               adopt=bool(self._segments and history)), MountRep)
         if self.disk is not None and rep.epoch > 0:  # before the memory records: their last
-            self.disk.mounted(rep.epoch)  # batch ends a recovering master's wait
+            self.disk.mounted(rep.epoch, rep.secret)  # batch ends a recovering master's wait
         if self._segments and rep.epoch > 0:
             self.holdings.mounted(rep)
 

@@ -53,6 +53,12 @@ class Corrupt(KVPlaneError):
     code = -1301  # UNABLE_OFFLOADING: nearest of Mooncake's codes for a broken disk replica
 
 
+class Foreign(Corrupt):
+    """A file whose header's tag does not verify under this master's key: written under another
+    service token (or damaged there). Never served; kept at start, in case the token changes
+    back."""
+
+
 def name_of(key: str) -> str:
     """The file name of ``key`` (a hash: keys may hold any character)."""
     return hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + SUFFIX
@@ -121,7 +127,7 @@ def parse_header(head: bytes, secret: bytes) -> inventory.Record:
         raise Corrupt("not a record header")
     kb = bytes(head[inventory.FIXED:inventory.FIXED + klen])
     if inventory._tag(secret, hlen, kb, flags, version, size, csum, want) != tag:
-        raise Corrupt("header tag does not verify (another token, or damaged)")
+        raise Foreign("header tag does not verify (another cluster's token, or damaged)")
     try:
         key = kb.decode()
     except UnicodeDecodeError as exc:
@@ -224,16 +230,17 @@ def _read_direct(path: Path, dest: memoryview, n: int) -> int:
         os.close(fd)
 
 
-def scan(root: Path, secret: bytes) -> Iterator[tuple[Path, inventory.Record | None]]:
-    """Every object file under ``root`` with its record, or None where it failed ``read_header``."""
+def scan(root: Path, secret: bytes) -> Iterator[tuple[Path, inventory.Record | Corrupt]]:
+    """Every object file under ``root`` with its record, or the ``Corrupt`` (``Foreign``) it
+    failed ``read_header`` with."""
     for sub in sorted(root.iterdir()):
         if not sub.is_dir() or len(sub.name) != 2:
             continue
         for path in sorted(sub.glob("*" + SUFFIX)):
             try:
                 yield path, read_header(path, secret)
-            except Corrupt:
-                yield path, None
+            except Corrupt as exc:
+                yield path, exc
 
 
 def sweep_tmp(root: Path) -> int:

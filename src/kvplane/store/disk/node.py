@@ -64,8 +64,8 @@ class DiskDuty:
     def __init__(self, client: "StoreClient") -> None:
         cfg = client.config
         self._c = client
-        self.store = DiskStore(cfg.disk_dir, cfg.disk_size, inventory.secret_of(cfg.token),
-                               direct=cfg.disk_direct)
+        # the files are indexed at the first mount, under the master's tag key (its answer)
+        self.store = DiskStore(cfg.disk_dir, cfg.disk_size, None, direct=cfg.disk_direct)
         self._stop = threading.Event()
         self._done: list[OffloadResult] = []
         self._promote_lock = threading.Lock()
@@ -86,8 +86,11 @@ class DiskDuty:
         info.disk_endpoint = f"{self.rpc.host}:{self.rpc.port}"
         info.write_through = self._c.config.disk_write_through
 
-    def mounted(self, epoch: int) -> None:
-        """After every mount: note the epoch, re-register the files, start the worker."""
+    def mounted(self, epoch: int, secret: bytes) -> None:
+        """After every mount: index the files under the master's tag key ``secret`` (it keys
+        the headers the master builds, and the read tickets), note the epoch, re-register the
+        files, start the worker."""
+        self.store.open(secret)
         self.store.note_epoch(epoch)
         self._adopt()
         if not self._thread.is_alive() and not self._stop.is_set():

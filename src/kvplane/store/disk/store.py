@@ -41,37 +41,56 @@ class Entry:
 class DiskStore:
     """See the module docstring."""
 
-    def __init__(self, root: str | Path, quota: int, secret: bytes, high: float = 0.90,
+    def __init__(self, root: str | Path, quota: int, secret: bytes | None, high: float = 0.90,
                  low: float = 0.80, direct: bool = False) -> None:
         if quota <= 0 or not 0 < low <= high <= 1:
             raise InvalidArgument("disk quota must be > 0 and 0 < low <= high <= 1")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.quota, self.high, self.low = quota, high, low
-        self.secret = secret
+        self.secret = b""
         self.direct = direct
         self._lock = threading.Lock()
         self._index: OrderedDict[str, Entry] = OrderedDict()
         self.used = 0  # bytes of indexed files plus reservations
         self.lost: list[tuple[str, int]] = []  # (key, version) gone from disk, to report
         self.corrupt = 0
+        self.foreign = 0  # files kept but not served: tagged under another key
         self.evicted = 0
+        self.opened = False
         self.history: list[int] = self._load_history()
         layout.sweep_tmp(self.root)
-        self._load()
+        if secret is not None:
+            self.open(secret)
 
     # -- start -------------------------------------------------------------------------------
-    def _load(self) -> None:
-        for path, rec in layout.scan(self.root, self.secret):
-            if rec is None or layout.path_of(self.root, rec.key) != path:
-                log.warning("disk tier: deleting unusable file %s", path.name)
-                path.unlink(missing_ok=True)
-                self.corrupt += 1
-                continue
-            n = layout.file_bytes(rec.hdr, rec.size)
-            self._index[rec.key] = Entry(rec, path, n)
-            self.used += n
-        self._shrink(0)  # a smaller quota than last time
+    def open(self, secret: bytes) -> None:
+        """Index the files under the master's tag key ``secret`` (again if it changed)."""
+        if self.opened and secret == self.secret:
+            return
+        with self._lock:
+            self.secret, self.opened = secret, True
+            self._index.clear()
+            self.used = self.foreign = 0
+            for path, rec in layout.scan(self.root, secret):
+                self._take(path, rec)
+            doomed = self._shrink_locked(0)  # a smaller quota than last time
+        self._delete(doomed)
+
+    def _take(self, path: Path, rec: inventory.Record | layout.Corrupt) -> None:
+        if isinstance(rec, layout.Foreign):  # kept (counted in the quota), never served
+            log.warning("disk tier: %s is tagged under another key; not served", path.name)
+            self.foreign += 1
+            self.used += layout.file_bytes(0, max(0, path.stat().st_size - layout.FOOTER.size))
+            return
+        if isinstance(rec, layout.Corrupt) or layout.path_of(self.root, rec.key) != path:
+            log.warning("disk tier: deleting unusable file %s", path.name)
+            path.unlink(missing_ok=True)
+            self.corrupt += 1
+            return
+        n = layout.file_bytes(rec.hdr, rec.size)
+        self._index[rec.key] = Entry(rec, path, n)
+        self.used += n
 
     def _load_history(self) -> list[int]:
         try:
@@ -201,4 +220,4 @@ class DiskStore:
     def usage(self) -> dict[str, int]:
         with self._lock:
             return {"used": self.used, "quota": self.quota, "files": len(self._index),
-                    "evicted": self.evicted, "corrupt": self.corrupt}
+                    "evicted": self.evicted, "corrupt": self.corrupt, "foreign": self.foreign}
