@@ -41,7 +41,7 @@ def within(mod: str, pkg: str) -> bool:
 
 # Pure cores: no sockets, zmq, asyncio, threads or clocks.
 PURE = [
-    "kvplane.store.master.state", "kvplane.store.master.allocator",
+    "kvplane.store.master.state", "kvplane.store.master.allocator", "kvplane.store.master.status",
     "kvplane.conductor.indexer", "kvplane.conductor.hashing",
     "kvplane.kvevents.schema", "kvplane.kvevents.codec",
     "kvplane.conductor.scheduling.kvcentric", "kvplane.conductor.scheduling.baselines",

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 from kvplane.bench import limits
@@ -132,33 +133,59 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """GB/s vs block size: one panel per direction; colour = side, dashed = batched calls;
-    the machine's limits (raw socket, memcpy) in grey on both panels."""
-    plt = pyplot()
+LIMITS = ("raw-socket", "memcpy")
+COLORS = {"kvplane-tcp": "tab:blue", "kvplane-shm": "tab:green", "mooncake-tcp": "tab:red",
+          "raw-socket": "0.35", "memcpy": "0.65"}
 
-    colors = {"kvplane-tcp": "tab:blue", "kvplane-shm": "tab:green", "mooncake-tcp": "tab:red",
-              "raw-socket": "0.35", "memcpy": "0.65"}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for ax, op in zip(axes, ("write", "read")):
+
+def layout(rows: list[dict]) -> tuple[str, dict[str, list[tuple[str, str, list[tuple[int, float]]]]]]:
+    """(title, {direction: [(label, linestyle, [(size, GB/s)])]}) of the plot.
+
+    One panel per direction that has measured engine rows (never an empty panel); the limits
+    (raw socket, memcpy) are drawn on each; every series has a label; the title names only the
+    sides that ran (no "vs Mooncake" when it was skipped).
+    """
+    engines = [r for r in rows if r["impl"] not in LIMITS and r.get("gb_s")]
+    limits = [r for r in rows if r["impl"] in LIMITS and r.get("gb_s")]
+    ops = [op for op in ("write", "read") if any(r["op"] == op for r in engines)] or ["limits"]
+    panels: dict[str, list[tuple[str, str, list[tuple[int, float]]]]] = {}
+    for op in ops:
         series: dict[tuple[str, bool], list[tuple[int, float]]] = {}
-        for r in rows:
-            if r["op"] in (op, "copy", "stream"):
-                series.setdefault((r["impl"], r["batch"] > 1), []).append((r["size"], r["gb_s"]))
-        for (impl, batched), pts in sorted(series.items()):
-            pts.sort()
-            limit = impl in ("raw-socket", "memcpy")
+        for r in [r for r in engines if r["op"] == op] + limits:
+            series.setdefault((r["impl"], r["batch"] > 1), []).append((r["size"], r["gb_s"]))
+        panels[op] = [
+            (impl if impl in LIMITS else f"{impl} {'batch' if batched else 'single'}",
+             ":" if impl in LIMITS else ("--" if batched else "-"), sorted(pts))
+            for (impl, batched), pts in sorted(series.items())]
+    sides = ["kvplane transfer engine"]
+    if any(r["impl"].startswith("mooncake") for r in engines):
+        sides.append("Mooncake TCP")
+    if limits:
+        sides.append("the machine's limits")
+    return " vs ".join(sides), panels
+
+
+def plot(rows: list[dict], path: str) -> Any:
+    """GB/s vs block size: one panel per measured direction; colour = side, dashed = batched
+    calls; the machine's limits (raw socket, memcpy) dotted on every panel. Returns the figure
+    (closed) for inspection."""
+    plt = pyplot()
+    title, panels = layout(rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), sharey=True,
+                             squeeze=False)
+    for ax, (op, series) in zip(axes[0], panels.items()):
+        for label, style, pts in series:
+            impl = label.split()[0]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4,
-                    color=colors.get(impl, "tab:purple"), linestyle=":" if limit else
-                    ("--" if batched else "-"),
-                    label=impl if limit else f"{impl} {'batch' if batched else 'single'}")
+                    color=COLORS.get(impl, "tab:purple"), linestyle=style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size (bytes)")
-        ax.set_title(f"{op}")
+        ax.set_title(op)
         ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[1].legend(fontsize=8)
-    fig.suptitle("kvplane transfer engine vs Mooncake TCP vs the machine's limits")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("GB/s")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig

@@ -14,9 +14,14 @@ bench_app = typer.Typer(help="Benchmarks that compare kvplane with its peer and 
 
 
 def _ints(text: str) -> list[int]:
+    """Comma-separated sizes; a bad one is a usage error (exit 2)."""
     from kvplane.common.config import parse_size
+    from kvplane.common.errors import InvalidArgument
 
-    return [parse_size(x) for x in text.split(",") if x]
+    try:
+        return [parse_size(x) for x in text.split(",") if x]
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def _measure(bench: Any, opt: Any, plot: str, as_json: bool) -> tuple[list[dict], list[dict]]:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from kvplane.cli.lifecycle import announce, no_auth_option, resolve_token, token_option
-from kvplane.common.config import parse_size
+from kvplane.cli.errors import check_ports
+from kvplane.cli.lifecycle import (
+    announce, no_auth_option, note, resolve_token, size_option, token_option,
+)
 from kvplane.common.errors import InvalidArgument
 
 HELP = """Run the conductor: a global KV cache index fed by vLLM KV events,
@@ -57,6 +60,17 @@ logged, shown in /instances ("hash_status": "mismatch"), and turn
 
 
 def _load_registrations(path: Path) -> list[dict[str, object]]:
+    """The /register bodies of ``--register-file``; an unreadable or malformed file is a usage
+    error."""
+    try:
+        return _read_registrations(path)
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(f"no such file: {path}", param_hint="--register-file") from exc
+    except (InvalidArgument, OSError, json.JSONDecodeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--register-file") from exc
+
+
+def _read_registrations(path: Path) -> list[dict[str, object]]:
     data = json.loads(path.read_text(encoding="utf-8"))
     if isinstance(data, dict):
         data = [data]
@@ -67,7 +81,8 @@ def _load_registrations(path: Path) -> list[dict[str, object]]:
 
 def run(
     host: str = typer.Option("127.0.0.1", help="HTTP bind address."),
-    port: int = typer.Option(13333, help="HTTP port (Mooncake's default 13333; 0 = any free port)."),
+    port: int = typer.Option(13333, help="HTTP port (Mooncake's default 13333; 0 = any free port).",
+                             min=0, max=65535),
     token: str = token_option(),
     no_auth: bool = no_auth_option("the HTTP API (/register, /unregister, /query, "
                                    "/query_by_hash, /instances, /metrics, /docs): anyone could "
@@ -78,9 +93,9 @@ def run(
     hash_seed: str = typer.Option("0", help="Default PYTHONHASHSEED of the engines ('random' = "
                                   "unset: only /query_by_hash can match)."),
     register_file: Path = typer.Option(None, help="JSON file with /register bodies to load at start."),
-    max_batch_bytes: str = typer.Option("16MiB", help="Largest KV event batch accepted."),
-    max_request_bytes: str = typer.Option("8MiB", help="Largest HTTP request body accepted."),
-    replay_timeout: float = typer.Option(2.0, help="Seconds a gap replay may take."),
+    max_batch_bytes: int = size_option("16MiB", help="Largest KV event batch accepted."),
+    max_request_bytes: int = size_option("8MiB", help="Largest HTTP request body accepted."),
+    replay_timeout: float = typer.Option(2.0, help="Seconds a gap replay may take.", min=0.001),
 ) -> None:
     """Run the conductor (see `kvplane conductor --help`)."""
     from kvplane.conductor.api import to_registration
@@ -92,25 +107,30 @@ def run(
         cfg = ConductorConfig(
             host=host, port=port, token=resolve_token(token, no_auth),
             bind=tuple(bind), default_profile=HashProfile(hash_algo, hash_seed),  # type: ignore[arg-type]
-            max_batch_bytes=parse_size(max_batch_bytes),
-            max_request_bytes=parse_size(max_request_bytes), replay_timeout=replay_timeout)
-        regs = [to_registration(d) for d in _load_registrations(register_file)] if register_file else []
-    except (InvalidArgument, OSError, json.JSONDecodeError) as exc:
+            max_batch_bytes=max_batch_bytes,
+            max_request_bytes=max_request_bytes, replay_timeout=replay_timeout)
+    except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from exc
+    try:
+        regs = [to_registration(d) for d in _load_registrations(register_file)] if register_file else []
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc), param_hint="--register-file") from exc
+    check_ports(host, {"--port": port})
     server = ConductorServer(cfg)
     for reg in regs:
         server.conductor.register(reg)
-    banner = (f"kvplane conductor on {server.url} (zmq bind: {', '.join(server.zmq_endpoints) or 'none'}; "
-              f"default hash profile {hash_algo} seed {hash_seed!r}: engines need "
-              f"PYTHONHASHSEED={hash_seed} --prefix-caching-hash-algo {hash_algo})")
-    def ready() -> None:
-        typer.echo(banner, err=True)
-        announce({"conductor": server.url, "zmq_bind": server.zmq_endpoints}, None)
-
     try:
-        server.serve_forever(on_ready=ready)
+        server.serve_forever(on_ready=lambda: _ready(server, hash_algo, hash_seed))
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the SIGINT it handled; the shutdown already happened
+
+
+def _ready(server: Any, hash_algo: str, hash_seed: str) -> None:
+    note(f"kvplane conductor on {server.url} (zmq bind: {', '.join(server.zmq_endpoints) or 'none'}; "
+         f"default hash profile {hash_algo} seed {hash_seed!r}: engines need "
+         f"PYTHONHASHSEED={hash_seed} --prefix-caching-hash-algo {hash_algo})")
+    announce("conductor", {"conductor": server.url, "zmq_bind": server.zmq_endpoints}, None,
+             signals=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,19 +1,88 @@
 """What every long-running ``kvplane`` command does around its service: announce, then wait.
 
 ``announce`` prints the one JSON ready line (and optionally writes it to a file) once every
-listener is bound; tests and scripts wait on that line. ``wait_for_signal`` blocks until SIGTERM
-or SIGINT. ``resolve_token`` finds (or generates) the token a service requires and says on
-stderr where it is; ``token_option`` and ``no_auth_option`` are the shared flags.
+listener is bound; tests and scripts wait on that line. Every server's line has the same shape:
+``{"service": NAME, "pid": PID, ...its addresses}``. Until then the command's informational
+log lines and notes (where the token is) are held: a start that fails prints only its one-line
+error (cli/errors.py), a start that succeeds prints them before the ready line.
+``wait_for_signal`` blocks until SIGTERM or SIGINT. ``resolve_token`` finds (or generates) the
+token a service requires and notes where it is; ``token_option``, ``no_auth_option`` and
+``size_option`` are the shared flags (sizes are parsed and checked while options are parsed,
+before anything binds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import typer
+
+from kvplane.common.errors import InvalidArgument
+
+
+class _Hold(logging.Filter):
+    """Keeps INFO-and-below records (and notes) back until the command is ready or done."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = False
+        self.records: list[logging.LogRecord] = []
+        self.notes: list[str] = []
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self.lock:
+            if self.holding and record.levelno < logging.WARNING:
+                self.records.append(record)
+                return False
+        return True
+
+
+_hold = _Hold()
+
+
+def hold_logs() -> None:
+    """A server starts: hold its INFO log lines and notes until ``announce`` (or ``release``).
+
+    Called by ``resolve_token`` (every service resolves its token first); tools that print
+    as they go (simulate, bench) never hold.
+    """
+    with _hold.lock:
+        _hold.holding = True
+    for handler in logging.getLogger("kvplane").handlers:
+        if _hold not in handler.filters:
+            handler.addFilter(_hold)
+
+
+def note(line: str) -> None:
+    """A line for a person on stderr, printed once the command is ready (dropped on failure)."""
+    with _hold.lock:
+        if _hold.holding:
+            _hold.notes.append(line)
+            return
+    typer.echo(line, err=True)
+
+
+def release(show: bool) -> None:
+    """Stop holding: print what was held (``show``) or drop it (a failed start)."""
+    with _hold.lock:
+        if not _hold.holding:
+            return
+        _hold.holding = False
+        records, _hold.records = _hold.records, []
+        notes, _hold.notes = _hold.notes, []
+    if not show:
+        return
+    for line in notes:
+        typer.echo(line, err=True)
+    for record in records:
+        logging.getLogger(record.name).handle(record)
 
 
 def raise_fd_limit(want: int = 65536) -> None:
@@ -30,17 +99,32 @@ def raise_fd_limit(want: int = 65536) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
+_stop = threading.Event()
+
+
+def _catch_signals() -> None:
+    """From now on SIGTERM and SIGINT end ``wait_for_signal`` (set before the ready line, so a
+    signal sent as soon as it is read still stops the service cleanly)."""
+    signal.signal(signal.SIGTERM, lambda *_: _stop.set())
+    signal.signal(signal.SIGINT, lambda *_: _stop.set())
+
+
 def wait_for_signal() -> None:
     """Block until SIGTERM or SIGINT."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    _catch_signals()
+    _stop.wait()
 
 
-def announce(info: dict[str, object], ready_file: str | None) -> None:
-    """Print the ready line (one JSON object) on stdout; also write it to ``ready_file``."""
-    line = json.dumps(info)
+def announce(service: str, info: dict[str, object], ready_file: str | None,
+             signals: bool = True) -> None:
+    """Print the ready line ``{"service": service, "pid": ..., **info}`` on stdout (after the
+    held notes and log lines); also write it to ``ready_file``. With ``signals`` SIGTERM and
+    SIGINT are caught first, for ``wait_for_signal`` (servers that handle them themselves, like
+    uvicorn's, pass False)."""
+    if signals:
+        _catch_signals()
+    release(show=True)
+    line = json.dumps({"service": service, "pid": os.getpid(), **info})
     typer.echo(line, nl=True)
     if ready_file:
         with open(ready_file, "w", encoding="utf-8") as f:
@@ -73,16 +157,73 @@ def admin_token_option() -> Any:
 def resolve_token(token: str | None, no_auth: bool, admin: bool = False) -> str:
     """The (admin) token this service requires ("" with --no-auth); says where it is on stderr.
 
-    Also raises the descriptor limit (every service resolves its token once, at start).
+    Also raises the descriptor limit and starts holding the start-up lines (every service
+    resolves its token once, at start).
     """
     from kvplane.common.auth import server_token
     from kvplane.common.errors import InvalidArgument
 
     raise_fd_limit()
+    hold_logs()
     try:
         found = server_token(token, no_auth, admin=admin)
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from exc
     if not (admin and no_auth):
-        typer.echo(f"kvplane: {found.describe('admin token' if admin else 'token')}", err=True)
+        note(f"kvplane: {found.describe('admin token' if admin else 'token')}")
     return found.token
+
+
+def _sizes(minimum: int) -> Any:
+    def parse(value: Any) -> int:
+        from kvplane.common.config import parse_size
+
+        if isinstance(value, int):
+            size = value
+        else:
+            try:
+                size = parse_size(value)
+            except InvalidArgument as exc:
+                raise typer.BadParameter(str(exc)) from exc
+        if size < minimum:
+            raise typer.BadParameter(f"{value!r} is {size} bytes; it must be at least {minimum}")
+        return size
+
+    return parse
+
+
+def size_option(default: str, *names: str, help: str, minimum: int = 1) -> Any:
+    """A size option (``4GiB``, ``512MB``, ``4096``) parsed to bytes while options are parsed;
+    below ``minimum`` bytes (default 1) it is a usage error."""
+    return typer.Option(default, *names, help=help, parser=_sizes(minimum))
+
+
+@contextlib.contextmanager
+def usage_checked(option: str | None = None) -> Iterator[None]:
+    """Turn an InvalidArgument raised while building a config from flags into a usage error."""
+    try:
+        yield
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from exc
+
+
+def store_client(config: Any, master_option: str = "--master") -> Any:
+    """A StoreClient for a command, or one line saying why the master would not take it.
+
+    The client releases everything it took when it fails (shared memory, listener, threads).
+    """
+    from kvplane.cli.errors import StartFailed
+    from kvplane.common.errors import Timeout, Unauthorized, Unavailable
+    from kvplane.store.client.client import StoreClient
+
+    try:
+        return StoreClient(config)
+    except Unauthorized as exc:
+        raise StartFailed(f"the master at {config.master} refused this token ({exc}); pass its "
+                          "token with --token or KVPLANE_TOKEN (on its host: the token file)") from exc
+    except (Unavailable, Timeout) as exc:
+        if "rpc " not in str(exc):
+            raise
+        raise StartFailed(f"cannot reach the master at {config.master} "
+                          f"({str(exc).rsplit(': ', 1)[-1]}); start it (kvplane master or "
+                          f"kvplane serve) or pass its address with {master_option}") from exc

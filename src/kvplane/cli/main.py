@@ -1,14 +1,17 @@
 """``kvplane`` entry point: builds the typer app from the subcommand modules and configures logging.
 
-Each module in ``COMMAND_MODULES`` exposes ``register(app: typer.Typer) -> None``.
+Each module in ``COMMAND_MODULES`` exposes ``register(app: typer.Typer) -> None``; ``main`` runs
+the app through ``kvplane.cli.errors.run`` (one-line errors, exit codes 1 and 2, ``--debug``).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
 
+from kvplane.cli import errors
 from kvplane.common import envs, log
 
 COMMAND_MODULES = [
@@ -21,6 +24,7 @@ COMMAND_MODULES = [
     "kvplane.cli.serve",
     "kvplane.cli.bench",
     "kvplane.cli.p2p",
+    "kvplane.cli.status",
 ]
 
 app = typer.Typer(
@@ -43,7 +47,10 @@ def _root(
     log_level: str = typer.Option(None, help="Log level (default: KVPLANE_LOG_LEVEL or INFO)."),
     log_json: bool = typer.Option(None, "--log-json/--no-log-json",
                                   help="One JSON object per log line (default: KVPLANE_LOG_JSON)."),
+    debug: bool = typer.Option(False, "--debug", help="On failure print the traceback, not just "
+                               "the one-line error (also KVPLANE_DEBUG=1)."),
 ) -> None:
+    errors.set_debug(debug)
     log.setup(log_level or envs.get("KVPLANE_LOG_LEVEL"),
               envs.get("KVPLANE_LOG_JSON") if log_json is None else log_json)
 
@@ -58,8 +65,9 @@ def build() -> typer.Typer:
 
 
 def main() -> None:
-    """Console-script entry point."""
-    build()()
+    """Console-script entry point: exit 0, 1 (runtime failure) or 2 (usage error), one line
+    on stderr when it fails (cli/errors.py)."""
+    sys.exit(errors.run(build()))
 
 
 if __name__ == "__main__":

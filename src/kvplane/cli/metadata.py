@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from kvplane.cli.errors import check_ports
 from kvplane.cli.lifecycle import (
     announce, no_auth_option, resolve_token, token_option, wait_for_signal,
 )
@@ -11,7 +12,8 @@ from kvplane.cli.lifecycle import (
 
 def metadata(
     host: str = typer.Option("127.0.0.1", help="Bind address (loopback unless you mean it)."),
-    port: int = typer.Option(8080, help="Port; engines use --metadata http://HOST:PORT/metadata."),
+    port: int = typer.Option(8080, help="Port; engines use --metadata http://HOST:PORT/metadata "
+                             "(0 = any free port).", min=0, max=65535),
     token: str = token_option(),
     no_auth: bool = no_auth_option("GET/PUT/DELETE /metadata (anyone can read, replace or delete "
                                    "segment descriptors and so redirect transfers), the P2P "
@@ -33,11 +35,16 @@ def metadata(
         from kvplane.p2p.tracker_api import mount
 
         plugins.append(mount)
-    srv = serve_in_thread(host, port, resolve_token(token, no_auth), plugins)
-    announce({"metadata": f"http://{host}:{srv.port}/metadata",
-              "p2p_tracker": f"http://{host}:{srv.port}" if p2p else None}, ready_file)
-    wait_for_signal()
-    srv.close()
+    tok = resolve_token(token, no_auth)
+    check_ports(host, {"--port": port})
+    srv = serve_in_thread(host, port, tok, plugins)
+    try:
+        announce("metadata", {"metadata": f"http://{host}:{srv.port}/metadata",
+                              "p2p_tracker": f"http://{host}:{srv.port}" if p2p else None},
+                 ready_file)
+        wait_for_signal()
+    finally:
+        srv.close()
 
 
 def register(app: typer.Typer) -> None:

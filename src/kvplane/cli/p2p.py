@@ -14,7 +14,8 @@ from typing import Any
 
 import typer
 
-from kvplane.cli.lifecycle import announce, wait_for_signal
+from kvplane.cli.errors import check_ports
+from kvplane.cli.lifecycle import announce, hold_logs, release, size_option, wait_for_signal
 
 app = typer.Typer(help="P2P store: publish files once, fetch them on many nodes (docs/p2p.md).",
                   no_args_is_help=True)
@@ -37,21 +38,24 @@ def publish(
     name: str = typer.Argument(..., help="Object name, e.g. llama-8b/step-120."),
     paths: list[str] = typer.Argument(..., help="Files to publish (items are named by base name)."),
     version: int = typer.Option(0, help="Version number (0: latest + 1)."),
-    chunk_size: str = typer.Option("4MiB", help="Chunk size."),
+    chunk_size: int = size_option("4MiB", help="Chunk size."),
     tracker: str = TrackerOpt, token: str = TokenOpt, host: str = HostOpt,
-    port: int = typer.Option(0, help="Data port (0: any free one)."),
+    port: int = typer.Option(0, help="Data port (0: any free one).", min=0, max=65535),
     ready_file: str = typer.Option(None, help="Also write the ready line here."),
 ) -> None:
     """Publish files (mapped, not copied) and serve them until Ctrl-C / SIGTERM.
 
     Prints one JSON line (name, version, segment, size) once receivers can fetch.
     """
-    from kvplane.common.config import parse_size
-
-    node = _node(tracker, token, host, port=port, chunk_size=parse_size(chunk_size))
+    for path in paths:
+        if not os.path.isfile(path):
+            raise typer.BadParameter(f"no such file: {path}", param_hint="PATHS")
+    hold_logs()
+    check_ports(host, {"--port": port})
+    node = _node(tracker, token, host, port=port, chunk_size=chunk_size)
     try:
         v = node.publish_files(name, paths, version)
-        announce({"name": name, "version": v, "segment": node.name,
+        announce("p2p publish", {"name": name, "version": v, "segment": node.name,
                   "size": sum(os.path.getsize(p) for p in paths), "files": len(paths)}, ready_file)
         wait_for_signal()
     finally:
@@ -94,6 +98,7 @@ def get(
     """
     import threading
 
+    hold_logs()  # a failed fetch prints only its one line; a good one its lines, then the summary
     node = _node(tracker, token, host, strategy=strategy, parallel=parallel)
     maps: list[mmap.mmap] = []
     try:
@@ -106,6 +111,7 @@ def get(
             from kvplane.p2p.manifest import encode
 
             f.write(encode(res.manifest))
+        release(show=True)
         typer.echo(json.dumps({"name": name, "version": res.manifest.version,
                                "size": res.manifest.total_size, "seconds": res.stats.seconds,
                                "sources": res.stats.sources, "failures": res.stats.failures}))

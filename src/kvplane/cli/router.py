@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import typer
 
-from kvplane.cli.lifecycle import no_auth_option, resolve_token, token_option
-from kvplane.common.config import parse_size
-from kvplane.common.errors import KVPlaneError
+from kvplane.cli.errors import check_ports
+from kvplane.cli.lifecycle import announce, no_auth_option, resolve_token, size_option, token_option
+from kvplane.common.errors import InvalidArgument, KVPlaneError
 
 if TYPE_CHECKING:
     from kvplane.conductor.gateway.config import GatewayConfig
@@ -60,7 +59,8 @@ def run(
     bind: list[str] = typer.Option([], help="ZMQ SUB endpoint engines connect their KV event "
                                    "publishers to (repeatable), e.g. tcp://127.0.0.1:5557."),
     host: str = typer.Option("127.0.0.1", help="Bind address."),
-    port: int = typer.Option(8000, help="Port (0 picks a free one; the ready line says which)."),
+    port: int = typer.Option(8000, help="Port (0 picks a free one; the ready line says which).",
+                             min=0, max=65535),
     token: str = token_option(),
     no_auth: bool = no_auth_option("the OpenAI endpoints, /route and /metrics: anyone could "
                                    "run requests on the engines behind it"),
@@ -72,7 +72,7 @@ def run(
     health_timeout: float = typer.Option(0.5, help="Timeout of one health check, s."),
     eject_after: int = typer.Option(2, help="Failed checks in a row that eject a backend "
                                     "(a refused connection ejects at once)."),
-    max_request_bytes: str = typer.Option("8MiB", help="Largest request body accepted."),
+    max_request_bytes: int = size_option("8MiB", help="Largest request body accepted."),
 ) -> None:
     """Run the router (see `kvplane router --help`)."""
     from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
@@ -92,7 +92,7 @@ def run(
             discover=discover, discover_key=discover_key, connect_timeout_s=connect_timeout,
             read_timeout_s=read_timeout, request_timeout_s=request_timeout,
             health_interval_s=health_interval, health_timeout_s=health_timeout,
-            eject_after=eject_after, max_request_bytes=parse_size(max_request_bytes))
+            eject_after=eject_after, max_request_bytes=max_request_bytes)
     except KVPlaneError as exc:
         raise typer.BadParameter(str(exc)) from exc
     serve(cfg)
@@ -113,21 +113,27 @@ def serve(cfg: GatewayConfig) -> None:
     """Run a router for ``cfg`` until SIGINT/SIGTERM; print the ready line once listening.
 
     Raises:
-        typer.BadParameter: an unknown policy or setting, or the port cannot be bound.
+        typer.BadParameter: an unknown policy or setting.
+        kvplane.cli.errors.PortInUse: the port is taken.
     """
     from kvplane.conductor.gateway.server import GatewayServer, sim_config
 
     try:
         sim_config(cfg)  # an unknown policy or setting fails here, before anything binds
-        server = GatewayServer(cfg)
     except KVPlaneError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    check_ports(cfg.host, {"--port": cfg.port})
+    try:
+        server = GatewayServer(cfg)
+    except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from exc
     ready = {"router": server.url, "zmq": server.zmq_endpoints, "policy": cfg.policy,
              "mode": cfg.mode}
     if cfg.pd:
         ready["proxy"] = server.url  # the ready line `kvplane pd-proxy` always printed
     try:
-        server.serve_forever(on_ready=lambda: typer.echo(json.dumps(ready)))
+        server.serve_forever(on_ready=lambda: announce(
+            "pd-proxy" if "proxy" in ready else "router", ready, None, signals=False))
     except KeyboardInterrupt:
         pass  # uvicorn re-raises the SIGINT it handled; the shutdown already happened
 

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from kvplane.cli import disk_opts
+from kvplane.cli.errors import check_ports
 from kvplane.cli.lifecycle import (
-    admin_token_option, announce, no_auth_option, resolve_token, token_option, wait_for_signal,
+    admin_token_option, announce, no_auth_option, resolve_token, size_option, store_client,
+    token_option, wait_for_signal,
 )
+
+PORT = {"min": 0, "max": 65535}
 
 
 def serve(
     host: str = typer.Option("127.0.0.1", help="Bind address of every service."),
-    master_port: int = typer.Option(50051, help="Master RPC port (Mooncake's default)."),
-    metadata_port: int = typer.Option(8080, help="HTTP metadata server port (served at /metadata)."),
-    admin_port: int = typer.Option(9003, help="Admin HTTP port: /metrics /health /query_key /segments."),
-    segment_size: str = typer.Option("1GiB", help="DRAM this node contributes, e.g. 4GiB."),
+    master_port: int = typer.Option(50051, help="Master RPC port (Mooncake's default; 0 = any).",
+                                    **PORT),
+    metadata_port: int = typer.Option(8080, help="HTTP metadata server port (served at "
+                                      "/metadata; 0 = any).", **PORT),
+    admin_port: int = typer.Option(9003, help="Admin HTTP port: /metrics /health /query_key "
+                                   "/segments (0 = any).", **PORT),
+    segment_size: int = size_option("1GiB", help="DRAM this node contributes, e.g. 4GiB."),
     token: str = token_option(),
     no_auth: bool = no_auth_option("the master RPC port (read, overwrite and delete every object, "
                                    "unmount segments), the admin port (key listing, replica "
@@ -26,7 +35,7 @@ def serve(
                                 "TOKEN}}); default KVPLANE_TENANTS_FILE."),
     ready_file: str = typer.Option(None, help="Write the bound addresses here as JSON once ready."),
     disk_dir: str = disk_opts.DISK_DIR,
-    disk_size: str = disk_opts.DISK_SIZE,
+    disk_size: int = disk_opts.DISK_SIZE,
     disk_write_through: bool = disk_opts.WRITE_THROUGH,
     disk_direct: bool = disk_opts.DIRECT,
 ) -> None:
@@ -36,36 +45,47 @@ def serve(
     master HOST:MASTER_PORT and metadata http://HOST:METADATA_PORT/metadata; on this host they
     find the token in the token file. Ctrl-C stops it.
     """
-    from kvplane.common.config import parse_size
-    from kvplane.store.client.client import StoreClient
-    from kvplane.store.config import StoreConfig
-    from kvplane.store.master.server import MasterServer
-    from kvplane.p2p.tracker_api import mount
-    from kvplane.transfer.metadata_server import serve_in_thread
     from kvplane.cli.store import load_tenants
 
     tok = resolve_token(token, no_auth)
     adm = resolve_token(admin_token, no_auth, admin=True)
     tenant_tokens = load_tenants(tenants)
+    check_ports(host, {"--master-port": master_port, "--metadata-port": metadata_port,
+                       "--admin-port": admin_port})
+    disk = disk_opts.disk_config(disk_dir, disk_size, disk_write_through, disk_direct)
+    _run(host, master_port, metadata_port, admin_port, segment_size, tok, adm, tenant_tokens,
+         ready_file, disk)
+
+
+def _run(host: str, master_port: int, metadata_port: int, admin_port: int, segment_size: int,
+         tok: str, adm: str, tenant_tokens: dict[str, str], ready_file: str | None,
+         disk: dict[str, Any]) -> None:
+    """Start the three parts, announce, wait; whatever started is closed on the way out."""
+    from kvplane.p2p.tracker_api import mount
+    from kvplane.store.config import StoreConfig
+    from kvplane.store.master.server import MasterServer
+    from kvplane.transfer.metadata_server import serve_in_thread
+
     meta = serve_in_thread(host, metadata_port, tok, plugins=[mount])  # also the P2P tracker
-    url = f"http://{host}:{meta.port}/metadata"
-    master = MasterServer(host=host, port=master_port, admin_port=admin_port, token=tok,
-                          tenants=tenant_tokens, admin_token=adm)
-    seg = StoreClient(StoreConfig(master=f"{host}:{master.port}", metadata=url, local_hostname=host,
-                                  global_segment_size=parse_size(segment_size),
-                                  local_buffer_size=0, token=tok,
-                                  peer_tokens=tuple(tenant_tokens.values()),
-                                  **disk_opts.disk_config(disk_dir, disk_size, disk_write_through,
-                                                          disk_direct)))
-    announce({"master": f"{host}:{master.port}", "metadata": url,
-              "p2p_tracker": f"http://{host}:{meta.port}",
-              "admin": f"http://{host}:{master.http.port}" if master.http else None,
-              "segment": seg.segment_name, "segment_size": parse_size(segment_size),
-              **disk_opts.announced(seg)}, ready_file)
-    wait_for_signal()
-    seg.close()
-    master.close()
-    meta.close()
+    master = seg = None
+    try:
+        url = f"http://{host}:{meta.port}/metadata"
+        master = MasterServer(host=host, port=master_port, admin_port=admin_port, token=tok,
+                              tenants=tenant_tokens, admin_token=adm)
+        seg = store_client(StoreConfig(master=f"{host}:{master.port}", metadata=url,
+                                       local_hostname=host, global_segment_size=segment_size,
+                                       local_buffer_size=0, token=tok,
+                                       peer_tokens=tuple(tenant_tokens.values()), **disk))
+        announce("serve", {"master": f"{host}:{master.port}", "metadata": url,
+                           "p2p_tracker": f"http://{host}:{meta.port}",
+                           "admin": f"http://{host}:{master.http.port}" if master.http else None,
+                           "segment": seg.segment_name, "segment_size": segment_size,
+                           **disk_opts.announced(seg)}, ready_file)
+        wait_for_signal()
+    finally:
+        for part in (seg, master, meta):
+            if part is not None:
+                part.close()
 
 
 def register(app: typer.Typer) -> None:

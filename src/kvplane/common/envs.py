@@ -58,6 +58,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_MAX_PREAUTH_PER_PEER", int, 16, "unauthenticated connections one peer address may hold on one listener; past it its oldest is closed"),
         EnvVar("KVPLANE_LOG_LEVEL", str, "INFO", "log level of the kvplane loggers"),
         EnvVar("KVPLANE_LOG_JSON", parse_bool, False, "emit logs as one JSON object per line"),
+        EnvVar("KVPLANE_DEBUG", parse_bool, False, "kvplane commands print the traceback of a failure (as --debug)"),
         EnvVar("KVPLANE_TRANSFER_TIMEOUT", float, 30.0, "default transfer timeout in seconds (Mooncake MC_TRANSFER_TIMEOUT)"),
         EnvVar("KVPLANE_TCP_STREAMS", int, 2, "TCP connections a large batch is striped over, per peer"),
         EnvVar("KVPLANE_SLICE_SIZE", _size, 4 << 20, "largest slice one TCP frame carries"),

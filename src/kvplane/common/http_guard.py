@@ -39,6 +39,9 @@ from kvplane.common.guard import REJECTED, Limits, PeerLog
 log = logging.getLogger(__name__)
 PRINCIPAL_KEY = "principal"
 OPEN_PATHS = frozenset({"/health"})
+# pages a browser opens by URL: they may carry the token as ``?token=`` (a browser cannot set a
+# header on a typed-in URL); every other path takes it from a header only
+QUERY_TOKEN_PATHS = frozenset({"/dashboard"})
 MAX_HEAD = 16 << 10
 _METHODS = (b"GET ", b"PUT ", b"POST ", b"DELETE ", b"HEAD ", b"OPTIONS", b"PATCH ")
 
@@ -98,12 +101,13 @@ def parse_head(raw: bytes, authenticate: Authenticator | None) -> Head:
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         raise Refused("garbage", "bad request line", _reply("400 Bad Request", "bad request"))
-    path = parts[1].split(b"?", 1)[0].decode("latin-1")
+    path, _, query = parts[1].decode("latin-1").partition("?")
     headers = []
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         headers.append((name.strip().lower(), value.strip()))
-    principal = ADMIN if authenticate is None else authenticate(presented_token(headers))
+    principal = ADMIN if authenticate is None else authenticate(
+        presented_token(headers) or query_token(path, query))
     if principal is None and path not in OPEN_PATHS:
         raise Refused("bad_token", f"{parts[0].decode('latin-1')} {path} without a valid token",
                       UNAUTHORIZED)
@@ -202,6 +206,18 @@ def presented_token(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return bearer
 
 
+def query_token(path: str, query: str) -> str:
+    """The ``token`` query parameter, on the paths of ``QUERY_TOKEN_PATHS`` only ("" elsewhere)."""
+    if path not in QUERY_TOKEN_PATHS or not query:
+        return ""
+    from urllib.parse import parse_qs
+
+    try:
+        return parse_qs(query, max_num_fields=16).get("token", [""])[0]
+    except ValueError:  # too many fields
+        return ""
+
+
 class TokenGate:
     """ASGI middleware: every path but ``open_paths`` needs a token ``authenticate`` accepts.
 
@@ -222,7 +238,9 @@ class TokenGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        principal = self.authenticate(presented_token(scope.get("headers", ())))
+        query = bytes(scope.get("query_string", b"")).decode("latin-1")
+        principal = self.authenticate(presented_token(scope.get("headers", ()))
+                                      or query_token(str(scope.get("path", "")), query))
         if principal is None and scope.get("path") not in self.open_paths:
             client = scope.get("client") or ("?",)
             self.peer_log.warn(str(client[0]), "HTTP %s %s without a valid token",

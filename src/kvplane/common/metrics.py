@@ -1,11 +1,13 @@
 """Prometheus metrics shared by every kvplane service, plus helpers to serve them.
 
 Metrics are module-level on the default registry so that one process exposes everything it
-runs at one ``/metrics`` endpoint. Services with an HTTP app mount :func:`asgi_app`; others can
+runs at one ``/metrics`` endpoint. Services with an HTTP app call :func:`add_route`; others can
 call :func:`serve` for a standalone endpoint.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -18,7 +20,7 @@ from prometheus_client import (
 )
 
 __all__ = [
-    "CONTENT_TYPE_LATEST", "Counter", "Gauge", "Histogram", "asgi_app", "render", "serve",
+    "CONTENT_TYPE_LATEST", "Counter", "Gauge", "Histogram", "add_route", "asgi_app", "render", "serve",
     "TRANSFER_BYTES", "TRANSFER_REQUESTS", "TRANSFER_RETRIES", "TRANSFER_FAILOVERS", "SERVER_FRAMES",
     "SERVER_REJECTED", "SERVER_CONNECTIONS", "METADATA_OPS",
 ]
@@ -47,6 +49,19 @@ METADATA_OPS = Counter("kvplane_metadata_ops_total", "Metadata backend operation
 def render() -> tuple[bytes, str]:
     """The current exposition text and its content type."""
     return generate_latest(), CONTENT_TYPE_LATEST
+
+
+def add_route(app: Any) -> None:
+    """Serve the exposition at ``/metrics`` (and ``/metrics/``) of a FastAPI/Starlette app with
+    no redirect: a plain ``curl http://HOST:PORT/metrics`` prints it."""
+    from starlette.responses import Response
+
+    async def exposition(request: Any) -> Response:
+        body, ctype = render()
+        return Response(body, media_type=ctype)
+
+    for path in ("/metrics", "/metrics/"):
+        app.add_route(path, exposition, methods=["GET"], include_in_schema=False)
 
 
 def asgi_app():  # type: ignore[no-untyped-def]

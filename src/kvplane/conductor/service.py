@@ -109,6 +109,7 @@ class Stream:
     block_size_mismatches: int = 0
     last_seq: int | None = None
     batches: int = 0
+    events: int = 0  # events applied (stored, removed, cleared)
     loras: set[str] = field(default_factory=set)
 
     @property
@@ -305,6 +306,7 @@ class Conductor:
                     self.index.clear(None, reg.instance_id, stream.dp_rank)
                     instruments.BLOCKS.labels(kind="cleared").inc()
             stream.batches += 1
+            stream.events += len(batch.events)
             if seq is not None:
                 stream.last_seq = seq
             self._changed.notify_all()
@@ -490,7 +492,8 @@ class Conductor:
                     "hash_status": s.hash_status, "hash_checks": s.hash_checks,
                     "hash_mismatches": s.hash_mismatches,
                     "block_size_mismatches": s.block_size_mismatches,
-                    "last_seq": s.last_seq, "batches": s.batches, "blocks": held,
+                    "last_seq": s.last_seq, "batches": s.batches, "events": s.events,
+                    "blocks": held,
                 })
             return rows
 

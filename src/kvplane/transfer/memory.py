@@ -13,6 +13,7 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,15 @@ def sweep_stale_shm() -> int:
     return removed
 
 
+def _unlink_quietly(path: str, owner: int) -> None:
+    if os.getpid() != owner:
+        return  # a forked child exiting: the file is its parent's
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class ManagedBuffer:
     """Memory backed by POSIX shared memory (``/dev/shm/kvplane-<pid>-<id>``, mode 0600), so
     same-host peers can map it.
@@ -143,11 +153,13 @@ class ManagedBuffer:
         self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         self._path = os.path.join(SHM_DIR, self.name)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # a buffer nobody closed still leaves /dev/shm: when collected, or at interpreter exit
+        self._unlink = weakref.finalize(self, _unlink_quietly, self._path, os.getpid())
         try:
             os.ftruncate(fd, length)
             self._mmap: mmap.mmap | None = mmap.mmap(fd, length)
         except BaseException:
-            os.unlink(self._path)
+            self._unlink()
             raise
         finally:
             os.close(fd)
@@ -164,10 +176,7 @@ class ManagedBuffer:
         """Unlink the name and release the mapping once no view needs it (idempotent)."""
         if self._mmap is None:
             return
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
         self.array = None  # type: ignore[assignment]
         mm, self._mmap = self._mmap, None
         try:

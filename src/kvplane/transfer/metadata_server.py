@@ -87,7 +87,7 @@ def create_app(token: str = "", plugins: Sequence[Plugin] = ()) -> FastAPI:
 
     for plugin in plugins:
         plugin(app, auth)
-    app.mount("/metrics", metrics.asgi_app())
+    metrics.add_route(app)  # no 307 to /metrics/: plain curl prints it
     return app
 
 

@@ -2,11 +2,12 @@
 
 import json
 import os
+import queue
 import re
-import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -33,17 +34,20 @@ def test_help_teaches_vllm_setup():
 
 
 def _read_line(proc, pattern, timeout):
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stderr, selectors.EVENT_READ)
+    """The first stderr line matching ``pattern`` (read in a thread: lines that arrive together
+    sit in the pipe's buffer, where select() no longer sees them)."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in iter(proc.stderr.readline, "")],
+                     daemon=True).start()
     deadline, seen = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
-        if sel.select(deadline - time.monotonic()):
-            line = proc.stderr.readline()
-            if not line:
-                break
-            seen += line
-            if m := re.search(pattern, line):
-                return m
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        seen += line
+        if m := re.search(pattern, line):
+            return m
     raise AssertionError(f"no {pattern!r} within {timeout}s; stderr:\n{seen}")
 
 

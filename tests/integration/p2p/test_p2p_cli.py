@@ -50,4 +50,6 @@ def test_get_of_unknown_name_fails_with_one_line(tracker, tmp_path):
     res = subprocess.run(CLI + ["get", "nope", "--out", str(tmp_path), "--tracker", tracker.url],
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "KVPLANE_TOKEN": TOKEN})
-    assert res.returncode != 0 and "NotFound" in res.stderr
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.splitlines() == [res.stderr.strip()], res.stderr  # one line, no traceback
+    assert res.stderr.startswith("kvplane p2p get: ") and "no object 'nope'" in res.stderr

@@ -129,4 +129,10 @@ def test_replicate_config_and_metrics(cluster, client):
     assert client.get("pin-k") == b"p"
     text = httpx.get(f"http://127.0.0.1:{cluster['admin']}/metrics/", headers=headers()).text
     assert "master_key_count" in text and "master_rpc_requests_total" in text
+    # plain `curl http://HOST:ADMIN/metrics` (no -L): the exposition itself, not a 307
+    plain = httpx.get(f"http://127.0.0.1:{cluster['admin']}/metrics", headers=headers(),
+                      follow_redirects=False)
+    assert plain.status_code == 200 and "master_key_count" in plain.text
+    assert plain.headers["content-type"].startswith("text/plain")
+    assert httpx.get(f"http://127.0.0.1:{cluster['admin']}/metrics").status_code == 401
     assert httpx.get(f"http://127.0.0.1:{cluster['admin']}/health").json()["ready"] is True

@@ -169,6 +169,8 @@ def test_http_metadata_server_limits():
         assert httpx.delete(base, params={"key": "k"}, headers=hdr).status_code == 200
         assert httpx.get(f"{srv.url}/metrics/").status_code == 401  # /metrics needs it too
         assert "kvplane_metadata_keys" in httpx.get(f"{srv.url}/metrics/", headers=hdr).text
+        plain = httpx.get(f"{srv.url}/metrics", headers=hdr, follow_redirects=False)  # no 307
+        assert plain.status_code == 200 and "kvplane_metadata_keys" in plain.text
         assert httpx.get(f"{srv.url}/health").status_code == 200  # the one open path
 
 

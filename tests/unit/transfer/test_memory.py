@@ -78,7 +78,7 @@ def test_stale_shared_memory_of_dead_processes_is_swept():
 
     from kvplane.transfer.memory import sweep_stale_shm
 
-    code = "from kvplane.transfer.memory import ManagedBuffer as M; b = M(4096); print(b.name)"
+    code = "from kvplane.transfer.memory import ManagedBuffer as M; b = M(4096); print(b.name, flush=True)"
     name = subprocess.run([sys.executable, "-c", code + "; import os; os._exit(0)"],
                           capture_output=True, text=True, check=True).stdout.strip()
     assert os.path.exists(f"/dev/shm/{name}")  # the process died without cleaning up

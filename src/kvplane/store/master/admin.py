@@ -19,6 +19,7 @@ from kvplane.common import metrics
 from kvplane.common.auth import ADMIN, DEFAULT_TENANT, Principal
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.http_guard import principal_of
+from kvplane.store.master import dashboard
 from kvplane.store.master.access import check_tenant, keys_of, scoped
 from kvplane.store.master.state import MasterState
 
@@ -47,28 +48,32 @@ def _infra(request: Request) -> Principal:
 
 
 def build(state_of: Callable[[], MasterState], lock: threading.Lock,
+          status: Callable[[bool, bool], dict[str, Any]] | None = None,
           ha_status: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     """The admin app over ``state_of()`` (read under ``lock``; an HA master switches its state
-    when it wins or loses the lead). ``ha_status``: the role, for ``/health`` and
-    ``/ha_status``."""
+    when it wins or loses the lead). ``status(admin, with_history)`` serves ``/status`` and
+    ``/dashboard`` (``kvplane.store.master.dashboard``); ``ha_status()``: the role, for
+    ``/health`` and ``/ha_status``."""
     app = FastAPI(title="kvplane master", version="1")
 
-    def status() -> dict[str, Any]:
+    def role_of() -> dict[str, Any]:
         return ha_status() if ha_status is not None else {"role": "leader"}
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        state, role = state_of(), status()["role"]
+        state, role = state_of(), role_of()["role"]
         return {"status": "ok", "role": role, "ready": role == "leader",
                 "keys": len(state.objects), "segments": len(state.segments)}
 
     @app.get("/ha_status")
     def ha() -> dict[str, Any]:
-        return status()
+        return role_of()
 
+    if status is not None:
+        dashboard.install(app, status, _infra)
     _key_routes(app, state_of, lock)
     _segment_routes(app, state_of, lock)
-    app.mount("/metrics", metrics.asgi_app())
+    metrics.add_route(app)  # no 307 to /metrics/: plain curl prints it
     return app
 
 

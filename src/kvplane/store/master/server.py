@@ -32,7 +32,7 @@ from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, NotLeader, ObjectNotFound, Recovering
-from kvplane.store.master import admin
+from kvplane.store.master import admin, status
 from kvplane.store.master.access import Access
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
@@ -106,6 +106,10 @@ class MasterServer:
             self.events = PoolEvents(host, kv_events_port, auth=self.auth)
         self.clock = clock
         self.lock = threading.Lock()
+        self.rpc_calls: dict[str, int] = {}  # RPCs served, by method
+        self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
+        self.history = status.History()
+        self.started = (clock(), time.time())
         self.rpc = RpcServer(host, port, authenticate=self.auth)
         self.port = self.rpc.port
         for name, fn, typ in (
@@ -124,6 +128,7 @@ class MasterServer:
         self.replicas.install()
         TierRpc(self).install()
         self.rpc.start()
+        self.host = host
         self.election: Any = None
         if ha:
             self.election = self._election(ha, cluster, advertise or f"{host}:{self.port}",
@@ -198,6 +203,10 @@ class MasterServer:
             with self.lock:
                 if self.election is not None and not self.leading():
                     raise NotLeader(f"not the leader; etcd names {self.election.leader or 'none'}")
+                self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
+                keys = getattr(req, "keys", None)
+                self.key_ops[name] = self.key_ops.get(name, 0) + (
+                    len(keys) if isinstance(keys, list) else 1)
                 try:
                     return fn(req)
                 finally:
@@ -363,6 +372,8 @@ class MasterServer:
             tier_rpc.gauges(st)
             self._flush_changes()
             self._gauges(now)
+            if self.history.due(now):
+                self.history.add(status.sample(st, self.key_ops, now, time.time()))
             names = [n for n, seg in st.segments.items() if not seg.adopting]
         if self.election is not None:
             try:  # outside the lock: an etcd round trip
@@ -390,7 +401,7 @@ class MasterServer:
     def admin_app(self) -> FastAPI:
         """Mooncake-style admin API (read-only views, scoped by the caller's token), with the
         HA role in ``/health`` and ``/ha_status``."""
-        return admin.build(lambda: self.state, self.lock, self.ha_status)
+        return admin.build(lambda: self.state, self.lock, self.status, self.ha_status)
 
     def ha_status(self) -> dict[str, Any]:
         """Role, term, leader address, epoch, recovering (``/ha_status``)."""
@@ -401,6 +412,18 @@ class MasterServer:
                 "leader": e.leader if e else f"{self.rpc.host}:{self.port}",
                 "epoch": self.state.epoch, "recovering": recovering,
                 "elections": e.elections if e else 0}
+
+    def status(self, admin: bool = False, with_history: bool = False) -> dict[str, Any]:
+        """The ``/status`` document (``kvplane.store.master.status``): segments, objects,
+        evictions, ops and their rates; ``admin`` adds segment owners."""
+        with self.lock:
+            now = self.clock()
+            ident = {"address": f"{self.host}:{self.port}",
+                     "admin_port": self.http.port if self.http else None,
+                     "uptime_s": round(now - self.started[0], 3),
+                     "started_at": round(self.started[1], 3)}
+            return status.document(self.state, self.history, self.key_ops, self.rpc_calls, now,
+                                   time.time(), ident, admin=admin, with_history=with_history)
 
     def close(self) -> None:
         """Stop the timer, RPC and HTTP (idempotent); a leader hands its lease back."""
