@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
+from kvplane.cli import disk_opts
 from kvplane.cli.errors import check_ports
 from kvplane.cli.lifecycle import (
     admin_token_option, announce, no_auth_option, resolve_token, size_option, store_client,
@@ -31,6 +34,10 @@ def serve(
     tenants: str = typer.Option(None, help="JSON file of tenant tokens ({\"tenants\": {NAME: "
                                 "TOKEN}}); default KVPLANE_TENANTS_FILE."),
     ready_file: str = typer.Option(None, help="Write the bound addresses here as JSON once ready."),
+    disk_dir: str = disk_opts.DISK_DIR,
+    disk_size: int = disk_opts.DISK_SIZE,
+    disk_write_through: bool = disk_opts.WRITE_THROUGH,
+    disk_direct: bool = disk_opts.DIRECT,
 ) -> None:
     """Run a whole store node on embedded defaults, on loopback.
 
@@ -45,12 +52,14 @@ def serve(
     tenant_tokens = load_tenants(tenants)
     check_ports(host, {"--master-port": master_port, "--metadata-port": metadata_port,
                        "--admin-port": admin_port})
+    disk = disk_opts.disk_config(disk_dir, disk_size, disk_write_through, disk_direct)
     _run(host, master_port, metadata_port, admin_port, segment_size, tok, adm, tenant_tokens,
-         ready_file)
+         ready_file, disk)
 
 
 def _run(host: str, master_port: int, metadata_port: int, admin_port: int, segment_size: int,
-         tok: str, adm: str, tenant_tokens: dict[str, str], ready_file: str | None) -> None:
+         tok: str, adm: str, tenant_tokens: dict[str, str], ready_file: str | None,
+         disk: dict[str, Any]) -> None:
     """Start the three parts, announce, wait; whatever started is closed on the way out."""
     from kvplane.p2p.tracker_api import mount
     from kvplane.store.config import StoreConfig
@@ -66,11 +75,12 @@ def _run(host: str, master_port: int, metadata_port: int, admin_port: int, segme
         seg = store_client(StoreConfig(master=f"{host}:{master.port}", metadata=url,
                                        local_hostname=host, global_segment_size=segment_size,
                                        local_buffer_size=0, token=tok,
-                                       peer_tokens=tuple(tenant_tokens.values())))
+                                       peer_tokens=tuple(tenant_tokens.values()), **disk))
         announce("serve", {"master": f"{host}:{master.port}", "metadata": url,
                            "p2p_tracker": f"http://{host}:{meta.port}",
                            "admin": f"http://{host}:{master.http.port}" if master.http else None,
-                           "segment": seg.segment_name, "segment_size": segment_size}, ready_file)
+                           "segment": seg.segment_name, "segment_size": segment_size,
+                           **disk_opts.announced(seg)}, ready_file)
         wait_for_signal()
     finally:
         for part in (seg, master, meta):

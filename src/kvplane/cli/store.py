@@ -6,6 +6,7 @@ from typing import Any
 
 import typer
 
+from kvplane.cli import disk_opts
 from kvplane.cli.errors import check_ports
 from kvplane.cli.lifecycle import (
     admin_token_option, announce, no_auth_option, resolve_token, size_option, store_client,
@@ -122,8 +123,13 @@ def segment(
     tenants: str = typer.Option(None, help="The master's tenants file: tenants' clients may then "
                                 "reach this segment's data port (default KVPLANE_TENANTS_FILE)."),
     ready_file: str = typer.Option(None, help="Write the segment name here as JSON once mounted."),
+    disk_dir: str = disk_opts.DISK_DIR,
+    disk_size: int = disk_opts.DISK_SIZE,
+    disk_write_through: bool = disk_opts.WRITE_THROUGH,
+    disk_direct: bool = disk_opts.DIRECT,
 ) -> None:
-    """Contribute a shared-memory DRAM segment to the pool (Mooncake's mooncake_client role)."""
+    """Contribute a shared-memory DRAM segment to the pool (Mooncake's mooncake_client role),
+    optionally backed by an SSD tier (--disk-dir, docs/store.md "SSD tier")."""
     from kvplane.common.auth import token_authenticator
     from kvplane.common.http import ServerThread, metrics_app
     from kvplane.store.config import StoreConfig
@@ -134,7 +140,9 @@ def segment(
         check_master(master_addr)
         cfg = StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                           port=data_port, global_segment_size=size, local_buffer_size=0,
-                          token=tok, peer_tokens=peers)
+                          token=tok, peer_tokens=peers,
+                          **disk_opts.disk_config(disk_dir, disk_size, disk_write_through,
+                                                  disk_direct))
     check_ports(host, {"--metrics-port": metrics_port, "--data-port": data_port})
     c = store_client(cfg)
     http = None
@@ -143,7 +151,8 @@ def segment(
             http = ServerThread(metrics_app(), host, metrics_port,
                                 authenticate=token_authenticator(tok), name="segment-metrics")
         announce("segment", {"segment": c.segment_name, "size": size,
-                             "metrics_port": http.port if http else None}, ready_file)
+                             "metrics_port": http.port if http else None,
+                             **disk_opts.announced(c)}, ready_file)
         wait_for_signal()
     finally:
         c.close()

@@ -22,8 +22,10 @@ from __future__ import annotations
 import errno
 import inspect
 import logging
+import os
 import random
 import re
+import shutil
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -192,14 +194,27 @@ def hostname_of(local_hostname: str) -> tuple[str, int]:
     return host, int(port) if port.isdigit() and int(port) < 65536 else 0
 
 
+def _ssd_offload(args: SetupArgs) -> dict[str, Any]:
+    """``enable_ssd_offload`` + ``ssd_offload_path``: this client's segment gets an SSD tier
+    there (docs/store.md, "SSD tier"), its quota Mooncake's 2 TB default capped at 90 % of the
+    file system's free space."""
+    if not args.enable_ssd_offload:
+        return {}
+    if not args.ssd_offload_path or args.global_segment_size <= 0:
+        log.warning("setup: enable_ssd_offload needs ssd_offload_path and a segment; ignored")
+        return {}
+    os.makedirs(args.ssd_offload_path, exist_ok=True)
+    free = shutil.disk_usage(args.ssd_offload_path).free
+    return {"disk_dir": args.ssd_offload_path, "disk_size": max(1, min(2 << 40, free * 9 // 10))}
+
+
 def open_client(args: SetupArgs, **overrides: Any) -> StoreClient:
     """A native StoreClient for ``args``.
 
     Raises:
         KVPlaneError, OSError: the client could not start (nothing it made is left running).
     """
-    if args.enable_ssd_offload:
-        log.warning("setup: enable_ssd_offload is not served yet (no SSD tier); ignored")
+    overrides = {**_ssd_offload(args), **overrides}
     if args.enable_client_http_server:
         log.warning("setup: the client HTTP server is not served; client_http_port ignored")
     host, port = hostname_of(args.local_hostname)

@@ -39,6 +39,11 @@ class StoreConfig:
             mismatch fails over to another replica and is never returned as a success. Off by
             default: it cost more than 10 % on 1 MiB gets (docs/benchmarks.md, "Checksums").
         client_id: unique id of this client (fresh by default).
+        disk_dir: directory of this node's SSD tier ("" : none; needs a segment).
+        disk_size: bytes the SSD tier may hold (its quota).
+        disk_write_through: copy every committed object to disk (default: copy objects to disk
+            as they near eviction, "offload on eviction").
+        disk_direct: read disk files with O_DIRECT instead of through the page cache.
     """
 
     master: str = "127.0.0.1:50051"
@@ -56,12 +61,18 @@ class StoreConfig:
     lease_ttl: float = 10.0
     checksum: bool = False
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    disk_dir: str = ""
+    disk_size: int = 0
+    disk_write_through: bool = False
+    disk_direct: bool = False
 
     def __post_init__(self) -> None:
         if self.global_segment_size < 0 or self.local_buffer_size < 0:
             raise InvalidArgument("segment and buffer sizes must be >= 0")
         if self.timeout <= 0 or self.heartbeat_interval <= 0:
             raise InvalidArgument("timeout and heartbeat_interval must be > 0")
+        if self.disk_dir and (self.disk_size <= 0 or self.global_segment_size <= 0):
+            raise InvalidArgument("an SSD tier (disk_dir) needs disk_size > 0 and a segment")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreConfig":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from kvplane.store.inventory import Record
+from kvplane.store.tier_types import DiskReplica
 
 MAX_KEY = 4096  # bytes of a key
 MAX_VALUE = 1 << 40  # bytes of one object
@@ -56,6 +57,9 @@ class SegmentInfo(msgspec.Struct):
     endpoint: str
     host_id: str
     used: int = 0
+    disk_size: int = 0  # bytes of the owner's SSD tier (0: none)
+    disk_endpoint: str = ""  # the owner's disk RPC (read-through), host:port
+    write_through: bool = False  # copy every committed object to disk (else: ahead of eviction)
 
 
 # --- RPC messages ----------------------------------------------------------------------
@@ -144,6 +148,7 @@ class KeyResult(msgspec.Struct, array_like=True):
     version: int = 0  # the object's version (the generation of the put that made it)
     checksum: int = 0  # of the object's bytes (0: none recorded)
     header: bytes = b""  # PutStart: the inventory header to write in front of every replica
+    disk: list[DiskReplica] = msgspec.field(default_factory=list)  # SSD copies (read-through)
 
 
 class KeysReq(msgspec.Struct):
@@ -178,6 +183,8 @@ class RegexReq(msgspec.Struct):
 class ResultsRep(msgspec.Struct):
     results: list[KeyResult]
     ttl: float = 0.0  # seconds the replicas stay valid from the master's receipt (lease or write window)
+    retry_after: float = 0.0  # PutStart: room is being made (offloads to disk); retry the
+    # NoAvailableHandle keys after this many seconds, within the call's deadline
 
 
 class CodesRep(msgspec.Struct):

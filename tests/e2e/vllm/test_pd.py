@@ -7,7 +7,10 @@ prompt alone, before any PD request, so it ran without any cache.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -45,7 +48,7 @@ class Server:
                 "--prefix-caching-hash-algo", "sha256", "--disable-hybrid-kv-cache-manager",
                 "--kv-transfer-config", json.dumps(pd_kv_config(role))]
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=vllm_env())
+                                     env=vllm_env(), start_new_session=True)  # + engine core
 
     def ready(self) -> bool:
         if self.proc.poll() is not None:
@@ -55,14 +58,21 @@ class Server:
         except httpx.HTTPError:
             return False
 
+    def _group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
     def close(self) -> None:
+        """Stop the API server and its engine core (one process group): a server that never
+        became ready must not leave an orphaned engine core behind."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self._group(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                pass
+        self._group(signal.SIGKILL)
+        self.proc.wait(10)
         self.log.close()
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 import threading
 import time
 from contextlib import ExitStack
@@ -43,14 +42,16 @@ from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError, Timeout, Unavailable
 from kvplane.store.checksum import digest
 from kvplane.store.config import StoreConfig
+from kvplane.store.disk.node import DiskDuty
 from kvplane.store.client import moves
 from kvplane.store.client.duty import SegmentDuty
 from kvplane.store.client.link import MasterLink
+from kvplane.store.client import tiering
 from kvplane.store.client.remount import Holdings
 from kvplane.store.client.staging import Staging
 from kvplane.store.errors import InvalidParams, ObjectExists, TransferFail, key_error
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq,
+    CodesRep, KeyResult, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq,
     RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
 )
 from kvplane.transfer import EngineConfig, OpCode, TransferEngine
@@ -84,6 +85,8 @@ class StoreClient:
         self.duty = SegmentDuty(self)
         self.holdings = Holdings(self)
         self.corrupt_reads = 0  # replica reads whose bytes failed the checksum
+        self.disk_links = tiering.DiskLinks(cfg.token)
+        self.disk: DiskDuty | None = None
         try:
             self.rpc = MasterLink(cfg.master, cfg.token, cfg.timeout)
             self.staging = Staging(self.engine, cfg.local_buffer_size)
@@ -96,9 +99,14 @@ class StoreClient:
                                               cfg.global_segment_size - FENCE_WORD,
                                               cfg.client_id, self.engine.name,
                                               self.engine.host_id)]
+                if cfg.disk_dir:
+                    self.disk = DiskDuty(self)
+                    self.disk.describe(self._segments[0])
             self.mount()
         except BaseException:  # a failed start leaves no listener, thread or shared memory
             self._closed.set()
+            if self.disk is not None:
+                self.disk.close()
             if hasattr(self, "rpc"):
                 self.rpc.close()
             self.engine.close()
@@ -115,6 +123,8 @@ class StoreClient:
         history = self.holdings.history
         rep = self.rpc.call("mount", MountReq(self.config.client_id, self._segments, history,
                                               adopt=bool(self._segments and history)), MountRep)
+        if self.disk is not None and rep.epoch > 0:  # before the memory records: their last
+            self.disk.mounted(rep.epoch, rep.secret)  # batch ends a recovering master's wait
         if self._segments and rep.epoch > 0:
             self.holdings.mounted(rep)
 
@@ -202,9 +212,7 @@ class StoreClient:
         # what ``config.checksum`` turns on)
         sums = [digest(self.engine.memory.view(a, n)) for a, n in zip(addrs, sizes)]
         sent = time.monotonic()
-        rep = self._call("put_start", PutStartReq(
-            self.config.client_id, keys, sizes, cfg, upsert, deadline.remaining(), sums,
-            secrets.randbits(63) | 1), ResultsRep, deadline)
+        rep = tiering.put_start(self, keys, sizes, cfg, upsert, sums, deadline)
         codes = [r.code for r in rep.results]
         ok = [i for i, c in enumerate(codes) if c == 0]
         reserve = min(WRITE_RESERVE * self.config.timeout, 1.0)
@@ -244,7 +252,7 @@ class StoreClient:
             return []
         deadline = Deadline.after(self.config.timeout)
         results, lease_end = self._get_replicas(keys, deadline)
-        got = moves.read(self, results, [int(a) for a in addrs], [int(s) for s in sizes],
+        got = tiering.read(self, results, [int(a) for a in addrs], [int(s) for s in sizes],
                          deadline, lease_end)
         return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
 
@@ -254,7 +262,10 @@ class StoreClient:
         sent = time.monotonic()
         rep = self._call("get_replicas", KeysReq(self.config.client_id, list(keys),
                                                  self.suspects.take()), ResultsRep, deadline)
-        return rep.results, sent + (rep.ttl if rep.ttl > 0 else self.config.lease_ttl)
+        results = rep.results
+        if tiering.cold(results):  # on disk only: the owner reads them into memory first
+            results = tiering.read_through(self, list(keys), results, deadline)
+        return results, sent + (rep.ttl if rep.ttl > 0 else self.config.lease_ttl)
 
     # -- the rest of the API --------------------------------------------------------------------------
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
@@ -297,7 +308,7 @@ class StoreClient:
                                            for k, r in zip(keys, results)]
         with ExitStack() as stack:
             blocks = [stack.enter_context(self.staging.block(results[i].size)) for i in hits]
-            got = moves.read(self, [results[i] for i in hits], [a for a, _ in blocks],
+            got = tiering.read(self, [results[i] for i in hits], [a for a, _ in blocks],
                              [results[i].size for i in hits], deadline, lease_end)
             for i, n, (_, view) in zip(hits, got, blocks):
                 out[i] = view[:n].tobytes() if n >= 0 else key_error(n, keys[i])
@@ -365,6 +376,9 @@ class StoreClient:
         self._closed.set()
         self._hb.join(self.config.heartbeat_interval + 1)
         self.duty.close()
+        if self.disk is not None:
+            self.disk.close()
+        self.disk_links.close()
         if self._segments:
             try:
                 self.rpc.call("unmount", MountReq(self.config.client_id, self._segments), int,

@@ -20,7 +20,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
+from kvplane.store.client import tiering
 from kvplane.store.errors import InvalidParams, LeaseExpired, TransferFail
 from kvplane.store.types import (
     CodesRep, KeyResult, KeysReq, PutEndReq, PutStartReq, Replica, ReplicateConfig, ResultsRep,
@@ -47,7 +49,11 @@ class Ranges:
         rep = self.c.rpc.call("get_replicas", KeysReq(self.c.config.client_id, list(keys)),
                               ResultsRep)
         ttl = rep.ttl or self.c.config.lease_ttl  # the master's lease, as it states it
-        return rep.results, t0 + ttl
+        results = rep.results
+        if tiering.cold(results):  # on an SSD tier only: promoted into memory first
+            results = tiering.read_through(self.c, list(keys), results,
+                                           Deadline.after(self.c.config.timeout), inline=False)
+        return results, t0 + ttl
 
     def read(self, result: KeyResult, ranges: Sequence[Range], lease_end: float) -> list[int]:
         """Read each range of one object (see the module docstring)."""

@@ -33,6 +33,8 @@ class MasterConfig:
         recovery_grace: seconds a master that takes over segments (a new leader, or a restart
             the segments report) answers misses with ``Recovering`` while they re-register
             what they hold; a leader stops earlier once every segment it expects is back.
+        offload_watermark: used ratio of a segment with an SSD tier above which its least
+            recently used objects are copied to disk ahead of eviction (offload on eviction).
     """
 
     lease_ttl: float = 10.0
@@ -51,6 +53,7 @@ class MasterConfig:
     repair_timeout: float = 30.0
     repairs_per_ping: int = 256
     recovery_grace: float = 3.0
+    offload_watermark: float = 0.80
 
     def __post_init__(self) -> None:
         if not 0 < self.high_watermark <= 1 or not 0 < self.evict_ratio <= 1:

@@ -49,14 +49,14 @@ class Repairs:
         """Complete objects holding fewer replicas than asked for, now."""
         objs = self._st.objects
         return sum(1 for k in self.short
-                   if k in objs and objs[k].complete and len(objs[k].replicas) < objs[k].want)
+                   if k in objs and objs[k].complete and 0 < len(objs[k].replicas) < objs[k].want)
 
     def plan(self, now: float) -> int:
         """Allocate targets for short objects (no eviction); returns tasks created."""
         st, made = self._st, 0
         for key in list(self.short)[:SCAN]:
             obj = st.objects.get(key)
-            if obj is None or not obj.complete or len(obj.replicas) >= obj.want:
+            if obj is None or not obj.complete or not 0 < len(obj.replicas) < obj.want:
                 self.short.discard(key)
                 continue
             if key in self.pending:

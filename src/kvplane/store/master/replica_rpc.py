@@ -17,7 +17,7 @@ from kvplane.store.errors import ObjectNotFound
 from kvplane.store.master.state import Obj
 from kvplane.store.master.tasks import Tasks
 from kvplane.store.replica_types import (
-    MEMORY, DescRep, DescResult, ReplicaClearReq, ReplicaInfo, TaskCreateRep, TaskCreateReq,
+    LOCAL_DISK, MEMORY, DescRep, DescResult, ReplicaClearReq, ReplicaInfo, TaskCreateRep, TaskCreateReq,
     TaskDoneReq, TaskInfo, TaskReq, TaskWork,
 )
 from kvplane.store.types import KeysReq
@@ -67,7 +67,9 @@ class ReplicaRpc:
         status = "COMPLETE" if obj.complete else "PROCESSING"
         segs = self.state.segments
         return [ReplicaInfo(MEMORY, status, obj.size, rep) for rep in
-                obj.replicas_of(segs, [r for r in obj.replicas if r[0] in segs])]
+                obj.replicas_of(segs, [r for r in obj.replicas if r[0] in segs])] + \
+            [ReplicaInfo(LOCAL_DISK, status, obj.size, None, path)  # SSD copies (tiers.py)
+             for seg, path in obj.disk.items() if seg in segs]
 
     def descs(self, req: KeysReq) -> DescRep:
         out = []

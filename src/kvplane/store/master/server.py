@@ -31,13 +31,15 @@ from kvplane.common.errors import KVPlaneError
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
-from kvplane.store.errors import NotLeader, ObjectNotFound, Recovering
+from kvplane.store.errors import NoAvailableHandle, NotLeader, ObjectNotFound, Recovering
 from kvplane.store.master import admin, status
 from kvplane.store.master.access import Access
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.replica_rpc import ReplicaRpc
 from kvplane.store.master.state import MasterState
+from kvplane.store.master import tier_rpc
+from kvplane.store.master.tier_rpc import TierRpc
 from kvplane.store.types import (
     AdoptReq, CodesRep, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq,
     RegexReq, RemoveReq, RepairDoneReq, ResultsRep,
@@ -64,6 +66,7 @@ ADOPTED = metrics.Gauge("master_adopted_replicas", "Replicas re-registered from 
 FORGETS = metrics.Gauge("master_pending_forgets", "Freed headers the segments have not cleared yet")
 
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
+RETRY_AFTER = 0.05  # seconds a put that found memory full of objects being offloaded waits
 
 
 class MasterServer:
@@ -123,6 +126,7 @@ class MasterServer:
         self.replicas = ReplicaRpc(self)
         self.access.tasks = self.replicas.tasks
         self.replicas.install()
+        TierRpc(self).install()
         self.rpc.start()
         self.host = host
         self.election: Any = None
@@ -278,6 +282,8 @@ class MasterServer:
         for k, r in zip(req.keys, out.results):
             if r.code == 0:
                 self.state.objects[k].owner = req.client_id  # Mooncake's metadata.client_id
+        if self.state.tiers.offloads and any(r.code == NoAvailableHandle.code for r in out.results):
+            out.retry_after = RETRY_AFTER  # offloads under way will make room
         return out
 
     def _put_end(self, req: PutEndReq) -> CodesRep:
@@ -361,6 +367,9 @@ class MasterServer:
             self._evicted_seen = st.evicted
             st.repairs.expire(now)
             st.repairs.plan(now)
+            st.tiers.expire(now)
+            st.tiers.plan(now)
+            tier_rpc.gauges(st)
             self._flush_changes()
             self._gauges(now)
             if self.history.due(now):

@@ -35,6 +35,7 @@ from kvplane.store.master.allocator import OffsetAllocator
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.fences import Quarantine
 from kvplane.store.master.repair import Repairs
+from kvplane.store.master.tiers import DiskTier
 from kvplane.store.types import MAX_KEY, MAX_VALUE, KeyResult, Replica, ReplicateConfig, SegmentInfo
 from kvplane.transfer.fence import EPOCH_SHIFT
 
@@ -74,6 +75,7 @@ class Obj:
     header: bytes = b""  # that header, while the put is unfinished
     flags: int = 0  # inventory flags (hard pin)
     nonce: int = 0  # id of the PutStart call that made it (a retry of it resumes the put)
+    disk: dict[str, str] = field(default_factory=dict)  # SSD copies: segment -> file path
 
     def replicas_of(self, segments: dict[str, "Segment"], reps: list[Rep] | None = None
                     ) -> list[Replica]:
@@ -102,6 +104,7 @@ class MasterState:
         self.graveyard = Quarantine()  # freed space not yet reusable
         self.repairs = Repairs(self)
         self.adoption = Adoption(self)
+        self.tiers = DiskTier(self)
         self.gate_until = 0.0  # recovering until then ...
         self.awaiting: set[str] | None = None  # ... or until these segments re-registered
         self.view_version = 1
@@ -169,6 +172,15 @@ class MasterState:
         if rec.want > 1:
             self.repairs.short.add(rec.key)
 
+    def disk_object(self, rec: inventory.Record, segment: str, path: str) -> None:
+        """A complete object re-registered from a node's disk copy (``tiers.py``): no memory
+        replica until a read promotes it."""
+        self.objects[rec.key] = Obj(rec.size, [], True, 0.0,
+                                    hard_pin=bool(rec.flags & inventory.FLAG_HARD_PIN),
+                                    version=rec.version, checksum=rec.checksum, want=rec.want,
+                                    hdr=rec.hdr, flags=rec.flags, disk={segment: path})
+        self.changes.append(("stored", rec.key))
+
     def recover(self, now: float, grace: float, awaiting: set[str] | None) -> None:
         """Answer misses with ``Recovering`` for up to ``grace`` seconds, or until every segment
         in ``awaiting`` (None: unknown) has re-registered."""
@@ -193,17 +205,22 @@ class MasterState:
         if self.awaiting is not None:
             self.awaiting.discard(name)
         lost = 0
+        for key in self.tiers.drop_segment(name):
+            obj = self.objects.pop(key)
+            self.repairs.forget(key, 0.0)
+            self.changes.append(("removed", key))
+            lost += 1
         for key in list(self.objects):
             obj = self.objects[key]
             keep = [r for r in obj.replicas if r[0] != name]
             if len(keep) != len(obj.replicas):
                 obj.replicas = keep
-                if not keep:
+                if not keep and not obj.disk:
                     del self.objects[key]
                     if obj.complete:
                         self.changes.append(("removed", key))
                     lost += 1
-                elif obj.complete:
+                elif obj.complete and keep:
                     self.repairs.short.add(key)
         return lost
 
@@ -349,6 +366,7 @@ class MasterState:
             self.objects.move_to_end(key)
             if len(obj.replicas) < obj.want:
                 self.repairs.short.add(key)
+            self.tiers.stored(key, obj)
         return 0
 
     def put_revoke(self, key: str, now: float, version: int = 0) -> int:
@@ -374,7 +392,7 @@ class MasterState:
         if len(reps) > 1 and any(self.segments[r[0]].suspect_since is not None for r in reps):
             reps = sorted(reps, key=lambda r: self.segments[r[0]].suspect_since is not None)
         return KeyResult(0, obj.replicas_of(self.segments, reps), obj.size, obj.version,
-                         obj.checksum)
+                         obj.checksum, disk=self.tiers.disk_replicas(key, obj) if obj.disk else [])
 
     def exist(self, key: str, now: float) -> int:
         """1 if a complete object exists (and lease it, as Mooncake's ExistKey does), else 0."""
@@ -454,10 +472,16 @@ class MasterState:
                 obj = self.objects[key]
                 if not obj.complete or obj.hard_pin or obj.lease_until > now:
                     continue
-                if (obj.soft_pin_until > now) != soft_pass:
+                if (obj.soft_pin_until > now) != soft_pass or not obj.replicas:
                     continue
-                freed += (obj.hdr + obj.size) * len(obj.replicas)
-                self._drop(key, obj, now)
+                verdict = self.tiers.verdict(key, obj, now)
+                if verdict == "keep":  # its disk copy is being made: evictable once it is
+                    continue
+                if verdict == "demote":  # stays readable from disk
+                    freed += self.tiers.demote(key, obj, now)
+                else:
+                    freed += (obj.hdr + obj.size) * len(obj.replicas)
+                    self._drop(key, obj, now)
                 count += 1
         self.evicted += count
         return count
@@ -507,6 +531,7 @@ class MasterState:
         an unfinished put only once its write window is over and its segment fenced it."""
         self.objects.pop(key, None)
         self.repairs.forget(key, now)
+        self.tiers.dropped(key, obj, now)
         if obj.complete:
             self.changes.append(("removed", key))
         for seg, off, gen in obj.replicas:

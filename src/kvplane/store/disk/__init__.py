@@ -1,0 +1,1 @@
+"""The SSD tier of a segment node: on-disk layout, the local store, and its duties."""
