@@ -82,6 +82,10 @@ def test_clients_follow_the_leader_and_keep_their_objects(etcd):
         for k, v in values.items():
             cli.put(k, v)
         assert facade.put("f", b"facade") == 0
+        # the leader lists its segments in etcd within 0.1 s; a new leader answers misses
+        # "retry" until the listed ones are back (at most the 3 s grace)
+        wait_until(lambda: leader.election._published == (seg.segment_name,), 5,
+                   "the segment list in etcd")
         leader.close()
         t0 = time.monotonic()
         for k, v in values.items():  # retried within their deadline across the failover

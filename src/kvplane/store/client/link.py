@@ -79,6 +79,8 @@ class MasterLink:
         got = self._etcd.get(self._where.key("leader"))
         with self._lock:
             self._resolved_at = time.monotonic()
+            if self._rpc is not None:  # another thread resolved it meanwhile: share that one
+                return self._rpc
             if got is None:
                 raise NotLeader(f"no master leads cluster {self._where.cluster!r} yet")
             view = json.loads(got[0])
