@@ -16,19 +16,7 @@ if [[ ! -x "$PY" ]]; then
 fi
 # kvplane dependencies vLLM does not bring (xxhash, for checksums): install only what is missing,
 # never upgrading what vLLM pinned
-"$PY" - <<'PYEOF'
-import importlib.util, subprocess, sys, tomllib
-IMPORT_NAME = {"pyzmq": "zmq", "prometheus-client": "prometheus_client"}
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-missing = []
-for spec in deps:
-    name = spec.split(">")[0].split("=")[0].split("<")[0].strip()
-    if importlib.util.find_spec(IMPORT_NAME.get(name, name.replace("-", "_"))) is None:
-        missing.append(spec)
-if missing:
-    print("setup-20-vllm-kvplane: installing", missing)
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *missing])
-PYEOF
+"$PY" .ci/install_missing_deps.py setup-20-vllm-kvplane
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$PWD/src" > "$SITE/kvplane-src.pth"
 "$PY" -c "import kvplane.integrations.vllm.store_connector, kvplane.integrations.vllm.pd_connector, \

@@ -18,19 +18,7 @@ fi
 # kvplane dependencies the copied vLLM venv lacks (xxhash, for checksums; the venv may predate
 # setup-20 installing them): install only what is missing, never upgrading vLLM's or the engines'
 # pins (same step as .ci/setup-20-vllm-kvplane.sh)
-"$PY" - <<'PYEOF'
-import importlib.util, subprocess, sys, tomllib
-IMPORT_NAME = {"pyzmq": "zmq", "prometheus-client": "prometheus_client"}
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-missing = []
-for spec in deps:
-    name = spec.split(">")[0].split("=")[0].split("<")[0].strip()
-    if importlib.util.find_spec(IMPORT_NAME.get(name, name.replace("-", "_"))) is None:
-        missing.append(spec)
-if missing:
-    print("setup-40-engines-kvplane: installing", missing)
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *missing])
-PYEOF
+"$PY" .ci/install_missing_deps.py setup-40-engines-kvplane
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$PWD/src" > "$SITE/kvplane-src.pth"
 "$PY" -c "import kvplane.compat.mooncake, kvplane.store.client.client, kvplane.transfer, \
