@@ -103,7 +103,11 @@ def test_prefill_decode_through_proxy_matches_single_instance(tmp_path, tiny_mod
         ref_same_path = complete(p.url, model, tokens)
         out = complete(proxy.info["proxy"], model, tokens)
         assert out["tokens"] == ref["tokens"] == ref_same_path["tokens"]
-        assert max_diff(out["logprobs"], ref_same_path["logprobs"]) == 0.0
+        # Same path (96 cached + 1 computed), but in another process: CI once saw one logprob
+        # 1 ulp apart (4.8e-7 at -2.02) while the tokens matched, so this bound is a few ulps, not
+        # zero. Wrong or shifted KV moves logprobs by far more (the store pool test's
+        # corrupted-KV control measures > 1e-3).
+        assert max_diff(out["logprobs"], ref_same_path["logprobs"]) < 1e-5
         # a full 97-token prefill rounds differently from 96 cached + 1 (float32 kernels)
         assert max_diff(out["logprobs"], ref["logprobs"]) < 1e-4
         dlog = d.log_path.read_text()
