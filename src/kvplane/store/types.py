@@ -9,6 +9,11 @@ from kvplane.store.tier_types import DiskReplica
 
 MAX_KEY = 4096  # bytes of a key
 MAX_VALUE = 1 << 40  # bytes of one object
+# one ``list_keys`` answer carries at most this many keys and, past its first key, at most this
+# many bytes of keys (10,000 keys of 4 KiB would be 40 MiB, over the 16 MiB control frame); a
+# longer listing is read in pages (``ListKeysReq.after``)
+MAX_LIST_KEYS = 10_000
+MAX_LIST_BYTES = 4 << 20
 
 
 class ReplicateConfig(msgspec.Struct, kw_only=True):
@@ -178,6 +183,26 @@ class RegexReq(msgspec.Struct):
     client_id: str
     pattern: str
     force: bool = False
+
+
+class ListKeysReq(msgspec.Struct):
+    """One page of the caller's complete keys that start with ``prefix``, in ascending order.
+
+    ``limit``: at most this many keys (0: as many as one answer carries, ``MAX_LIST_KEYS``);
+    ``after``: only keys greater than this one (the last key of the previous page; None: from
+    the first)."""
+
+    client_id: str
+    prefix: str = ""
+    limit: int = 0
+    after: str | None = None
+
+
+class ListKeysRep(msgspec.Struct):
+    """``more``: keys past this page match too (ask again with ``after=keys[-1]``)."""
+
+    keys: list[str]
+    more: bool = False
 
 
 class ResultsRep(msgspec.Struct):

@@ -8,6 +8,7 @@
   the remote store, and writes the KV it stored to ``out``;
 * ``load``: a fresh engine (nothing local: ``local_cpu`` off) runs ``lookup`` and ``retrieve``
   into an empty paged KV cache and writes what it received to ``out``;
+* ``list``: a fresh engine's remote connector ``list()`` (the chunk keys it finds in the store);
 * ``bench``: the remote connector's ``batched_put`` / ``batched_contains`` / ``batched_get`` of
   N chunks, timed.
 
@@ -164,6 +165,16 @@ def op_load(config: dict[str, Any], tokens: list[int], out: str,
         inst.close()
 
 
+def op_list(config: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    inst = Instance(config, {})
+    try:
+        backend = inst.remote()
+        keys = asyncio.run_coroutine_threadsafe(backend.connection.list(), backend.loop)
+        return {"keys": keys.result(timeout)}
+    finally:
+        inst.close()
+
+
 def op_bench(config: dict[str, Any], chunks: int, geometry: dict[str, Any],
              repeat: int = 3) -> dict[str, Any]:
     """Remote-connector batched put / contains / get of ``chunks`` full chunks, ``repeat``
@@ -214,5 +225,5 @@ def _bench_once(inst: Instance, backend: Any, chunks: int) -> dict[str, Any]:
 if __name__ == "__main__":
     import lmcache
 
-    serve({"store": op_store, "load": op_load, "bench": op_bench},
+    serve({"store": op_store, "load": op_load, "list": op_list, "bench": op_bench},
           {"engine": "lmcache", "version": getattr(lmcache, "__version__", "?")})

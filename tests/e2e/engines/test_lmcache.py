@@ -15,6 +15,7 @@ import signal
 
 import pytest
 
+from kvplane.integrations.lmcache.keys import NAMESPACE, key_string
 from kvplane.store import MasterServer, StoreClient
 from kvplane.testing.store_procs import spawn_segment
 
@@ -38,6 +39,18 @@ def backend(kind: str, addr: str, protocol: str = "auto") -> dict:
         "local_hostname": "127.0.0.1"}}}
 
 
+def listed(engine, cfg: dict) -> set[str]:
+    """The native connector's ``list()`` in ``engine``'s process (each key once)."""
+    keys = engine.call("list", **cfg)["keys"]
+    assert len(keys) == len(set(keys)), keys
+    return set(keys)
+
+
+def pool_chunks(master: MasterServer) -> set[str]:
+    """The LMCache key strings of the chunks the master holds."""
+    return {key_string(k) for k in pool_keys(master) if k.startswith(NAMESPACE)}
+
+
 @pytest.mark.parametrize("kind", ["native", "mooncake"])
 def test_instance_b_finds_and_loads_a_prefix_bit_exact(kind, engine_pair, pool, conductor,
                                                        tmp_path):
@@ -45,6 +58,9 @@ def test_instance_b_finds_and_loads_a_prefix_bit_exact(kind, engine_pair, pool, 
     master, addr = pool
     cfg = backend(kind, addr)
     p1, p2, p3 = prompt(4, extra=5), prompt(4), prompt(4)
+    if kind == "native":  # chunks an earlier test left, as list() and the master see them
+        base = listed(b, cfg)
+        assert base == pool_chunks(master)
     stored = []
     for i, p in enumerate((p1, p2, p3)):
         before = pool_keys(master)
@@ -57,8 +73,14 @@ def test_instance_b_finds_and_loads_a_prefix_bit_exact(kind, engine_pair, pool, 
     tb = stored[0]["token_bytes"]
 
     corrupt(addr, stored[1]["objects"][2])  # the control: one chunk of p2 changes
+    chunks = {k for r in stored for k in r["keys"][:4]}
+    if kind == "native":  # list() returns exactly the chunks stored, as LMCache's key strings
+        assert len(chunks) == 12 and not chunks & base
+        assert listed(b, cfg) == base | chunks
     with StoreClient(master=addr, protocol="tcp") as c:
         c.remove(stored[2]["objects"][1], force=True)  # p3 loses its second chunk
+    if kind == "native":
+        assert listed(b, cfg) == base | (chunks - {stored[2]["keys"][1]})
 
     r1 = b.call("load", tokens=p1, out=str(tmp_path / "b0.kv"), **cfg)
     assert (r1["hit_tokens"], r1["loaded_tokens"]) == (4 * PAGE, 4 * PAGE), r1

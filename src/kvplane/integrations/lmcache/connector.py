@@ -15,8 +15,10 @@ plugin's backend. Chunks move between LMCache's memory objects and the store wit
 of LMCache's CPU allocator (zero copy; an object outside it goes through the copying calls).
 ``batched_contains`` answers with the leading hits in one RPC. Keys keep ``CacheEngineKey``
 intact (:mod:`kvplane.integrations.lmcache.keys`) and carry the chunk's KV-event hash, so the
-store's KV events show the pool's chunks to a conductor. A failed read or lookup is a miss; a
-failed write is logged and counted; nothing raises into LMCache.
+store's KV events show the pool's chunks to a conductor. ``list`` returns the key strings of
+the chunks in the store (one ``list_keys`` listing of the ``lmcache/`` namespace). A failed read
+or lookup is a miss; a failed write is logged and counted; nothing on the cache path raises into
+LMCache (``list``, an admin call, does).
 
 Imports LMCache and torch at module import; ``kvplane.integrations.lmcache`` itself does not.
 """
@@ -34,7 +36,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
-from kvplane.integrations.lmcache.keys import NAMESPACE, leading, store_key
+from kvplane.integrations.lmcache.keys import NAMESPACE, key_string, leading, store_key
 from kvplane.integrations.lmcache.settings import SCHEME, claims, plugin_settings
 
 log = logging.getLogger(__name__)
@@ -230,15 +232,32 @@ class KVPlaneConnector(RemoteConnector):
         return 0
 
     async def list(self) -> list[str]:
-        """Not supported: kvplane's client has no key listing (the master's admin HTTP
-        ``/get_all_keys`` lists keys; LMCache's chunk keys start with ``lmcache/``)."""
-        raise NotImplementedError(f"list keys with the master's /get_all_keys ({NAMESPACE}*)")
+        """The ``CacheEngineKey.to_string()`` of every chunk in the store (every LMCache
+        instance's on this pool, in the caller's tenant), in ascending store-key order.
+
+        An admin call, not the cache path: errors raise (a partial list would look whole).
+
+        Raises:
+            Unavailable, Timeout: the master cannot be reached, or the listing took longer
+                than the client's timeout.
+        """
+        names = await asyncio.to_thread(self.client.list_keys, NAMESPACE)
+        return [s for s in map(_chunk_key, names) if s is not None]
 
     async def close(self) -> None:
         await asyncio.to_thread(self.client.close)
 
     def __repr__(self) -> str:
         return f"<KVPlaneConnector {self.settings.master_server_address}>"
+
+
+def _chunk_key(name: str) -> str | None:
+    """The LMCache key string of store key ``name``; None for another writer's key that only
+    shares the namespace prefix."""
+    try:
+        return key_string(name)
+    except ValueError:
+        return None
 
 
 def _copy_into(obj: MemoryObj, data: bytes) -> int:

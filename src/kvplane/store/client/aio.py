@@ -10,7 +10,8 @@ from kvplane.store.client.client import StoreClient
 
 _METHODS = ("put", "get", "put_batch", "get_batch", "put_from", "get_into", "batch_put_from",
             "batch_get_into", "exists", "batch_exists", "remove", "batch_remove",
-            "remove_by_regex", "remove_all", "get_size", "upsert", "upsert_from", "health_check")
+            "remove_by_regex", "remove_all", "get_size", "upsert", "upsert_from", "health_check",
+            "list_keys")
 
 
 class AsyncStoreClient:

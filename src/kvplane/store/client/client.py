@@ -51,8 +51,8 @@ from kvplane.store.client.remount import Holdings
 from kvplane.store.client.staging import Staging
 from kvplane.store.errors import InvalidParams, ObjectExists, TransferFail, key_error
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq,
-    RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
+    CodesRep, KeyResult, KeysReq, ListKeysRep, ListKeysReq, MountRep, MountReq, PingRep, PingReq,
+    PutEndReq, RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
 )
 from kvplane.transfer import EngineConfig, OpCode, TransferEngine
 
@@ -357,6 +357,35 @@ class StoreClient:
     def remove_all(self, force: bool = False) -> int:
         """Remove every removable object; returns how many went."""
         return self.rpc.call("remove_all", RegexReq(self.config.client_id, "", force), int)
+
+    def list_keys(self, prefix: str = "", limit: int | None = None) -> list[str]:
+        """The keys of complete objects that start with ``prefix``, in ascending order.
+
+        The master answers in pages (at most ``MAX_LIST_KEYS`` keys and ``MAX_LIST_BYTES``
+        bytes each, ``kvplane.store.types``); this call reads pages until it has ``limit`` keys
+        (None: every key) or none are left, all within one deadline (``config.timeout``). A key
+        put or removed while the pages are read may or may not be listed; every other key is
+        listed once. A tenant lists only its own keys.
+
+        Raises:
+            InvalidParams: a negative ``limit``.
+            InvalidKey: ``prefix`` contains NUL or is longer than a key.
+            Unavailable, Timeout: the master could not be reached, or the pages took too long.
+        """
+        if limit is not None and limit < 0:
+            raise InvalidParams(f"limit must be >= 0 or None, not {limit}")
+        deadline = Deadline.after(self.config.timeout)
+        keys: list[str] = []
+        after: str | None = None
+        while limit is None or len(keys) < limit:
+            want = 0 if limit is None else limit - len(keys)
+            rep = self._call("list_keys", ListKeysReq(self.config.client_id, prefix, want, after),
+                             ListKeysRep, deadline)
+            keys += rep.keys
+            if not rep.more or not rep.keys:
+                break
+            after = rep.keys[-1]
+        return keys
 
     def register_buffer(self, obj: Any, length: int | None = None) -> int:
         """Register user memory for the zero-copy calls; returns its address."""

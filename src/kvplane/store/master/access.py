@@ -12,7 +12,8 @@ Every RPC runs as the :class:`~kvplane.common.auth.Principal` its connection aut
   ``task_query`` find no such task, and a task's runner (``assigned_client``, a client id) is
   shown only to that client and the admin. Repair reports (internal keys the master hands to
   segments) are for default-tenant callers only, and a tenant can neither mount nor heartbeat
-  as a client that holds segments. ``whoami`` tells a caller its tenant. Tenants
+  as a client that holds segments. ``list_keys`` lists the caller's own complete keys, as the
+  caller wrote them. ``whoami`` tells a caller its tenant. Tenants
   are pure clients: only default-tenant principals mount segments (a segment's process can read
   whatever is placed in it).
 * **Ownership.** A segment belongs to the client that mounted it (its ``client_id``, which the
@@ -25,6 +26,7 @@ Pure apart from reading the principal: no sockets, no threads, no clocks.
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import re
@@ -35,10 +37,11 @@ from typing import TYPE_CHECKING, Any
 from kvplane.common.auth import DEFAULT_TENANT, Principal
 from kvplane.common.errors import InvalidArgument, Unauthorized
 from kvplane.common.rpc import current_principal
-from kvplane.store.errors import InvalidKey
+from kvplane.store import types as store_types
+from kvplane.store.errors import InvalidKey, InvalidParams
 from kvplane.store.master.state import MasterState
 from kvplane.store.replica_types import TaskId, TaskInfo
-from kvplane.store.types import MountReq
+from kvplane.store.types import ListKeysRep, ListKeysReq, MountReq
 
 if TYPE_CHECKING:
     from kvplane.store.master.tasks import Tasks
@@ -228,3 +231,34 @@ class Access:
         tenant = current_principal().tenant
         return sum(1 for internal, _ in keys_of(self.state.objects, tenant)
                    if self.state.remove(internal, force, now) == 0)
+
+    def list_keys(self, req: ListKeysReq) -> ListKeysRep:
+        """One page of the caller's complete keys (``ListKeysReq``), as the caller wrote them.
+
+        A page holds at most ``MAX_LIST_KEYS`` keys and, past its first, at most
+        ``MAX_LIST_BYTES`` bytes of them; it costs one pass over the master's key table.
+
+        Raises:
+            InvalidParams: a negative limit.
+            InvalidKey: a prefix or cursor with NUL, or longer than a key may be.
+        """
+        if req.limit < 0:
+            raise InvalidParams(f"list_keys limit must be >= 0, not {req.limit}")
+        most = store_types.MAX_KEY
+        for text in (req.prefix, req.after or ""):
+            if SEP in text or len(text.encode()) > most:
+                raise InvalidKey(f"list_keys prefix and cursor: no NUL, at most {most} bytes")
+        cap = min(req.limit or store_types.MAX_LIST_KEYS, store_types.MAX_LIST_KEYS)
+        objects, prefix, after = self.state.objects, req.prefix, req.after
+        found = (key for internal, key in keys_of(objects, current_principal().tenant)
+                 if key.startswith(prefix) and (after is None or key > after)
+                 and objects[internal].complete)
+        first = heapq.nsmallest(cap + 1, found)
+        keys: list[str] = []
+        size = 0
+        for key in first[:cap]:
+            size += len(key.encode())
+            if keys and size > store_types.MAX_LIST_BYTES:
+                break
+            keys.append(key)
+        return ListKeysRep(keys, more=len(first) > len(keys))

@@ -41,8 +41,8 @@ from kvplane.store.master.state import MasterState
 from kvplane.store.master import tier_rpc
 from kvplane.store.master.tier_rpc import TierRpc
 from kvplane.store.types import (
-    AdoptReq, CodesRep, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq,
-    RegexReq, RemoveReq, RepairDoneReq, ResultsRep,
+    AdoptReq, CodesRep, KeysReq, ListKeysRep, ListKeysReq, MountRep, MountReq, PingRep, PingReq,
+    PutEndReq, PutStartReq, RegexReq, RemoveReq, RepairDoneReq, ResultsRep,
 )
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class MasterServer:
             ("get_size", self._get_size, KeysReq), ("remove", self._remove, RemoveReq),
             ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
             ("repair_done", self._repair_done, RepairDoneReq), ("adopt", self._adopt, AdoptReq),
-            ("whoami", self.access.whoami, str),
+            ("list_keys", self._list_keys, ListKeysReq), ("whoami", self.access.whoami, str),
         ):
             self.add_handler(name, fn, typ)
         self.replicas = ReplicaRpc(self)
@@ -336,6 +336,11 @@ class MasterServer:
     def _remove_all(self, req: RegexReq) -> int:
         self._gate(self.clock(), True)
         return self.access.remove_all(req.force, self.clock())
+
+    def _list_keys(self, req: ListKeysReq) -> ListKeysRep:
+        """A page of the caller's complete keys (``Access.list_keys``: bounded per answer)."""
+        self._gate(self.clock(), True)  # segments still re-registering: the list is not whole
+        return self.access.list_keys(req)
 
     # -- background --------------------------------------------------------------------------------
     def _tick_loop(self) -> None:
