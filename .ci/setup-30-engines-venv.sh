@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (idempotently) the venv holding real SGLang 0.5.23 and LMCache 0.5.6 next to vLLM CPU
-# 0.32.0, for the engine tests of issue #12. Notes: /work/notes/engines.md (what runs, and why).
+# 0.32.0, for the engine tests of issue #12. Notes: docs/engines.md (what runs, and why).
 #
 # Usage: .ci/setup-30-engines-venv.sh          # venv at $KVPLANE_ENGINES_VENV
 #                                              # (default /opt/kvplane-engines-venv)

@@ -7,11 +7,7 @@ prompt alone, before any PD request, so it ran without any cache.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import httpx
@@ -20,8 +16,9 @@ import pytest
 from kvplane.testing.auth import headers
 from kvplane.testing.procs import Proc
 from kvplane.testing.services import free_port, wait_until
+from kvplane.testing.vllm_harness import OpenAIServer
 
-from vllm_harness import VLLM_PYTHON, max_diff, prompt, requires_vllm, vllm_env
+from vllm_harness import max_diff, prompt, requires_vllm
 
 pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(600)]
 
@@ -33,47 +30,10 @@ def pd_kv_config(role: str) -> dict:
             "kv_connector_extra_config": {"protocol": "tcp", "timeout": 10}}
 
 
-class Server:
-    """A vLLM OpenAI api_server subprocess with the PD connector."""
-
-    def __init__(self, model: str, role: str, log_path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        self.log_path = log_path
-        args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "2",
-                "--block-size", "32", "--enforce-eager", "--enable-prefix-caching",
-                "--prefix-caching-hash-algo", "sha256", "--disable-hybrid-kv-cache-manager",
-                "--kv-transfer-config", json.dumps(pd_kv_config(role))]
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=vllm_env(), start_new_session=True)  # + engine core
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited:\n{self.log_path.read_text()[-3000:]}")
-        try:
-            return httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def _group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-
-    def close(self) -> None:
-        """Stop the API server and its engine core (one process group): a server that never
-        became ready must not leave an orphaned engine core behind."""
-        if self.proc.poll() is None:
-            self._group(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        self._group(signal.SIGKILL)
-        self.proc.wait(10)
-        self.log.close()
+def pd_server(model: str, role: str, log_path) -> OpenAIServer:
+    """A vLLM OpenAI api_server subprocess with the PD connector (served as ``tiny``)."""
+    return OpenAIServer(model, log_path, extra=[
+        "--disable-hybrid-kv-cache-manager", "--kv-transfer-config", json.dumps(pd_kv_config(role))])
 
 
 def complete(url: str, model: str, tokens: list[int], max_tokens: int = 8, **extra) -> dict:
@@ -87,9 +47,9 @@ def complete(url: str, model: str, tokens: list[int], max_tokens: int = 8, **ext
 
 
 def test_prefill_decode_through_proxy_matches_single_instance(tmp_path, tiny_model):
-    model = tiny_model
-    p = Server(model, "kv_producer", tmp_path / "prefill.log")
-    d = Server(model, "kv_consumer", tmp_path / "decode.log")
+    model = "tiny"  # the served model name
+    p = pd_server(tiny_model, "kv_producer", tmp_path / "prefill.log")
+    d = pd_server(tiny_model, "kv_consumer", tmp_path / "decode.log")
     proxy = None
     try:
         wait_until(p.ready, 400, "prefill server")  # two vLLM starts share 2 cores
