@@ -2,15 +2,15 @@
 
 :class:`FakeDataPeer` is the far side: a bytearray of "registered memory" at ``base`` that
 answers the data protocol of :mod:`kvplane.transfer.protocol` (HELLO, DESCRIBE, PING, READ,
-READV, WRITE) the moment a request is complete. :meth:`FakeDataPeer.connect` hands out
+READV, WRITE, WRITEV) the moment a request is complete. :meth:`FakeDataPeer.connect` hands out
 :class:`FakeDataSocket` objects, which implement just what ``transports.tcp.Conn`` calls on a
 socket (``sendmsg``, ``recv_into`` with ``MSG_DONTWAIT``/``MSG_WAITALL``, ``recvmsg_into``,
 ``setsockopt`` for the kernel timeouts, ``close``). No file descriptors, no threads.
 
 Faults come from a :class:`~kvplane.testing.faults.FaultPlan`, keyed by the peer's ``name`` and
 the request's op name (``"read"``, ``"write"``, ``"hello"``, ``"describe"``, ``"ping"``; each
-entry of a READV is decided as a ``"read"``, and a DROP, DISCONNECT, DELAY or CORRUPT of one
-entry applies to the whole READV answer):
+entry of a READV is decided as a ``"read"`` and each of a WRITEV as a ``"write"``, and a DROP,
+DISCONNECT, DELAY or CORRUPT of one entry applies to the whole answer):
 
 * DROP       the peer stalls: this request and every later one on the connection go unanswered,
              so a receive blocks for the armed kernel timeout and then fails like one.
@@ -203,7 +203,8 @@ class FakeDataSocket:
             if magic != protocol.MAGIC or version != protocol.VERSION or op not in protocol.OPS:
                 self.hung_up = True  # the real server closes the connection on a bad frame
                 return
-            carries_body = op in (protocol.OP_WRITE, protocol.OP_HELLO, protocol.OP_READV)
+            carries_body = op in (protocol.OP_WRITE, protocol.OP_HELLO, protocol.OP_READV,
+                                  protocol.OP_WRITEV)
             total = protocol.REQ.size + (length if carries_body else 0)
             if len(self._inbox) < total:
                 return
@@ -215,6 +216,9 @@ class FakeDataSocket:
         self.peer.arrivals.append((protocol.OPS[op], len(self._outbox)))
         if op == protocol.OP_READV:
             self._answer_readv(rid, body)
+            return
+        if op == protocol.OP_WRITEV:
+            self._answer_writev(rid, addr, body)
             return
         fault = self.peer.plan.decide(self.peer.name, protocol.OPS[op])
         if fault is not None and fault.kind is FaultKind.DROP:
@@ -258,6 +262,40 @@ class FakeDataSocket:
         payload = b"".join(parts)
         response = bytearray(protocol.pack_resp(0, rid, len(payload))
                              + struct.pack(f"<{len(codes)}i", *codes) + payload)
+        for fault in flips:
+            fault.flip(response)
+        self.peer.served.extend(served)
+        self._outbox.append(_Outgoing(response, ready_at))
+
+    def _answer_writev(self, rid: int, count: int, body: bytes) -> None:
+        """Each entry applied (and faulted) like a WRITE; one answer of codes for the frame."""
+        table_len = count * protocol.READV_ENTRY.size
+        codes, ready_at, flips, served = [], time.monotonic(), [], []
+        at = table_len
+        for addr, length, _gen in protocol.READV_ENTRY.iter_unpack(body[:table_len]):
+            payload, at = body[at:at + length], at + length
+            fault = self.peer.plan.decide(self.peer.name, "write")
+            kind = fault.kind if fault is not None else None
+            if kind is FaultKind.DROP:
+                self.stalled = True
+                return
+            if kind is FaultKind.DISCONNECT:
+                self.hung_up = True
+                return
+            try:
+                if kind is FaultKind.FAIL:
+                    raise fault.error(f"injected failure of write at {addr:#x}")  # type: ignore[union-attr]
+                self.peer.answer(protocol.OP_WRITE, addr, length, payload)
+                codes.append(0)
+                served.append(("write", addr, length))
+            except KVPlaneError as exc:
+                codes.append(exc.code)
+            if kind is FaultKind.DELAY:
+                ready_at += fault.seconds  # type: ignore[union-attr]
+            if kind is FaultKind.CORRUPT:
+                flips.append(fault)
+        response = bytearray(protocol.pack_resp(0, rid, 4 * len(codes))
+                             + struct.pack(f"<{len(codes)}i", *codes))
         for fault in flips:
             fault.flip(response)
         self.peer.served.extend(served)

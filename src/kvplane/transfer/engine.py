@@ -35,6 +35,7 @@ from kvplane.transfer.segments import (
 from kvplane.transfer.server import DataServer
 from kvplane.transfer.transports import TRANSPORTS, Route, Transport
 from kvplane.transfer.transports.base import TransportContext
+from kvplane.transfer.transports.tcp import PeerJob
 from kvplane.transfer.types import OpCode, SegmentDesc, TransferRequest, TransferStatus
 
 log = logging.getLogger(__name__)
@@ -433,6 +434,82 @@ class TransferEngine:
             _raise_first(tasks)
         return [t.status for t in tasks]
 
+    def read_many(self, reads: list[tuple[int, int, int, int, int]],
+                  timeout: float | None = None) -> list[TransferStatus]:
+        """READs only, each ``(handle, local, remote, length, gen)``: the same outcome as
+        :meth:`transfer` of the equivalent requests, with less Python per request.
+
+        Reads that TCP serves skip the batch/slice bookkeeping: per peer they go as READV
+        frames straight into the local views (``TcpTransport.read_scatter``), the peers in
+        parallel. Any other read (same-process memory, shared memory, files) goes through
+        :meth:`transfer`. Nothing raises for one read; its status says how it ended.
+        """
+        return self._many(OpCode.READ, reads, timeout)
+
+    def write_many(self, writes: list[tuple[int, int, int, int, int]],
+                   timeout: float | None = None) -> list[TransferStatus]:
+        """WRITEs only, each ``(handle, local, remote, length, gen)``: as :meth:`read_many`,
+        with TCP writes going out in windows of frames, one ``sendmsg`` each
+        (``TcpTransport.write_gather``)."""
+        return self._many(OpCode.WRITE, writes, timeout)
+
+    def _many(self, op: OpCode, items: list[tuple[int, int, int, int, int]],
+              timeout: float | None) -> list[TransferStatus]:
+        deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
+        out: list[TransferStatus] = [TransferStatus.FAILED] * len(items)
+        tcp = self.transports.get("tcp")
+        jobs: dict[int, tuple[PeerJob, list[int]]] = {}  # handle -> (job, item indexes)
+        rest: list[int] = []
+        picks: dict[tuple[int, int], Transport] = {}
+        views = _Views(self.memory)
+        for i, (h, local, remote, n, gen) in enumerate(items):
+            try:
+                if n <= 0:
+                    raise InvalidArgument(f"length must be > 0, got {n}")
+                seg = self.segment(h)
+                region = seg.region(remote, n)
+                t = picks.get((h, region.addr))
+                if t is None:
+                    req = TransferRequest(op, local, h, remote, n, gen=gen)
+                    t = picks[(h, region.addr)] = self._choose(
+                        req, Route(seg.desc, region, seg.same_host))
+                if tcp is None or t is not tcp:
+                    rest.append(i)
+                    continue
+                view = views.at(local, n)
+            except KVPlaneError:
+                rest.append(i)  # transfer() reports it with its own status and counters
+                continue
+            entry = jobs.get(h)
+            if entry is None:
+                entry = jobs[h] = (PeerJob((seg.desc.host, seg.desc.port), [], [], [], []), [])
+            job, where = entry
+            job.remote.append(remote)
+            job.lengths.append(n)
+            job.gens.append(gen)
+            job.views.append(view)
+            where.append(i)
+        if jobs:
+            run = tcp.read_scatter if op == OpCode.READ else tcp.write_gather  # type: ignore[union-attr]
+            run([job for job, _ in jobs.values()], deadline)
+            moved, ended = 0, dict.fromkeys(TransferStatus, 0)
+            for job, where in jobs.values():
+                for i, st, n in zip(where, job.status, job.lengths):
+                    out[i] = st = st or TransferStatus.FAILED
+                    ended[st] += 1
+                    moved += n if st == TransferStatus.COMPLETED else 0
+            for st, k in ended.items():  # one counter update per kind, as _count_done does
+                if k:
+                    _REQ_COUNTERS[(op, st)].inc(k)
+            _BYTE_COUNTERS[op].inc(moved)
+        if rest:
+            left = max(deadline.remaining(), 1e-3)
+            got = self.transfer([TransferRequest(op, items[i][1], items[i][0], items[i][2],
+                                                 items[i][3], gen=items[i][4]) for i in rest], left)
+            for i, st in zip(rest, got):
+                out[i] = st
+        return out
+
     async def transfer_async(self, requests: list[TransferRequest],
                              timeout: float | None = None) -> list[TransferStatus]:
         """asyncio form of :meth:`transfer`: awaits completion without blocking the loop."""
@@ -491,6 +568,25 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Views:
+    """Local views for many requests: the region of the previous one is tried first."""
+
+    __slots__ = ("memory", "region")
+
+    def __init__(self, memory: MemoryTable) -> None:
+        self.memory = memory
+        self.region: Any = None
+
+    def at(self, addr: int, n: int) -> memoryview:
+        r = self.region
+        if r is None or not (r.addr <= addr and addr + n <= r.end) or r.view is None:
+            r = self.region = self.memory.find(addr, n)
+            if r.view is None:
+                raise InvalidArgument(f"{addr:#x} is in a file region; it has no memory view")
+        off = addr - r.addr
+        return r.view[off:off + n]
 
 
 class _Shadow:

@@ -98,6 +98,13 @@ class Fence:
         with self._lock:
             return self._admit(gen)
 
+    def admit_many(self, gens: list[int]) -> list[bool]:
+        """:meth:`admit` of each generation, all decided at one instant (one lock)."""
+        if not any(gens):
+            return [True] * len(gens)
+        with self._lock:
+            return [not g or self._admit(g) for g in gens]
+
     def begin_write(self, gen: int) -> bool:
         """Admit a WRITE of ``gen`` and count it in progress until :meth:`end_write`."""
         if not gen:

@@ -12,6 +12,12 @@ count N and ``length`` is ``N * 24``; the header is followed by N entries (addr 
 gen u64, each checked and fenced like a READ). The response's ``length`` is the payload total;
 it is followed by N status codes (i32; 0 ok, else the error code of that entry, whose bytes are
 then absent) and the payloads of the entries that succeeded, in order.
+
+WRITEV writes up to ``MAX_READV`` entries in one frame: ``addr`` is the entry count N and
+``length`` is ``N * 24`` plus the payload total; the header is followed by N entries (as READV's,
+each checked and fenced like a WRITE) and then the payloads, in order. The response's ``length``
+is ``N * 4``: N status codes follow (0 written, else the error code of that entry, whose payload
+was received and dropped).
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ OP_READ = 3
 OP_WRITE = 4
 OP_PING = 5
 OP_READV = 6
+OP_WRITEV = 7
 OPS = {OP_HELLO: "hello", OP_DESCRIBE: "describe", OP_READ: "read", OP_WRITE: "write", OP_PING: "ping",
-       OP_READV: "readv"}
-READV_ENTRY = struct.Struct("<QQQ")  # addr, length, gen
-MAX_READV = 256  # entries per READV frame (a reply's iovecs stay far below IOV_MAX)
+       OP_READV: "readv", OP_WRITEV: "writev"}
+READV_ENTRY = struct.Struct("<QQQ")  # addr, length, gen (READV and WRITEV)
+MAX_READV = 256  # entries per READV or WRITEV frame (the iovecs stay far below IOV_MAX)
 
 MAX_TOKEN = 4096
 MAX_ERROR = 4096

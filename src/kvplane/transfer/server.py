@@ -151,6 +151,8 @@ class DataServer:
             self._readv(conn, rid, addr, length)
         elif op == protocol.OP_WRITE:
             self._write(conn, rid, addr, length, gen)
+        elif op == protocol.OP_WRITEV:
+            self._writev(conn, rid, addr, length)
         elif op == protocol.OP_DESCRIBE:
             body = self._describe()
             protocol.send_all(conn, [protocol.pack_resp(0, rid, len(body)), body])
@@ -202,11 +204,15 @@ class DataServer:
         codes: list[int] = []
         parts: list[bytes | memoryview] = []
         total = 0
-        for addr, n, gen in protocol.READV_ENTRY.iter_unpack(table):
+        entries = list(protocol.READV_ENTRY.iter_unpack(table))
+        admitted = self.fence.admit_many([gen for _, _, gen in entries])  # one lock, one instant
+        region = None
+        for (addr, n, gen), ok in zip(entries, admitted):
             self._check_length(n)
             try:
-                region = self.memory.find(addr, n)
-                if not self.fence.admit(gen):
+                if region is None or not (region.addr <= addr and addr + n <= region.end):
+                    region = self.memory.find(addr, n)  # most entries share the last one's region
+                if not ok:
                     raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
             except KVPlaneError as exc:
                 codes.append(exc.code)
@@ -240,6 +246,52 @@ class DataServer:
             self.fence.end_write(gen)
         conn.sendall(protocol.pack_resp(0, rid, 0))
 
+    def _writev(self, conn: socket.socket, rid: int, count: int, length: int) -> None:
+        """Many WRITEs in one frame; each entry is checked and fenced on its own (see
+        protocol), and every payload arrives through one scatter receive."""
+        table_len = count * protocol.READV_ENTRY.size
+        if not 0 < count <= protocol.MAX_READV or length < table_len:
+            raise _Reject("bad_writev", f"WRITEV of {count} entries in {length} bytes")
+        self._check_length(length)
+        table = bytearray(table_len)
+        protocol.recv_exact(conn, memoryview(table))
+        entries = list(protocol.READV_ENTRY.iter_unpack(table))
+        if table_len + sum(n for _, n, _ in entries) != length:
+            raise _Reject("bad_writev", "WRITEV payloads do not add up to its length")
+        codes: list[int] = []
+        views: list[memoryview] = []
+        files: list[tuple[Region, int, bytearray]] = []
+        begun: list[int] = []
+        region: Region | None = None
+        try:
+            for addr, n, gen in entries:
+                try:
+                    if region is None or not (region.addr <= addr and addr + n <= region.end):
+                        region = self.memory.find(addr, n)
+                    if not self.fence.begin_write(gen):  # counted in progress until end_write
+                        raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
+                except KVPlaneError as exc:
+                    codes.append(exc.code)
+                    views += _scratch_views(n)  # received and dropped, in bounded memory
+                    continue
+                begun.append(gen)
+                codes.append(0)
+                off = addr - region.addr
+                if region.kind == "file":
+                    buf = bytearray(n)
+                    files.append((region, off, buf))
+                    views.append(memoryview(buf))
+                else:
+                    views.append(region.view[off:off + n])  # type: ignore[index]
+            protocol.recv_scatter(conn, views)
+            for file_region, off, buf in files:
+                os.pwrite(file_region.fd, buf, off)
+        finally:
+            for gen in begun:
+                self.fence.end_write(gen)
+        protocol.send_all(conn, [protocol.pack_resp(0, rid, 4 * count),
+                                 struct.pack(f"<{count}i", *codes)])
+
     @staticmethod
     def _error(conn: socket.socket, rid: int, exc: KVPlaneError) -> None:
         msg = str(exc).encode()[: protocol.MAX_ERROR]
@@ -248,6 +300,13 @@ class DataServer:
     def close(self) -> None:
         """Stop accepting and close every connection (idempotent)."""
         self._listener.close()
+
+
+def _scratch_views(n: int) -> list[memoryview]:
+    """Views totalling ``n`` bytes, all over one scratch buffer of at most ``_DRAIN`` bytes
+    (a refused WRITEV entry's payload is received into them and dropped)."""
+    scratch = memoryview(bytearray(min(n, _DRAIN) or 1))
+    return [scratch[:min(len(scratch), n - k)] for k in range(0, n, len(scratch))]
 
 
 def _drain(conn: socket.socket, length: int) -> None:

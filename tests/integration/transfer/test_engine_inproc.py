@@ -227,3 +227,69 @@ def test_failed_same_host_slices_fail_over_to_tcp():
         st = a.transfer([TransferRequest(OpCode.WRITE, src.ctypes.data, seg, buf.addr, MB,
                                          transport="shm")])
         assert st == [TransferStatus.FAILED]
+
+
+def test_read_many_matches_transfer_for_every_kind_of_read():
+    """TCP reads go as one READV frame per peer; own-memory reads, bad lengths, unknown handles
+    and out-of-range reads end as transfer() would end them."""
+    a, b = pair(protocol="tcp")
+    with a, b:
+        remote = np.random.default_rng(1).integers(0, 256, MB, dtype=np.uint8)
+        mine = np.random.default_rng(2).integers(0, 256, MB, dtype=np.uint8)
+        dst = np.zeros(8 * 4096, np.uint8)
+        b.register_memory(remote)
+        a.register_memory(mine)
+        a.register_memory(dst)
+        seg_b, seg_a = a.open_segment(b.name), a.open_segment(a.name)
+        d, r, m = dst.ctypes.data, remote.ctypes.data, mine.ctypes.data
+        frames = b._server.frames
+        reads = [(seg_b, d + k * 4096, r + k * 8192, 4096, 0) for k in range(5)]
+        reads += [(seg_a, d + 5 * 4096, m + 4096, 4096, 0),  # own memory: a memcpy
+                  (seg_b, d + 6 * 4096, r, 0, 0),  # bad length
+                  (999, d + 6 * 4096, r, 4096, 0),  # no such segment handle
+                  (seg_b, d + 7 * 4096, r + MB - 100, 4096, 0)]  # past b's region
+        got = a.read_many(reads, timeout=5)
+        assert got == [TransferStatus.COMPLETED] * 6 + [TransferStatus.FAILED] * 3
+        for k in range(5):
+            assert np.array_equal(dst[k * 4096:(k + 1) * 4096], remote[k * 8192:k * 8192 + 4096])
+        assert np.array_equal(dst[5 * 4096:6 * 4096], mine[4096:8192])
+        assert not dst[6 * 4096:].any()  # nothing landed for the failed reads
+        assert b._server.frames == frames + 1  # the five TCP reads: one READV frame
+
+
+def test_read_many_reports_a_dead_peer_instead_of_hanging():
+    a, b = pair(protocol="tcp")
+    with a:
+        src = np.zeros(MB, np.uint8)
+        dst = np.zeros(4096, np.uint8)
+        b.register_memory(src)
+        a.register_memory(dst)
+        seg = a.open_segment(b.name)
+        b.close()  # its listener is gone
+        got = a.read_many([(seg, dst.ctypes.data, src.ctypes.data, 4096, 0)] * 2, timeout=2)
+        assert got == [TransferStatus.FAILED] * 2
+
+
+def test_write_many_matches_transfer_for_every_kind_of_write():
+    a, b = pair(protocol="tcp")
+    with a, b:
+        remote = np.zeros(MB, np.uint8)
+        mine = np.zeros(MB, np.uint8)
+        src = np.random.default_rng(3).integers(0, 256, 8 * 4096, dtype=np.uint8)
+        b.register_memory(remote)
+        a.register_memory(mine)
+        a.register_memory(src)
+        seg_b, seg_a = a.open_segment(b.name), a.open_segment(a.name)
+        s, r, m = src.ctypes.data, remote.ctypes.data, mine.ctypes.data
+        frames = b._server.frames
+        writes = [(seg_b, s + k * 4096, r + k * 8192, 4096, 0) for k in range(5)]
+        writes += [(seg_a, s + 5 * 4096, m, 4096, 0),  # own memory: a memcpy
+                   (seg_b, s, r + MB - 100, 4096, 0),  # past b's region
+                   (999, s, r, 4096, 0)]  # no such segment handle
+        got = a.write_many(writes, timeout=5)
+        assert got == [TransferStatus.COMPLETED] * 6 + [TransferStatus.FAILED] * 2
+        for k in range(5):
+            assert np.array_equal(remote[k * 8192:k * 8192 + 4096], src[k * 4096:(k + 1) * 4096])
+        assert np.array_equal(mine[:4096], src[5 * 4096:6 * 4096])
+        assert not remote[MB - 100:].any()
+        assert b._server.frames == frames + 1  # the five TCP writes: one WRITEV frame

@@ -83,3 +83,61 @@ def test_a_readv_over_the_frame_limit_closes_the_connection(server):
     with connect(srv) as sock:
         readv(sock, [(BASE, 40, 0), (BASE + 40, 40, 0)])  # each fits, the total does not
         assert sock.recv(64) == b""
+
+
+def writev(sock: socket.socket, entries: list[tuple[int, int, int]], payloads: list[bytes],
+           rid: int = 9, length: int | None = None) -> None:
+    table = b"".join(protocol.READV_ENTRY.pack(*e) for e in entries)
+    body = table + b"".join(payloads)
+    sock.sendall(protocol.pack_req(protocol.OP_WRITEV, rid, len(entries),
+                                   len(body) if length is None else length) + body)
+
+
+def test_writev_checks_and_fences_each_entry_and_drops_refused_payloads(server):
+    srv, data = server
+    before = bytes(data)
+    good, fenced = 1 << EPOCH_SHIFT | 5, 1 << EPOCH_SHIFT | 6
+    srv.fence.install([fenced])
+    entries = [(BASE + 10, 4, good), (BASE + 4094, 8, good), (BASE + 100, 4, fenced),
+               (BASE + 200, 4, 2 << EPOCH_SHIFT | 1), (BASE + 300, 3, 0)]
+    payloads = [b"AAAA", b"B" * 8, b"CCCC", b"DDDD", b"EEE"]
+    with connect(srv) as sock:
+        writev(sock, entries, payloads)
+        magic, status, rid, length = protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))
+        assert (magic, status, rid, length) == (protocol.RESP_MAGIC, 0, 9, 20)
+        codes = struct.unpack("<5i", recv_n(sock, 20))
+        assert codes == (0, AddressNotRegistered.code, Fenced.code, Fenced.code, 0)
+        want = bytearray(before)
+        want[10:14], want[300:303] = b"AAAA", b"EEE"
+        assert bytes(data) == bytes(want)  # nothing of the refused entries landed
+        readv(sock, [(BASE + 10, 4, 0)], rid=10)  # the stream is still in step
+        assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:] == (0, 10, 4)
+        assert recv_n(sock, 4 + 4)[4:] == b"AAAA"
+    assert srv.fence.writing_outside() == 0  # every admitted write was ended
+
+
+@pytest.mark.parametrize("count,delta", [(0, 0), (protocol.MAX_READV + 1, 0), (2, 1), (2, -1)])
+def test_a_malformed_writev_closes_the_connection(server, count, delta):
+    srv, data = server
+    before, rejected = bytes(data), srv.rejected
+    entries = [(BASE + 8 * k, 8, 0) for k in range(count)]
+    body_len = 24 * count + 8 * count + delta  # delta: payloads that do not add up
+    with connect(srv) as sock:
+        writev(sock, entries, [b"Z" * 8] * count, length=body_len)
+        try:  # closed without an answer (a reset when request bytes were left unread)
+            assert sock.recv(64) == b""
+        except ConnectionResetError:
+            pass
+    assert srv.rejected == rejected + 1 and bytes(data) == before
+
+
+def test_a_refused_writev_payload_larger_than_the_drain_buffer_keeps_the_stream_in_step(server):
+    srv, data = server
+    big = 200 << 10  # past the region, and over the listener's 64 KiB drain buffer
+    want = bytearray(data)
+    want[20:24] = b"GOOD"
+    with connect(srv) as sock:
+        writev(sock, [(BASE, big, 0), (BASE + 20, 4, 0)], [b"X" * big, b"GOOD"])
+        assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:] == (0, 9, 8)
+        assert struct.unpack("<2i", recv_n(sock, 8)) == (AddressNotRegistered.code, 0)
+        assert data == want  # the good entry landed, nothing of the refused one did

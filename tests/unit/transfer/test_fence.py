@@ -39,3 +39,16 @@ def test_a_new_epoch_forgets_old_fences_and_the_table_is_bounded():
     assert not f.fenced(gen(1, 1)) and f.fenced(gen(1, 3))
     f.set_epoch(2)
     assert not f.fenced(gen(1, 3))
+
+
+def test_admit_many_decides_each_generation_as_admit_does():
+    f = Fence()
+    f.set_epoch(3, floor=gen(3, 10))
+    f.install([gen(3, 12)])
+    gens = [0, gen(3, 11), gen(3, 12), gen(2, 11), gen(3, 9), gen(4, 1), gen(3, 11)]
+    want = [True, True, False, False, False, False, True]
+    before = f.refused
+    assert f.admit_many(gens) == want
+    assert f.refused == before + 4
+    assert [f.admit(g) for g in gens] == want
+    assert f.admit_many([0, 0]) == [True, True]

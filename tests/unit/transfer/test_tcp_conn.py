@@ -17,7 +17,7 @@ from kvplane.testing.fake_data_socket import FakeDataPeer
 from kvplane.testing.faults import FaultKind, FaultPlan
 from kvplane.transfer.batch import Batch, Slice
 from kvplane.transfer.transports.base import Route, TransportContext
-from kvplane.transfer.transports.tcp import WINDOW, Conn, TcpTransport, _Broken
+from kvplane.transfer.transports.tcp import WINDOW, Conn, PeerJob, TcpTransport, _Broken
 from kvplane.transfer.types import OpCode, RegionDesc, SegmentDesc, TransferRequest, TransferStatus
 
 pytestmark = pytest.mark.timeout(20)
@@ -350,3 +350,159 @@ def test_a_corrupt_readv_answer_breaks_the_connection(at, match):
         Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
     assert isinstance(info.value.__cause__, ProtocolError) and match in str(info.value)
     assert info.value.left == slices
+
+
+# -- read_scatter: READs with no per-slice bookkeeping -------------------------------------------
+def scatter_job(n: int, size: int, local: bytearray, gens: list[int] | None = None,
+                peer=ADDR) -> PeerJob:
+    """A job reading entry k (``size`` bytes at BASE+k*size) into local[k*size:]."""
+    view = memoryview(local)
+    return PeerJob(peer, [BASE + k * size for k in range(n)], [size] * n,
+                   gens or [0] * n, [view[k * size:(k + 1) * size] for k in range(n)])
+
+
+def test_read_scatter_moves_every_byte_in_readv_frames(lane_peer):
+    from kvplane.transfer import protocol
+    n = 2 * protocol.MAX_READV + 5
+    peer, tcp = lane_peer(FaultPlan(), n * 16)
+    peer.recv_chunk = 100  # partial scatter receives too
+    fill(peer, n * 16)
+    local = bytearray(n * 16)
+    job = scatter_job(n, 16, local)
+    tcp.read_scatter([job], Deadline.after(5))
+    assert job.status == [TransferStatus.COMPLETED] * n and local == peer.memory
+    assert [addr for _, addr, _ in peer.served] == [BASE + k * 16 for k in range(n)]
+    assert len(peer.sockets) == 1 and not peer.sockets[0].closed  # pooled again
+
+
+def test_read_scatter_fails_only_the_entries_the_peer_refuses(lane_peer):
+    peer, tcp = lane_peer(FaultPlan(), 4 * 64)
+    fill(peer, 4 * 64)
+    local = bytearray(5 * 64)
+    job = scatter_job(5, 64, local)  # entry 4 lies past the peer's memory
+    tcp.read_scatter([job], Deadline.after(5))
+    assert job.status == [TransferStatus.COMPLETED] * 4 + [TransferStatus.FAILED]
+    assert "AddressNotRegistered" in job.errors[4]
+    assert local[:256] == peer.memory and local[256:] == bytes(64)  # nothing lands for it
+
+
+def test_read_scatter_retries_a_broken_connection_on_a_fresh_one(lane_peer):
+    peer, tcp = lane_peer(FaultPlan(seed=7).disconnect(op="read", after=3), 8 * 64)
+    fill(peer, 8 * 64)
+    local = bytearray(8 * 64)
+    job = scatter_job(8, 64, local)
+    before = retries()
+    tcp.read_scatter([job], Deadline.after(5))
+    assert job.status == [TransferStatus.COMPLETED] * 8 and local == peer.memory
+    assert len(peer.sockets) == 2 and peer.sockets[0].closed
+    assert retries() == before + 1
+
+
+def test_read_scatter_fails_after_the_retries_when_the_peer_keeps_hanging_up(lane_peer):
+    plan = FaultPlan(seed=8).disconnect(op="read", times=None)
+    peer, tcp = lane_peer(plan, 4 * 64, retries=2)
+    job = scatter_job(4, 64, bytearray(4 * 64))
+    tcp.read_scatter([job], Deadline.after(5))
+    assert job.status == [TransferStatus.FAILED] * 4
+    assert "connection to 10.0.0.9:7000 failed" in job.errors[0]
+    assert len(peer.sockets) == 3
+
+
+def test_read_scatter_times_out_a_stalled_peer_by_the_deadline(lane_peer):
+    peer, tcp = lane_peer(FaultPlan(seed=9).drop(op="read"), 2 * 64)
+    job = scatter_job(2, 64, bytearray(2 * 64))
+    t0 = time.monotonic()
+    tcp.read_scatter([job], Deadline.after(0.2))
+    assert time.monotonic() - t0 < 2.0
+    assert job.status == [TransferStatus.TIMEOUT] * 2 and len(peer.sockets) == 1
+
+
+def test_read_scatter_fails_an_unreachable_peer(lane_peer):
+    peer, tcp = lane_peer(FaultPlan(), 64, refuse=True)
+    job = scatter_job(2, 32, bytearray(64))
+    tcp.read_scatter([job], Deadline.after(5))
+    assert job.status == [TransferStatus.FAILED] * 2 and "refused" in job.errors[0]
+
+
+class TwoPeerTcp(TcpTransport):
+    """Connections to ADDR go to ``a``, to any other address to ``b``."""
+
+    def __init__(self, a: FakeDataPeer, b: FakeDataPeer) -> None:
+        super().__init__(TransportContext("host", "", 1 << 20, 1, "", retries=0))
+        self.peers = {ADDR: a}
+        self.other = b
+
+    def _connect(self, peer, timeout):
+        return Conn(self.peers.get(peer, self.other).connect(), peer)
+
+
+def test_read_scatter_serves_one_peer_while_the_other_stalls():
+    a = FakeDataPeer(size=4 * 64)
+    b = FakeDataPeer(size=4 * 64, plan=FaultPlan(seed=3).drop(op="read"))
+    fill(a, 4 * 64)
+    tcp = TwoPeerTcp(a, b)
+    try:
+        la, lb = bytearray(4 * 64), bytearray(4 * 64)
+        ja = scatter_job(4, 64, la)
+        jb = scatter_job(4, 64, lb, peer=("10.0.0.10", 7000))
+        tcp.read_scatter([jb, ja], Deadline.after(0.3))  # the stalled one first
+        assert ja.status == [TransferStatus.COMPLETED] * 4 and la == a.memory
+        assert jb.status == [TransferStatus.TIMEOUT] * 4
+        assert b.sockets[0].closed  # a timed-out connection is never pooled
+    finally:
+        tcp.close()
+
+
+# -- write_gather: WRITEV frames -----------------------------------------------------------------
+def test_write_gather_moves_every_byte_in_writev_frames(lane_peer):
+    from kvplane.transfer import protocol
+    n = 2 * protocol.MAX_READV + 5
+    peer, tcp = lane_peer(FaultPlan(), n * 16)
+    peer.send_chunk = 1000  # partial sends too
+    local = bytearray(bytes(i % 253 for i in range(n * 16)))
+    job = scatter_job(n, 16, local)
+    tcp.write_gather([job], Deadline.after(5))
+    assert job.status == [TransferStatus.COMPLETED] * n and peer.memory == local
+    assert [op for op, _ in peer.arrivals] == ["writev"] * 3  # 256 + 256 + 5 entries
+    assert len(peer.sockets) == 1 and not peer.sockets[0].closed
+
+
+def test_write_gather_fails_only_the_entries_the_peer_refuses(lane_peer):
+    peer, tcp = lane_peer(FaultPlan(), 4 * 64)
+    local = bytearray(b"\x07" * (5 * 64))
+    job = scatter_job(5, 64, local)  # entry 4 lies past the peer's memory
+    tcp.write_gather([job], Deadline.after(5))
+    assert job.status == [TransferStatus.COMPLETED] * 4 + [TransferStatus.FAILED]
+    assert "WRITE refused by the peer: AddressNotRegistered" in job.errors[4]
+    assert peer.memory == local[:256]
+
+
+def test_write_gather_writes_again_on_a_fresh_connection_after_a_hang_up(lane_peer):
+    peer, tcp = lane_peer(FaultPlan(seed=7).disconnect(op="write", after=3), 8 * 64)
+    local = bytearray(bytes(range(1, 9)) * 64)
+    job = scatter_job(8, 64, local)
+    before = retries()
+    tcp.write_gather([job], Deadline.after(5))
+    assert job.status == [TransferStatus.COMPLETED] * 8 and peer.memory == local
+    assert len(peer.sockets) == 2 and peer.sockets[0].closed and retries() == before + 1
+
+
+def test_write_gather_fails_after_the_retries_and_times_out_a_stall(lane_peer):
+    peer, tcp = lane_peer(FaultPlan(seed=8).disconnect(op="write", times=None), 2 * 64)
+    job = scatter_job(2, 64, bytearray(2 * 64))
+    tcp.write_gather([job], Deadline.after(5))
+    assert job.status == [TransferStatus.FAILED] * 2 and "failed" in job.errors[0]
+    assert len(peer.sockets) == 3
+    peer, tcp = lane_peer(FaultPlan(seed=9).drop(op="write"), 2 * 64)
+    job = scatter_job(2, 64, bytearray(2 * 64))
+    t0 = time.monotonic()
+    tcp.write_gather([job], Deadline.after(0.2))
+    assert time.monotonic() - t0 < 2.0
+    assert job.status == [TransferStatus.TIMEOUT] * 2 and len(peer.sockets) == 1
+
+
+def test_write_gather_reports_a_corrupt_answer_as_failed_not_written(lane_peer):
+    peer, tcp = lane_peer(FaultPlan(seed=4).corrupt(op="write", at=0, times=None), 64)
+    job = scatter_job(1, 64, bytearray(64))
+    tcp.write_gather([job], Deadline.after(5))
+    assert job.status == [TransferStatus.FAILED]  # never COMPLETED on an answer it cannot trust

@@ -102,7 +102,8 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
     out = [False] * len(moves)
     if deadline.remaining() <= 0:
         return out
-    batch: list[TransferRequest] = []
+    todo: list[tuple[int, int, int, int, int]] = []  # (handle, local, remote, length, gen)
+    ops: list[OpCode] = []
     where: list[int] = []
     failed: set[str] = set()
     for i, (_, rep, op, addr, size) in enumerate(moves):
@@ -111,10 +112,19 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
         except KVPlaneError:  # unreachable segment (or no time left to look it up): that move fails
             failed.add(rep.segment)
             continue
-        batch.append(TransferRequest(op, addr, h, rep.addr, size, gen=rep.gen))
+        todo.append((h, addr, rep.addr, size, rep.gen))
+        ops.append(op)
         where.append(i)
-    if batch and deadline.remaining() > 0:
-        for i, st in zip(where, client.engine.transfer(batch, coarse(deadline.remaining()))):
+    if todo and deadline.remaining() > 0:
+        left = coarse(deadline.remaining())
+        if all(op == OpCode.READ for op in ops):  # a get: the engine's lean paths
+            got = client.engine.read_many(todo, left)
+        elif all(op == OpCode.WRITE for op in ops):  # a put
+            got = client.engine.write_many(todo, left)
+        else:
+            got = client.engine.transfer([TransferRequest(op, a, h, r, n, gen=g)
+                                          for op, (h, a, r, n, g) in zip(ops, todo)], left)
+        for i, st in zip(where, got):
             out[i] = st == OK
     for i in where:
         if not out[i]:

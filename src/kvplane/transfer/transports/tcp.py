@@ -222,29 +222,55 @@ class Conn:
             raise _Broken(left, exc) from exc
 
     def _send_readv(self, group: list[Slice]) -> int:
+        return self.send_readv(b"".join(protocol.READV_ENTRY.pack(s.remote, s.length, s.task.req.gen)
+                                        for s in group), len(group))
+
+    def send_readv(self, table: bytes, count: int) -> int:
+        """Send one READV frame of ``count`` packed ``READV_ENTRY`` rows; returns its id."""
         rid = self.next_id()
-        table = b"".join(protocol.READV_ENTRY.pack(s.remote, s.length, s.task.req.gen) for s in group)
-        protocol.send_all(self.sock, [protocol.pack_req(protocol.OP_READV, rid, len(group),
-                                                        len(table)), table])
+        protocol.send_all(self.sock, [protocol.pack_req(protocol.OP_READV, rid, count, len(table)),
+                                      table])
         return rid
 
-    def _receive_readv(self, group: list[Slice], rid: int) -> None:
+    def receive_readv(self, rid: int, views: list[memoryview], lengths: list[int]
+                      ) -> tuple[list[int], str]:
+        """Receive the answer to READV ``rid``: the entries that succeeded land in their
+        ``views``. Returns per entry 0 or the peer's error code, and the peer's message when
+        it refused the whole frame (every code is then its status).
+
+        Raises:
+            TimeoutError, OSError, Unavailable, ProtocolError: the connection is unusable.
+        """
         status, length = self.read_resp(rid)
         if status:  # the whole frame was refused
-            err = str(self.read_error(status, length))
-            for s in group:
-                s.done(TransferStatus.FAILED, err)
-            return
-        raw = bytearray(4 * len(group))
+            return [status] * len(views), str(self.read_error(status, length))
+        raw = bytearray(4 * len(views))
         protocol.recv_exact(self.sock, memoryview(raw))
-        codes = struct.unpack(f"<{len(group)}i", raw)
-        if length != sum(s.length for s, c in zip(group, codes) if c == 0):
+        codes = list(struct.unpack(f"<{len(views)}i", raw))
+        if length != sum(n for n, c in zip(lengths, codes) if c == 0):
             raise ProtocolError(f"READV returned {length} bytes for the entries that succeeded")
-        protocol.recv_scatter(self.sock, [s.local for s, c in zip(group, codes) if c == 0])
+        protocol.recv_scatter(self.sock, [v for v, c in zip(views, codes) if c == 0])
+        return codes, ""
+
+    def receive_codes(self, rid: int, count: int) -> tuple[list[int], str]:
+        """Receive the answer to WRITEV ``rid``: per entry 0 or the peer's error code, and the
+        peer's message when it refused the whole frame (every code is then its status)."""
+        status, length = self.read_resp(rid)
+        if status:
+            return [status] * count, str(self.read_error(status, length))
+        if length != 4 * count:
+            raise ProtocolError(f"WRITEV answered {length} bytes of codes for {count} entries")
+        raw = bytearray(length)
+        protocol.recv_exact(self.sock, memoryview(raw))
+        return list(struct.unpack(f"<{count}i", raw)), ""
+
+    def _receive_readv(self, group: list[Slice], rid: int) -> None:
+        codes, refused = self.receive_readv(rid, [s.local for s in group], [s.length for s in group])
         for s, code in zip(group, codes):
-            if code:
-                err = from_code(code, "")
-                s.done(TransferStatus.FAILED, f"READ refused by the peer: {type(err).__name__} ({code})")
+            if refused:
+                s.done(TransferStatus.FAILED, refused)
+            elif code:
+                s.done(TransferStatus.FAILED, _refused(code))
             else:
                 s.done(TransferStatus.COMPLETED)
 
@@ -386,6 +412,195 @@ class TcpTransport(Transport):
             self._release(conn)
             return
 
+    def read_scatter(self, jobs: list["PeerJob"], deadline: Deadline) -> None:
+        """Run READ-only jobs (one per peer) with no per-slice bookkeeping: every job's first
+        READV frames go out before any answer is read, so peers work in parallel, and each
+        answer lands in the entries' views with one scatter receive.
+
+        Every entry ends COMPLETED, FAILED (refused by the peer: bounds, fence; or its
+        connection broke ``ctx.retries`` more times) or TIMEOUT (the deadline passed). A
+        broken connection is retried on a fresh one for the entries it did not finish, as
+        :meth:`_lane` does.
+        """
+        self._attempts(jobs, deadline, self._read_round)
+
+    def write_gather(self, jobs: list["PeerJob"], deadline: Deadline) -> None:
+        """Run WRITE-only jobs (one per peer; ``views`` are the sources) with no per-slice
+        bookkeeping: WRITEV frames (header, entry table and payloads in one ``sendmsg``; the
+        peer receives the payloads with one scatter receive), ``READV_WINDOW`` in flight. Outcomes and retries as
+        :meth:`read_scatter` (a WRITE whose answer did not arrive is written again on the
+        fresh connection: the same bytes to the same place)."""
+        self._attempts(jobs, deadline, self._write_round)
+
+    def _attempts(self, jobs: list["PeerJob"], deadline: Deadline, round_fn) -> None:  # type: ignore[no-untyped-def]
+        for job in jobs:
+            job.status, job.errors = [None] * len(job.remote), [""] * len(job.remote)
+        todo = list(jobs)
+        attempts_left = self.ctx.retries + 1
+        while todo:
+            broken = round_fn(todo, deadline)
+            attempts_left -= 1
+            if not broken:
+                return
+            for job, _ in broken:
+                self.drop_peer(job.peer)
+            if attempts_left <= 0 or deadline.expired():
+                status = TransferStatus.TIMEOUT if deadline.expired() else TransferStatus.FAILED
+                for job, exc in broken:
+                    job.finish_pending(status, f"connection to {job.peer[0]}:{job.peer[1]} "
+                                               f"failed: {exc}")
+                return
+            metrics.TRANSFER_RETRIES.labels(self.name).inc(len(broken))
+            todo = [job for job, _ in broken]
+
+    def _write_round(self, jobs: list["PeerJob"], deadline: Deadline
+                     ) -> list[tuple["PeerJob", BaseException]]:
+        """One attempt at each job's unfinished WRITEs, the peers in parallel (lanes)."""
+        futs = [self._lanes.submit(self._write_job, job, deadline) for job in jobs[1:]]
+        broken: list[tuple[PeerJob, BaseException]] = []
+        for got in [self._write_job(jobs[0], deadline)] if jobs else []:
+            if got is not None:
+                broken.append(got)
+        for f, job in zip(futs, jobs[1:]):
+            try:
+                got = f.result()  # each ends by the deadline (kernel timeouts)
+            except cf.CancelledError:  # the transport was closed meanwhile
+                got = (job, Unavailable("transport closed"))
+            if got is not None:
+                broken.append(got)
+        return broken
+
+    def _write_job(self, job: "PeerJob", deadline: Deadline
+                   ) -> tuple["PeerJob", BaseException] | None:
+        ids = job.pending()
+        if not ids:
+            return None
+        try:
+            conn = self._acquire(job.peer, deadline)
+        except KVPlaneError as exc:
+            timed_out = isinstance(exc, Timeout) or deadline.expired()
+            job.finish_pending(TransferStatus.TIMEOUT if timed_out else TransferStatus.FAILED,
+                               str(exc))
+            return None
+        frames = [ids[a:b] for a, b in _frames([job.lengths[i] for i in ids])]
+        frames.reverse()  # popped from the end, in order
+        waiting: collections.deque[tuple[int, list[int]]] = collections.deque()
+        try:
+            conn.set_timeout(deadline)
+            while frames or waiting:
+                while frames and len(waiting) < READV_WINDOW:
+                    ids = frames.pop()
+                    table = job.table(ids)
+                    rid = conn.next_id()
+                    protocol.send_all(conn.sock, [
+                        protocol.pack_req(protocol.OP_WRITEV, rid, len(ids),
+                                          len(table) + sum(job.lengths[i] for i in ids)),
+                        table, *(job.views[i] for i in ids)])
+                    waiting.append((rid, ids))
+                if deadline.expired():
+                    raise TimeoutError("deadline passed")
+                conn.set_timeout(deadline)
+                rid, ids = waiting[0]
+                codes, refused = conn.receive_codes(rid, len(ids))
+                waiting.popleft()
+                for i, code in zip(ids, codes):
+                    if refused or code:
+                        job.status[i] = TransferStatus.FAILED
+                        job.errors[i] = refused or _refused(code, "WRITE")
+                    else:
+                        job.status[i] = TransferStatus.COMPLETED
+        except TimeoutError:
+            conn.close()
+            job.finish_pending(TransferStatus.TIMEOUT, "deadline passed waiting for the peer")
+        except (OSError, Unavailable, ProtocolError) as exc:
+            conn.close()
+            return job, exc
+        else:
+            self._release(conn)
+        return None
+
+    def _read_round(self, jobs: list["PeerJob"], deadline: Deadline
+                    ) -> list[tuple["PeerJob", BaseException]]:
+        """One attempt at each job's unfinished entries; returns the jobs whose connection
+        broke (their unfinished entries stay unfinished)."""
+        live: list[tuple[PeerJob, Conn, list[list[int]], collections.deque]] = []
+        broken: list[tuple[PeerJob, BaseException]] = []
+        for job in jobs:
+            ids = job.pending()
+            if not ids:
+                continue
+            try:
+                conn = self._acquire(job.peer, deadline)
+            except KVPlaneError as exc:
+                timed_out = isinstance(exc, Timeout) or deadline.expired()
+                job.finish_pending(TransferStatus.TIMEOUT if timed_out else TransferStatus.FAILED,
+                                   str(exc))
+                continue
+            frames = [ids[a:b] for a, b in _frames([job.lengths[i] for i in ids])]
+            frames.reverse()  # popped from the end, in order
+            waiting: collections.deque[tuple[int, list[int]]] = collections.deque()
+            try:
+                conn.set_timeout(deadline)
+                _send_frames(conn, job, frames, waiting)
+            except TimeoutError:
+                conn.close()
+                job.finish_pending(TransferStatus.TIMEOUT, "deadline passed sending to the peer")
+                continue
+            except (OSError, Unavailable, ProtocolError) as exc:
+                conn.close()
+                broken.append((job, exc))
+                continue
+            live.append((job, conn, frames, waiting))
+        # answers: the first peer's on this thread, the others' on lanes, so a stalled peer
+        # cannot run the deadline out for the rest
+        futs = [self._lanes.submit(self._receive_job, *item, deadline) for item in live[1:]]
+        if live:
+            self._receive_job(*live[0], deadline, broken)
+        for f, item in zip(futs, live[1:]):
+            try:
+                got = f.result()  # each ends by the deadline (kernel timeouts)
+            except cf.CancelledError:  # the transport was closed meanwhile
+                item[1].close()
+                got = (item[0], Unavailable("transport closed"))
+            if got is not None:
+                broken.append(got)
+        return broken
+
+    def _receive_job(self, job: "PeerJob", conn: Conn, frames: list[list[int]],
+                     waiting: "collections.deque[tuple[int, list[int]]]", deadline: Deadline,
+                     broken: list[tuple["PeerJob", BaseException]] | None = None
+                     ) -> tuple["PeerJob", BaseException] | None:
+        """Receive every awaited READV answer of one job (sending its remaining frames as the
+        window allows); returns (job, cause) when the connection broke, else None (and, when
+        ``broken`` is given, appends that pair to it instead)."""
+        try:
+            while waiting:
+                if deadline.expired():
+                    raise TimeoutError("deadline passed")
+                conn.set_timeout(deadline)
+                rid, ids = waiting[0]
+                codes, refused = conn.receive_readv(rid, [job.views[i] for i in ids],
+                                                    [job.lengths[i] for i in ids])
+                waiting.popleft()
+                for i, code in zip(ids, codes):
+                    if refused or code:
+                        job.status[i] = TransferStatus.FAILED
+                        job.errors[i] = refused or _refused(code)
+                    else:
+                        job.status[i] = TransferStatus.COMPLETED
+                _send_frames(conn, job, frames, waiting)
+        except TimeoutError:
+            conn.close()
+            job.finish_pending(TransferStatus.TIMEOUT, "deadline passed waiting for the peer")
+        except (OSError, Unavailable, ProtocolError) as exc:
+            conn.close()
+            if broken is None:
+                return job, exc
+            broken.append((job, exc))
+        else:
+            self._release(conn)
+        return None
+
     def describe(self, host: str, port: int, timeout: float) -> bytes:
         """Fetch a peer's segment descriptor (the P2P handshake)."""
         deadline = Deadline.after(timeout)
@@ -409,6 +624,64 @@ class TcpTransport(Transport):
             for c in conns:
                 c.close()
         self._lanes.shutdown(wait=False, cancel_futures=True)
+
+
+def _refused(code: int, op: str = "READ") -> str:
+    return f"{op} refused by the peer: {type(from_code(code, '')).__name__} ({code})"
+
+
+def _frames(lengths: list[int]) -> list[tuple[int, int]]:
+    """[start, end) index ranges of consecutive entries cut into READV frames (at most
+    MAX_READV entries and READV_BYTES each; an entry larger than that goes alone)."""
+    out: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start >= protocol.MAX_READV or size + n > READV_BYTES):
+            out.append((start, i))
+            start, size = i, 0
+        size += n
+    if start < len(lengths):
+        out.append((start, len(lengths)))
+    return out
+
+
+class PeerJob:
+    """Many READs from one peer (:meth:`TcpTransport.read_scatter`) or WRITEs to it
+    (:meth:`TcpTransport.write_gather`).
+
+    ``remote``/``lengths``/``gens`` describe the entries, ``views`` are where READs land or
+    where WRITEs come from;
+    ``status`` and ``errors`` hold each entry's outcome once run (None: not finished; reset
+    when the job starts, so entries may be appended until then).
+    """
+
+    __slots__ = ("peer", "remote", "lengths", "gens", "views", "status", "errors")
+
+    def __init__(self, peer: tuple[str, int], remote: list[int], lengths: list[int],
+                 gens: list[int], views: list[memoryview]) -> None:
+        self.peer, self.remote, self.lengths, self.gens, self.views = peer, remote, lengths, gens, views
+        self.status: list[TransferStatus | None] = [None] * len(remote)
+        self.errors: list[str] = [""] * len(remote)
+
+    def table(self, ids: list[int]) -> bytes:
+        """The READV rows of entries ``ids``."""
+        rows = [x for i in ids for x in (self.remote[i], self.lengths[i], self.gens[i])]
+        return struct.pack(f"<{len(rows)}Q", *rows)
+
+    def pending(self) -> list[int]:
+        return [i for i, st in enumerate(self.status) if st is None]
+
+    def finish_pending(self, status: TransferStatus, error: str) -> None:
+        for i in self.pending():
+            self.status[i], self.errors[i] = status, error
+
+
+def _send_frames(conn: Conn, job: PeerJob, frames: list[list[int]],
+                 waiting: "collections.deque[tuple[int, list[int]]]") -> None:
+    """Send READV frames (popped from the end of ``frames``) until READV_WINDOW are awaiting."""
+    while frames and len(waiting) < READV_WINDOW:
+        ids = frames.pop()
+        waiting.append((conn.send_readv(job.table(ids), len(ids)), ids))
 
 
 def _readv_groups(slices: list[Slice]) -> list[list[Slice]]:
