@@ -6,7 +6,8 @@ Prints the median latency per call of each tree and after/before.
 Usage: python benchmarks/store_ab.py --before /path/to/old/src --after /path/to/new/src
            [--cells get:4096:tcp,put:1048576:auto,bget32:4096:tcp] [--rounds 12] [--slice 0.2]
 
-Ops: ``get`` (get_into), ``put`` (put_from), ``bgetN`` (batch_get_into of N keys, N <= 128).
+Ops: ``get`` (get_into), ``put`` (put_from), ``bgetN`` (batch_get_into of N keys, N <= 128),
+``bputN`` (batch_put_from of N new keys, N <= 128).
 """
 
 from __future__ import annotations
@@ -46,11 +47,19 @@ def worker() -> int:
                 state[(proto, size)] = (buf, addr, keys, {"get": 0, "put": 0})
             _, addr, keys, count = state[(proto, size)]
             lat, end = [], time.monotonic() + float(secs)
-            k = int(op[4:]) if op.startswith("bget") else 1  # bgetN: batch_get_into of N keys
+            k = int(op[4:]) if op.startswith(("bget", "bput")) else 1  # bgetN/bputN: N keys
             count.setdefault(op, 0)
             while time.monotonic() < end:
                 i, t = count[op], time.perf_counter()
-                if k > 1:
+                if op.startswith("bput"):
+                    batch = [f"bp-{proto}-{size}-{i}-{j}" for j in range(k)]
+                    errs = c.batch_put_from(batch, [addr + j * size for j in range(k)], [size] * k)
+                    if any(e is not None for e in errs):
+                        raise RuntimeError(f"batch put failed: {errs[:3]}")
+                    if i >= 2:
+                        c.batch_remove([f"bp-{proto}-{size}-{i - 2}-{j}" for j in range(k)],
+                                       force=True)
+                elif k > 1:
                     batch = [keys[(i * k + j) % len(keys)] for j in range(k)]
                     got = c.batch_get_into(batch, [addr + j * size for j in range(k)], [size] * k)
                     if any(n != size for n in got):

@@ -283,7 +283,11 @@ class TransferEngine:
 
     # -- planning --------------------------------------------------------------------------
     def _choose(self, req: TransferRequest, route: Route) -> Transport:
-        want = req.transport or self.config.protocol
+        return self._pick(req.transport, route)
+
+    def _pick(self, transport: str | None, route: Route) -> Transport:
+        """The transport for a request asking for ``transport`` (None: the engine's protocol)."""
+        want = transport or self.config.protocol
         local = self.transports.get("local")
         if local is not None and want != "file" and local.can_reach(route):
             return local  # our own memory: one memcpy, whatever the protocol
@@ -470,9 +474,8 @@ class TransferEngine:
                 region = seg.region(remote, n)
                 t = picks.get((h, region.addr))
                 if t is None:
-                    req = TransferRequest(op, local, h, remote, n, gen=gen)
-                    t = picks[(h, region.addr)] = self._choose(
-                        req, Route(seg.desc, region, seg.same_host))
+                    t = picks[(h, region.addr)] = self._pick(
+                        None, Route(seg.desc, region, seg.same_host))
                 if tcp is None or t is not tcp:
                     rest.append(i)
                     continue
@@ -492,11 +495,11 @@ class TransferEngine:
         if jobs:
             run = tcp.read_scatter if op == OpCode.READ else tcp.write_gather  # type: ignore[union-attr]
             run([job for job, _ in jobs.values()], deadline)
-            moved, ended = 0, dict.fromkeys(TransferStatus, 0)
+            moved, ended = 0, {}
             for job, where in jobs.values():
                 for i, st, n in zip(where, job.status, job.lengths):
                     out[i] = st = st or TransferStatus.FAILED
-                    ended[st] += 1
+                    ended[st] = ended.get(st, 0) + 1
                     moved += n if st == TransferStatus.COMPLETED else 0
             for st, k in ended.items():  # one counter update per kind, as _count_done does
                 if k:

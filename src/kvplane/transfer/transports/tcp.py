@@ -252,6 +252,18 @@ class Conn:
         protocol.recv_scatter(self.sock, [v for v, c in zip(views, codes) if c == 0])
         return codes, ""
 
+    def receive_one(self, rid: int, view: memoryview | None) -> tuple[list[int], str]:
+        """Receive the answer to one READ (its bytes land in ``view``) or WRITE (``view``
+        None), in :meth:`receive_codes`' shape: ``([0], "")`` or ``([code], message)``."""
+        status, length = self.read_resp(rid)
+        if status:
+            return [status], str(self.read_error(status, length))
+        if length != (0 if view is None else len(view)):
+            raise ProtocolError(f"answer of {length} bytes to request {rid}")
+        if view is not None:
+            protocol.recv_exact(self.sock, view)
+        return [0], ""
+
     def receive_codes(self, rid: int, count: int) -> tuple[list[int], str]:
         """Receive the answer to WRITEV ``rid``: per entry 0 or the peer's error code, and the
         peer's message when it refused the whole frame (every code is then its status)."""
@@ -490,18 +502,27 @@ class TcpTransport(Transport):
             while frames or waiting:
                 while frames and len(waiting) < READV_WINDOW:
                     ids = frames.pop()
-                    table = job.table(ids)
                     rid = conn.next_id()
-                    protocol.send_all(conn.sock, [
-                        protocol.pack_req(protocol.OP_WRITEV, rid, len(ids),
-                                          len(table) + sum(job.lengths[i] for i in ids)),
-                        table, *(job.views[i] for i in ids)])
+                    if len(ids) == 1:  # a plain WRITE: the listener's cheapest frame
+                        i = ids[0]
+                        protocol.send_all(conn.sock, [
+                            protocol.pack_req(protocol.OP_WRITE, rid, job.remote[i],
+                                              job.lengths[i], job.gens[i]), job.views[i]])
+                    else:
+                        table = job.table(ids)
+                        protocol.send_all(conn.sock, [
+                            protocol.pack_req(protocol.OP_WRITEV, rid, len(ids),
+                                              len(table) + sum(job.lengths[i] for i in ids)),
+                            table, *(job.views[i] for i in ids)])
                     waiting.append((rid, ids))
                 if deadline.expired():
                     raise TimeoutError("deadline passed")
                 conn.set_timeout(deadline)
                 rid, ids = waiting[0]
-                codes, refused = conn.receive_codes(rid, len(ids))
+                if len(ids) == 1:
+                    codes, refused = conn.receive_one(rid, None)
+                else:
+                    codes, refused = conn.receive_codes(rid, len(ids))
                 waiting.popleft()
                 for i, code in zip(ids, codes):
                     if refused or code:
@@ -579,8 +600,11 @@ class TcpTransport(Transport):
                     raise TimeoutError("deadline passed")
                 conn.set_timeout(deadline)
                 rid, ids = waiting[0]
-                codes, refused = conn.receive_readv(rid, [job.views[i] for i in ids],
-                                                    [job.lengths[i] for i in ids])
+                if len(ids) == 1:
+                    codes, refused = conn.receive_one(rid, job.views[ids[0]])
+                else:
+                    codes, refused = conn.receive_readv(rid, [job.views[i] for i in ids],
+                                                        [job.lengths[i] for i in ids])
                 waiting.popleft()
                 for i, code in zip(ids, codes):
                     if refused or code:
@@ -681,7 +705,13 @@ def _send_frames(conn: Conn, job: PeerJob, frames: list[list[int]],
     """Send READV frames (popped from the end of ``frames``) until READV_WINDOW are awaiting."""
     while frames and len(waiting) < READV_WINDOW:
         ids = frames.pop()
-        waiting.append((conn.send_readv(job.table(ids), len(ids)), ids))
+        if len(ids) == 1:  # a plain READ: the listener's cheapest frame
+            i, rid = ids[0], conn.next_id()
+            protocol.send_all(conn.sock, [protocol.pack_req(protocol.OP_READ, rid, job.remote[i],
+                                                            job.lengths[i], job.gens[i])])
+            waiting.append((rid, ids))
+        else:
+            waiting.append((conn.send_readv(job.table(ids), len(ids)), ids))
 
 
 def _readv_groups(slices: list[Slice]) -> list[list[Slice]]:
