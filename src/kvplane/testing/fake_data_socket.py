@@ -237,44 +237,25 @@ class FakeDataSocket:
 
     def _answer_readv(self, rid: int, table: bytes) -> None:
         """Each entry served (and faulted) like a READ; one answer for the frame."""
-        codes, parts, ready_at, flips, served = [], [], time.monotonic(), [], []
-        for addr, length, _gen in protocol.READV_ENTRY.iter_unpack(table):
-            fault = self.peer.plan.decide(self.peer.name, "read")
-            kind = fault.kind if fault is not None else None
-            if kind is FaultKind.DROP:
-                self.stalled = True
-                return
-            if kind is FaultKind.DISCONNECT:
-                self.hung_up = True
-                return
-            try:
-                if kind is FaultKind.FAIL:
-                    raise fault.error(f"injected failure of read at {addr:#x}")  # type: ignore[union-attr]
-                parts.append(self.peer.answer(protocol.OP_READ, addr, length, b""))
-                codes.append(0)
-                served.append(("read", addr, length))
-            except KVPlaneError as exc:
-                codes.append(exc.code)
-            if kind is FaultKind.DELAY:
-                ready_at += fault.seconds  # type: ignore[union-attr]
-            if kind is FaultKind.CORRUPT:
-                flips.append(fault)
-        payload = b"".join(parts)
-        response = bytearray(protocol.pack_resp(0, rid, len(payload))
-                             + struct.pack(f"<{len(codes)}i", *codes) + payload)
-        for fault in flips:
-            fault.flip(response)
-        self.peer.served.extend(served)
-        self._outbox.append(_Outgoing(response, ready_at))
+        entries = [(addr, length, b"") for addr, length, _ in protocol.READV_ENTRY.iter_unpack(table)]
+        self._answer_entries(rid, protocol.OP_READ, entries)
 
     def _answer_writev(self, rid: int, count: int, body: bytes) -> None:
         """Each entry applied (and faulted) like a WRITE; one answer of codes for the frame."""
-        table_len = count * protocol.READV_ENTRY.size
-        codes, ready_at, flips, served = [], time.monotonic(), [], []
-        at = table_len
-        for addr, length, _gen in protocol.READV_ENTRY.iter_unpack(body[:table_len]):
-            payload, at = body[at:at + length], at + length
-            fault = self.peer.plan.decide(self.peer.name, "write")
+        at = count * protocol.READV_ENTRY.size
+        entries = []
+        for addr, length, _gen in protocol.READV_ENTRY.iter_unpack(body[:at]):
+            entries.append((addr, length, body[at:at + length]))
+            at += length
+        self._answer_entries(rid, protocol.OP_WRITE, entries)
+
+    def _answer_entries(self, rid: int, op: int, entries: list[tuple[int, int, bytes]]) -> None:
+        """READV (``op`` READ: codes, then the payloads read) or WRITEV (WRITE: the codes),
+        each entry decided by the fault plan as one request of ``op``."""
+        name = protocol.OPS[op]
+        codes, parts, ready_at, flips, served = [], [], time.monotonic(), [], []
+        for addr, length, body in entries:
+            fault = self.peer.plan.decide(self.peer.name, name)
             kind = fault.kind if fault is not None else None
             if kind is FaultKind.DROP:
                 self.stalled = True
@@ -284,18 +265,20 @@ class FakeDataSocket:
                 return
             try:
                 if kind is FaultKind.FAIL:
-                    raise fault.error(f"injected failure of write at {addr:#x}")  # type: ignore[union-attr]
-                self.peer.answer(protocol.OP_WRITE, addr, length, payload)
+                    raise fault.error(f"injected failure of {name} at {addr:#x}")  # type: ignore[union-attr]
+                parts.append(self.peer.answer(op, addr, length, body))
                 codes.append(0)
-                served.append(("write", addr, length))
+                served.append((name, addr, length))
             except KVPlaneError as exc:
                 codes.append(exc.code)
             if kind is FaultKind.DELAY:
                 ready_at += fault.seconds  # type: ignore[union-attr]
             if kind is FaultKind.CORRUPT:
                 flips.append(fault)
-        response = bytearray(protocol.pack_resp(0, rid, 4 * len(codes))
-                             + struct.pack(f"<{len(codes)}i", *codes))
+        payload = b"".join(parts)  # WRITE answers carry none
+        head = len(payload) if op == protocol.OP_READ else 4 * len(codes)
+        response = bytearray(protocol.pack_resp(0, rid, head)
+                             + struct.pack(f"<{len(codes)}i", *codes) + payload)
         for fault in flips:
             fault.flip(response)
         self.peer.served.extend(served)

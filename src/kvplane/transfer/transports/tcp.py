@@ -482,8 +482,11 @@ class TcpTransport(Transport):
                 broken.append(got)
         return broken
 
-    def _write_job(self, job: "PeerJob", deadline: Deadline
-                   ) -> tuple["PeerJob", BaseException] | None:
+    def _start_job(self, job: "PeerJob", deadline: Deadline
+                   ) -> tuple[Conn, list[list[int]]] | None:
+        """A connection for the job's unfinished entries and their frames (in reverse order,
+        popped from the end); None when nothing is left or no connection could be had (the
+        entries then end FAILED or TIMEOUT)."""
         ids = job.pending()
         if not ids:
             return None
@@ -495,7 +498,15 @@ class TcpTransport(Transport):
                                str(exc))
             return None
         frames = [ids[a:b] for a, b in _frames([job.lengths[i] for i in ids])]
-        frames.reverse()  # popped from the end, in order
+        frames.reverse()
+        return conn, frames
+
+    def _write_job(self, job: "PeerJob", deadline: Deadline
+                   ) -> tuple["PeerJob", BaseException] | None:
+        started = self._start_job(job, deadline)
+        if started is None:
+            return None
+        conn, frames = started
         waiting: collections.deque[tuple[int, list[int]]] = collections.deque()
         try:
             conn.set_timeout(deadline)
@@ -547,18 +558,10 @@ class TcpTransport(Transport):
         live: list[tuple[PeerJob, Conn, list[list[int]], collections.deque]] = []
         broken: list[tuple[PeerJob, BaseException]] = []
         for job in jobs:
-            ids = job.pending()
-            if not ids:
+            started = self._start_job(job, deadline)
+            if started is None:
                 continue
-            try:
-                conn = self._acquire(job.peer, deadline)
-            except KVPlaneError as exc:
-                timed_out = isinstance(exc, Timeout) or deadline.expired()
-                job.finish_pending(TransferStatus.TIMEOUT if timed_out else TransferStatus.FAILED,
-                                   str(exc))
-                continue
-            frames = [ids[a:b] for a, b in _frames([job.lengths[i] for i in ids])]
-            frames.reverse()  # popped from the end, in order
+            conn, frames = started
             waiting: collections.deque[tuple[int, list[int]]] = collections.deque()
             try:
                 conn.set_timeout(deadline)
