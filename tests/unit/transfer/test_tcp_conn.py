@@ -12,7 +12,7 @@ import pytest
 
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
-from kvplane.common.errors import AddressNotRegistered, ProtocolError, Unavailable
+from kvplane.common.errors import AddressNotRegistered, ProtocolError, Timeout, Unavailable
 from kvplane.testing.fake_data_socket import FakeDataPeer
 from kvplane.testing.faults import FaultKind, FaultPlan
 from kvplane.transfer.batch import Batch, Slice
@@ -426,14 +426,19 @@ def test_read_scatter_fails_an_unreachable_peer(lane_peer):
 
 
 class TwoPeerTcp(TcpTransport):
-    """Connections to ADDR go to ``a``, to any other address to ``b``."""
+    """Connections to ADDR go to ``a``, to any other address to ``b`` (after ``slow_connect``
+    seconds: a host that does not answer SYNs, whose connect then times out)."""
 
-    def __init__(self, a: FakeDataPeer, b: FakeDataPeer) -> None:
+    def __init__(self, a: FakeDataPeer, b: FakeDataPeer, slow_connect: float = 0.0) -> None:
         super().__init__(TransportContext("host", "", 1 << 20, 1, "", retries=0))
         self.peers = {ADDR: a}
         self.other = b
+        self.slow_connect = slow_connect
 
     def _connect(self, peer, timeout):
+        if peer != ADDR and self.slow_connect:
+            time.sleep(min(self.slow_connect, timeout))
+            raise Timeout(f"cannot connect to {peer[0]}:{peer[1]}: timed out")
         return Conn(self.peers.get(peer, self.other).connect(), peer)
 
 
@@ -501,3 +506,20 @@ def test_write_gather_reports_a_corrupt_answer_as_failed_not_written(lane_peer):
     job = scatter_job(1, 64, bytearray(64))
     tcp.write_gather([job], Deadline.after(5))
     assert job.status == [TransferStatus.FAILED]  # never COMPLETED on an answer it cannot trust
+
+
+def test_read_scatter_serves_one_peer_while_connecting_to_the_other_hangs():
+    a, b = FakeDataPeer(size=2 * 64), FakeDataPeer(size=2 * 64)
+    fill(a, 2 * 64)
+    tcp = TwoPeerTcp(a, b, slow_connect=5.0)
+    try:
+        la = bytearray(2 * 64)
+        ja = scatter_job(2, 64, la)
+        jb = scatter_job(2, 64, bytearray(2 * 64), peer=("10.0.0.10", 7000))
+        t0 = time.monotonic()
+        tcp.read_scatter([jb, ja], Deadline.after(0.3))  # the hanging connect first
+        assert time.monotonic() - t0 < 2.0
+        assert ja.status == [TransferStatus.COMPLETED] * 2 and la == a.memory
+        assert jb.status == [TransferStatus.TIMEOUT] * 2
+    finally:
+        tcp.close()

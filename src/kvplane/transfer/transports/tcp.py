@@ -425,32 +425,33 @@ class TcpTransport(Transport):
             return
 
     def read_scatter(self, jobs: list["PeerJob"], deadline: Deadline) -> None:
-        """Run READ-only jobs (one per peer) with no per-slice bookkeeping: every job's first
-        READV frames go out before any answer is read, so peers work in parallel, and each
-        answer lands in the entries' views with one scatter receive.
+        """Run READ-only jobs (one per peer) with no per-slice bookkeeping: READV frames
+        (plain READs for one entry), ``READV_WINDOW`` in flight, each answer landing in the
+        entries' views with one scatter receive; the first job on this thread, the others
+        on lanes, so a stalled or unreachable peer cannot run the deadline out for the rest.
 
         Every entry ends COMPLETED, FAILED (refused by the peer: bounds, fence; or its
         connection broke ``ctx.retries`` more times) or TIMEOUT (the deadline passed). A
         broken connection is retried on a fresh one for the entries it did not finish, as
         :meth:`_lane` does.
         """
-        self._attempts(jobs, deadline, self._read_round)
+        self._attempts(jobs, deadline, True)
 
     def write_gather(self, jobs: list["PeerJob"], deadline: Deadline) -> None:
-        """Run WRITE-only jobs (one per peer; ``views`` are the sources) with no per-slice
-        bookkeeping: WRITEV frames (header, entry table and payloads in one ``sendmsg``; the
-        peer receives the payloads with one scatter receive), ``READV_WINDOW`` in flight. Outcomes and retries as
-        :meth:`read_scatter` (a WRITE whose answer did not arrive is written again on the
-        fresh connection: the same bytes to the same place)."""
-        self._attempts(jobs, deadline, self._write_round)
+        """Run WRITE-only jobs (one per peer; ``views`` are the sources) as
+        :meth:`read_scatter` runs reads: WRITEV frames (header, entry table and payloads in
+        one ``sendmsg``; the peer receives the payloads with one scatter receive), plain
+        WRITEs for one entry. A WRITE whose answer did not arrive is written again on the
+        fresh connection: the same bytes to the same place."""
+        self._attempts(jobs, deadline, False)
 
-    def _attempts(self, jobs: list["PeerJob"], deadline: Deadline, round_fn) -> None:  # type: ignore[no-untyped-def]
+    def _attempts(self, jobs: list["PeerJob"], deadline: Deadline, reading: bool) -> None:
         for job in jobs:
             job.status, job.errors = [None] * len(job.remote), [""] * len(job.remote)
         todo = list(jobs)
         attempts_left = self.ctx.retries + 1
         while todo:
-            broken = round_fn(todo, deadline)
+            broken = self._round(todo, deadline, reading)
             attempts_left -= 1
             if not broken:
                 return
@@ -465,14 +466,15 @@ class TcpTransport(Transport):
             metrics.TRANSFER_RETRIES.labels(self.name).inc(len(broken))
             todo = [job for job, _ in broken]
 
-    def _write_round(self, jobs: list["PeerJob"], deadline: Deadline
-                     ) -> list[tuple["PeerJob", BaseException]]:
-        """One attempt at each job's unfinished WRITEs, the peers in parallel (lanes)."""
-        futs = [self._lanes.submit(self._write_job, job, deadline) for job in jobs[1:]]
+    def _round(self, jobs: list["PeerJob"], deadline: Deadline, reading: bool
+               ) -> list[tuple["PeerJob", BaseException]]:
+        """One attempt at each job's unfinished entries, the peers in parallel (lanes);
+        returns the jobs whose connection broke (their unfinished entries stay unfinished)."""
+        futs = [self._lanes.submit(self._job, job, deadline, reading) for job in jobs[1:]]
         broken: list[tuple[PeerJob, BaseException]] = []
-        for got in [self._write_job(jobs[0], deadline)] if jobs else []:
-            if got is not None:
-                broken.append(got)
+        got = self._job(jobs[0], deadline, reading) if jobs else None
+        if got is not None:
+            broken.append(got)
         for f, job in zip(futs, jobs[1:]):
             try:
                 got = f.result()  # each ends by the deadline (kernel timeouts)
@@ -482,11 +484,9 @@ class TcpTransport(Transport):
                 broken.append(got)
         return broken
 
-    def _start_job(self, job: "PeerJob", deadline: Deadline
-                   ) -> tuple[Conn, list[list[int]]] | None:
-        """A connection for the job's unfinished entries and their frames (in reverse order,
-        popped from the end); None when nothing is left or no connection could be had (the
-        entries then end FAILED or TIMEOUT)."""
+    def _job(self, job: "PeerJob", deadline: Deadline, reading: bool
+             ) -> tuple["PeerJob", BaseException] | None:
+        """One job's unfinished entries over one connection; (job, cause) if it broke."""
         ids = job.pending()
         if not ids:
             return None
@@ -498,47 +498,30 @@ class TcpTransport(Transport):
                                str(exc))
             return None
         frames = [ids[a:b] for a, b in _frames([job.lengths[i] for i in ids])]
-        frames.reverse()
-        return conn, frames
-
-    def _write_job(self, job: "PeerJob", deadline: Deadline
-                   ) -> tuple["PeerJob", BaseException] | None:
-        started = self._start_job(job, deadline)
-        if started is None:
-            return None
-        conn, frames = started
+        frames.reverse()  # popped from the end, in order
         waiting: collections.deque[tuple[int, list[int]]] = collections.deque()
         try:
             conn.set_timeout(deadline)
             while frames or waiting:
                 while frames and len(waiting) < READV_WINDOW:
                     ids = frames.pop()
-                    rid = conn.next_id()
-                    if len(ids) == 1:  # a plain WRITE: the listener's cheapest frame
-                        i = ids[0]
-                        protocol.send_all(conn.sock, [
-                            protocol.pack_req(protocol.OP_WRITE, rid, job.remote[i],
-                                              job.lengths[i], job.gens[i]), job.views[i]])
-                    else:
-                        table = job.table(ids)
-                        protocol.send_all(conn.sock, [
-                            protocol.pack_req(protocol.OP_WRITEV, rid, len(ids),
-                                              len(table) + sum(job.lengths[i] for i in ids)),
-                            table, *(job.views[i] for i in ids)])
-                    waiting.append((rid, ids))
+                    waiting.append((_send_frame(conn, job, ids, reading), ids))
                 if deadline.expired():
                     raise TimeoutError("deadline passed")
                 conn.set_timeout(deadline)
                 rid, ids = waiting[0]
                 if len(ids) == 1:
-                    codes, refused = conn.receive_one(rid, None)
+                    codes, refused = conn.receive_one(rid, job.views[ids[0]] if reading else None)
+                elif reading:
+                    codes, refused = conn.receive_readv(rid, [job.views[i] for i in ids],
+                                                        [job.lengths[i] for i in ids])
                 else:
                     codes, refused = conn.receive_codes(rid, len(ids))
                 waiting.popleft()
                 for i, code in zip(ids, codes):
                     if refused or code:
                         job.status[i] = TransferStatus.FAILED
-                        job.errors[i] = refused or _refused(code, "WRITE")
+                        job.errors[i] = refused or _refused(code, "READ" if reading else "WRITE")
                     else:
                         job.status[i] = TransferStatus.COMPLETED
         except TimeoutError:
@@ -547,83 +530,6 @@ class TcpTransport(Transport):
         except (OSError, Unavailable, ProtocolError) as exc:
             conn.close()
             return job, exc
-        else:
-            self._release(conn)
-        return None
-
-    def _read_round(self, jobs: list["PeerJob"], deadline: Deadline
-                    ) -> list[tuple["PeerJob", BaseException]]:
-        """One attempt at each job's unfinished entries; returns the jobs whose connection
-        broke (their unfinished entries stay unfinished)."""
-        live: list[tuple[PeerJob, Conn, list[list[int]], collections.deque]] = []
-        broken: list[tuple[PeerJob, BaseException]] = []
-        for job in jobs:
-            started = self._start_job(job, deadline)
-            if started is None:
-                continue
-            conn, frames = started
-            waiting: collections.deque[tuple[int, list[int]]] = collections.deque()
-            try:
-                conn.set_timeout(deadline)
-                _send_frames(conn, job, frames, waiting)
-            except TimeoutError:
-                conn.close()
-                job.finish_pending(TransferStatus.TIMEOUT, "deadline passed sending to the peer")
-                continue
-            except (OSError, Unavailable, ProtocolError) as exc:
-                conn.close()
-                broken.append((job, exc))
-                continue
-            live.append((job, conn, frames, waiting))
-        # answers: the first peer's on this thread, the others' on lanes, so a stalled peer
-        # cannot run the deadline out for the rest
-        futs = [self._lanes.submit(self._receive_job, *item, deadline) for item in live[1:]]
-        if live:
-            self._receive_job(*live[0], deadline, broken)
-        for f, item in zip(futs, live[1:]):
-            try:
-                got = f.result()  # each ends by the deadline (kernel timeouts)
-            except cf.CancelledError:  # the transport was closed meanwhile
-                item[1].close()
-                got = (item[0], Unavailable("transport closed"))
-            if got is not None:
-                broken.append(got)
-        return broken
-
-    def _receive_job(self, job: "PeerJob", conn: Conn, frames: list[list[int]],
-                     waiting: "collections.deque[tuple[int, list[int]]]", deadline: Deadline,
-                     broken: list[tuple["PeerJob", BaseException]] | None = None
-                     ) -> tuple["PeerJob", BaseException] | None:
-        """Receive every awaited READV answer of one job (sending its remaining frames as the
-        window allows); returns (job, cause) when the connection broke, else None (and, when
-        ``broken`` is given, appends that pair to it instead)."""
-        try:
-            while waiting:
-                if deadline.expired():
-                    raise TimeoutError("deadline passed")
-                conn.set_timeout(deadline)
-                rid, ids = waiting[0]
-                if len(ids) == 1:
-                    codes, refused = conn.receive_one(rid, job.views[ids[0]])
-                else:
-                    codes, refused = conn.receive_readv(rid, [job.views[i] for i in ids],
-                                                        [job.lengths[i] for i in ids])
-                waiting.popleft()
-                for i, code in zip(ids, codes):
-                    if refused or code:
-                        job.status[i] = TransferStatus.FAILED
-                        job.errors[i] = refused or _refused(code)
-                    else:
-                        job.status[i] = TransferStatus.COMPLETED
-                _send_frames(conn, job, frames, waiting)
-        except TimeoutError:
-            conn.close()
-            job.finish_pending(TransferStatus.TIMEOUT, "deadline passed waiting for the peer")
-        except (OSError, Unavailable, ProtocolError) as exc:
-            conn.close()
-            if broken is None:
-                return job, exc
-            broken.append((job, exc))
         else:
             self._release(conn)
         return None
@@ -703,18 +609,26 @@ class PeerJob:
             self.status[i], self.errors[i] = status, error
 
 
-def _send_frames(conn: Conn, job: PeerJob, frames: list[list[int]],
-                 waiting: "collections.deque[tuple[int, list[int]]]") -> None:
-    """Send READV frames (popped from the end of ``frames``) until READV_WINDOW are awaiting."""
-    while frames and len(waiting) < READV_WINDOW:
-        ids = frames.pop()
-        if len(ids) == 1:  # a plain READ: the listener's cheapest frame
-            i, rid = ids[0], conn.next_id()
-            protocol.send_all(conn.sock, [protocol.pack_req(protocol.OP_READ, rid, job.remote[i],
-                                                            job.lengths[i], job.gens[i])])
-            waiting.append((rid, ids))
-        else:
-            waiting.append((conn.send_readv(job.table(ids), len(ids)), ids))
+def _send_frame(conn: Conn, job: PeerJob, ids: list[int], reading: bool) -> int:
+    """Send one frame for entries ``ids``: a plain READ or WRITE (the listener's cheapest
+    frame) for one entry, else a READV or WRITEV. Returns its request id."""
+    rid = conn.next_id()
+    if len(ids) == 1:
+        i = ids[0]
+        head = protocol.pack_req(protocol.OP_READ if reading else protocol.OP_WRITE, rid,
+                                 job.remote[i], job.lengths[i], job.gens[i])
+        protocol.send_all(conn.sock, [head] if reading else [head, job.views[i]])
+        return rid
+    table = job.table(ids)
+    if reading:
+        protocol.send_all(conn.sock, [protocol.pack_req(protocol.OP_READV, rid, len(ids),
+                                                        len(table)), table])
+        return rid
+    protocol.send_all(conn.sock, [
+        protocol.pack_req(protocol.OP_WRITEV, rid, len(ids),
+                          len(table) + sum(job.lengths[i] for i in ids)),
+        table, *(job.views[i] for i in ids)])
+    return rid
 
 
 def _readv_groups(slices: list[Slice]) -> list[list[Slice]]:
