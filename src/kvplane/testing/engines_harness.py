@@ -56,6 +56,7 @@ def engines_env(mooncake: Mooncake = "kvplane", **extra: str) -> dict[str, str]:
                SGLANG_HOST_IP="127.0.0.1", MOONCAKE_LOCAL_HOSTNAME="127.0.0.1",
                MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="1", OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # as vllm_harness.vllm_env says
     env.update(extra)
     return env
 

@@ -32,6 +32,10 @@ def vllm_env(extra_path: str = "", **extra: str) -> dict[str, str]:
     env.update(PYTHONPATH=os.pathsep.join(path), PYTHONHASHSEED="0", HF_HUB_OFFLINE="1",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS="1",
                MOONCAKE_REQUESTER_LOCAL_HOSTNAME="127.0.0.1", TOKENIZERS_PARALLELISM="false")
+    # vLLM CPU's default ("auto") pins every server's worker to the same cores when several
+    # run on one host, so their spinning main threads starve each other's (and the kvplane
+    # connectors') threads: a PD pull's handshake then timed out after 5 s (docs/vllm.md)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.update(extra)
     return env
 
