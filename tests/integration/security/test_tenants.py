@@ -18,7 +18,8 @@ from kvplane.common.errors import Timeout, Unauthorized
 from kvplane.common.rpc import RpcClient
 from kvplane.kvevents import decode_batch
 from kvplane.kvevents.secure import topic_of
-from kvplane.store import MasterServer, StoreClient
+from kvplane.store import StoreClient
+from kvplane.testing.store_procs import tenant_pool
 from kvplane.store.errors import InvalidKey, ObjectNotFound
 from kvplane.store.master.access import scoped, unscoped
 from kvplane.store.master.pool_events import key_hash
@@ -32,11 +33,8 @@ TOK = {"a": "tenant-a-token-0123456789", "b": "tenant-b-token-0123456789"}
 
 @pytest.fixture
 def pool():
-    with MasterServer(token=SVC, admin_token=ADM, tenants=TOK, kv_events_port=0) as m:
-        addr = f"127.0.0.1:{m.port}"
-        with StoreClient(master=addr, token=SVC, global_segment_size=8 << 20,
-                         peer_tokens=tuple(TOK.values())) as seg:
-            yield m, addr, seg
+    with tenant_pool(SVC, TOK, admin_token=ADM, kv_events_port=0) as made:
+        yield made
 
 
 def test_another_client_cannot_unmount_my_segment(pool):

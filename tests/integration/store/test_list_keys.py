@@ -12,7 +12,8 @@ import pytest
 
 from kvplane.common.errors import Unauthorized
 from kvplane.common.rpc import RpcClient
-from kvplane.store import MasterServer, StoreClient
+from kvplane.store import StoreClient
+from kvplane.testing.store_procs import tenant_pool
 from kvplane.store import types as store_types
 from kvplane.store.errors import InvalidKey, InvalidParams
 from kvplane.store.types import ListKeysRep, ListKeysReq, PutStartReq, ReplicateConfig
@@ -24,11 +25,8 @@ TOK = {"a": "tenant-a-token-0123456789"}
 
 @pytest.fixture
 def pool():
-    with MasterServer(token=SVC, tenants=TOK) as m:
-        addr = f"127.0.0.1:{m.port}"
-        with StoreClient(master=addr, token=SVC, global_segment_size=8 << 20,
-                         peer_tokens=tuple(TOK.values())) as seg:
-            yield m, addr, seg
+    with tenant_pool(SVC, TOK) as made:
+        yield made
 
 
 def test_prefix_order_and_removal(pool):
