@@ -282,9 +282,6 @@ class TransferEngine:
         return sum(t.prune() for t in self.transports.values() if hasattr(t, "prune"))
 
     # -- planning --------------------------------------------------------------------------
-    def _choose(self, req: TransferRequest, route: Route) -> Transport:
-        return self._pick(req.transport, route)
-
     def _pick(self, transport: str | None, route: Route) -> Transport:
         """The transport for a request asking for ``transport`` (None: the engine's protocol)."""
         want = transport or self.config.protocol
@@ -320,7 +317,7 @@ class TransferEngine:
                 pick = chosen.get((req.target, region.addr, req.transport))
                 if pick is None:
                     route = Route(seg.desc, region, seg.same_host)
-                    pick = chosen[(req.target, region.addr, req.transport)] = (route, self._choose(req, route))
+                    pick = chosen[(req.target, region.addr, req.transport)] = (route, self._pick(req.transport, route))
                 route, t = pick
             except KVPlaneError as exc:
                 status = TransferStatus.TIMEOUT if isinstance(exc, Timeout) else TransferStatus.FAILED
@@ -495,16 +492,14 @@ class TransferEngine:
         if jobs:
             run = tcp.read_scatter if op == OpCode.READ else tcp.write_gather  # type: ignore[union-attr]
             run([job for job, _ in jobs.values()], deadline)
-            moved, ended = 0, {}
+            done: dict[tuple[OpCode, TransferStatus], int] = {}
+            moved = 0
             for job, where in jobs.values():
                 for i, st, n in zip(where, job.status, job.lengths):
                     out[i] = st = st or TransferStatus.FAILED
-                    ended[st] = ended.get(st, 0) + 1
+                    done[(op, st)] = done.get((op, st), 0) + 1
                     moved += n if st == TransferStatus.COMPLETED else 0
-            for st, k in ended.items():  # one counter update per kind, as _count_done does
-                if k:
-                    _REQ_COUNTERS[(op, st)].inc(k)
-            _BYTE_COUNTERS[op].inc(moved)
+            _count(done, {op: moved})
         if rest:
             left = max(deadline.remaining(), 1e-3)
             got = self.transfer([TransferRequest(op, items[i][1], items[i][0], items[i][2],
@@ -651,10 +646,16 @@ def _count_done(batch: Batch) -> None:
         done[key] = done.get(key, 0) + 1
         if t.transferred:
             moved[t.req.op] = moved.get(t.req.op, 0) + t.transferred
+    _count(done, moved)
+
+
+def _count(done: dict[tuple[OpCode, TransferStatus], int], moved: dict[OpCode, int]) -> None:
+    """Bump the request counters by kind and the byte counters by op (one update each)."""
     for key, n in done.items():
         _REQ_COUNTERS[key].inc(n)
     for op, n in moved.items():
-        _BYTE_COUNTERS[op].inc(n)
+        if n:
+            _BYTE_COUNTERS[op].inc(n)
 
 
 def _raise_first(tasks: list[Task]) -> None:

@@ -210,8 +210,7 @@ class DataServer:
         for (addr, n, gen), ok in zip(entries, admitted):
             self._check_length(n)
             try:
-                if region is None or not (region.addr <= addr and addr + n <= region.end):
-                    region = self.memory.find(addr, n)  # most entries share the last one's region
+                region = self._find(region, addr, n)
                 if not ok:
                     raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
             except KVPlaneError as exc:
@@ -246,6 +245,13 @@ class DataServer:
             self.fence.end_write(gen)
         conn.sendall(protocol.pack_resp(0, rid, 0))
 
+    def _find(self, last: Region | None, addr: int, n: int) -> Region:
+        """The region holding [addr, addr+n): ``last`` when it does (the entries of one frame
+        mostly share a region), else looked up (raises AddressNotRegistered)."""
+        if last is not None and last.addr <= addr and addr + n <= last.end:
+            return last
+        return self.memory.find(addr, n)
+
     def _writev(self, conn: socket.socket, rid: int, count: int, length: int) -> None:
         """Many WRITEs in one frame; each entry is checked and fenced on its own (see
         protocol), and every payload arrives through one scatter receive."""
@@ -266,8 +272,7 @@ class DataServer:
         try:
             for addr, n, gen in entries:
                 try:
-                    if region is None or not (region.addr <= addr and addr + n <= region.end):
-                        region = self.memory.find(addr, n)
+                    region = self._find(region, addr, n)
                     if not self.fence.begin_write(gen):  # counted in progress until end_write
                         raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
                 except KVPlaneError as exc:

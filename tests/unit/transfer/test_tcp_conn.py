@@ -6,6 +6,7 @@ protocol in memory and injects the faults of a seeded FaultPlan.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -426,18 +427,20 @@ def test_read_scatter_fails_an_unreachable_peer(lane_peer):
 
 
 class TwoPeerTcp(TcpTransport):
-    """Connections to ADDR go to ``a``, to any other address to ``b`` (after ``slow_connect``
-    seconds: a host that does not answer SYNs, whose connect then times out)."""
+    """Connections to ADDR go to ``a``, to any other address to ``b``; with ``hang_connect``,
+    a connect to ``b`` hangs until its timeout (a host that does not answer SYNs) or until
+    ``released`` is set, then times out."""
 
-    def __init__(self, a: FakeDataPeer, b: FakeDataPeer, slow_connect: float = 0.0) -> None:
+    def __init__(self, a: FakeDataPeer, b: FakeDataPeer, hang_connect: bool = False) -> None:
         super().__init__(TransportContext("host", "", 1 << 20, 1, "", retries=0))
         self.peers = {ADDR: a}
         self.other = b
-        self.slow_connect = slow_connect
+        self.hang_connect = hang_connect
+        self.released = threading.Event()
 
     def _connect(self, peer, timeout):
-        if peer != ADDR and self.slow_connect:
-            time.sleep(min(self.slow_connect, timeout))
+        if peer != ADDR and self.hang_connect:
+            self.released.wait(timeout)
             raise Timeout(f"cannot connect to {peer[0]}:{peer[1]}: timed out")
         return Conn(self.peers.get(peer, self.other).connect(), peer)
 
@@ -511,7 +514,7 @@ def test_write_gather_reports_a_corrupt_answer_as_failed_not_written(lane_peer):
 def test_read_scatter_serves_one_peer_while_connecting_to_the_other_hangs():
     a, b = FakeDataPeer(size=2 * 64), FakeDataPeer(size=2 * 64)
     fill(a, 2 * 64)
-    tcp = TwoPeerTcp(a, b, slow_connect=5.0)
+    tcp = TwoPeerTcp(a, b, hang_connect=True)
     try:
         la = bytearray(2 * 64)
         ja = scatter_job(2, 64, la)
@@ -522,4 +525,5 @@ def test_read_scatter_serves_one_peer_while_connecting_to_the_other_hangs():
         assert ja.status == [TransferStatus.COMPLETED] * 2 and la == a.memory
         assert jb.status == [TransferStatus.TIMEOUT] * 2
     finally:
+        tcp.released.set()
         tcp.close()

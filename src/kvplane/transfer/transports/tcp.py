@@ -612,18 +612,16 @@ class PeerJob:
 def _send_frame(conn: Conn, job: PeerJob, ids: list[int], reading: bool) -> int:
     """Send one frame for entries ``ids``: a plain READ or WRITE (the listener's cheapest
     frame) for one entry, else a READV or WRITEV. Returns its request id."""
-    rid = conn.next_id()
     if len(ids) == 1:
-        i = ids[0]
+        i, rid = ids[0], conn.next_id()
         head = protocol.pack_req(protocol.OP_READ if reading else protocol.OP_WRITE, rid,
                                  job.remote[i], job.lengths[i], job.gens[i])
         protocol.send_all(conn.sock, [head] if reading else [head, job.views[i]])
         return rid
     table = job.table(ids)
     if reading:
-        protocol.send_all(conn.sock, [protocol.pack_req(protocol.OP_READV, rid, len(ids),
-                                                        len(table)), table])
-        return rid
+        return conn.send_readv(table, len(ids))
+    rid = conn.next_id()
     protocol.send_all(conn.sock, [
         protocol.pack_req(protocol.OP_WRITEV, rid, len(ids),
                           len(table) + sum(job.lengths[i] for i in ids)),
@@ -633,18 +631,7 @@ def _send_frame(conn: Conn, job: PeerJob, ids: list[int], reading: bool) -> int:
 
 def _readv_groups(slices: list[Slice]) -> list[list[Slice]]:
     """Consecutive slices cut into READV frames of at most MAX_READV entries and READV_BYTES."""
-    groups: list[list[Slice]] = []
-    cur: list[Slice] = []
-    size = 0
-    for s in slices:
-        if cur and (len(cur) >= protocol.MAX_READV or size + s.length > READV_BYTES):
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(s)
-        size += s.length
-    if cur:
-        groups.append(cur)
-    return groups
+    return [slices[a:b] for a, b in _frames([s.length for s in slices])]
 
 
 def _finish(slices: list[Slice], status: TransferStatus, error: str) -> None:
