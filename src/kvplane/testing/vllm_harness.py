@@ -208,10 +208,11 @@ class OpenAIServer:
         r = httpx.post(self.url + "/reset_prefix_cache", timeout=30, trust_env=False)
         r.raise_for_status()
 
-    def kill(self) -> None:
-        """kill -9 the instance (API server and engine core, one process group) and reap."""
+    def kill(self, reap: bool = True) -> None:
+        """kill -9 the instance (API server and engine core, one process group); reap unless told."""
         self._signal_group(signal.SIGKILL)
-        self.proc.wait(30)
+        if reap:
+            self.proc.wait(30)
 
     def close(self) -> None:
         """Terminate the instance (kill -9 after 30 s) and close the log."""

@@ -138,20 +138,24 @@ def test_no_backend_at_all_is_503_not_a_hang(http):
         assert http.post(server.url + "/v1/completions", json={"prompt": words(1)}).status_code == 503
 
 
-def test_ejection_spares_a_stream_that_keeps_producing_and_ends_one_that_stalls(http):
+def test_a_streaming_backend_with_a_silent_health_stays_and_a_stalled_one_is_ended(http):
     with cluster(1) as (server, (fake,)):
         b = server.pool.get(fake.id)
-        fake.token_delay = 0.1  # 30 tokens over ~3 s: the ejection happens mid-stream
+        excused = counter(instruments.UPSTREAM_ERRORS, fake.id, "health_timeout_excused")
+        fake.token_delay = 0.1  # 30 tokens over ~3 s
         out: dict = {}
         t = threading.Thread(target=lambda: out.setdefault("r", stream(http, server.url, words(1), 30)))
         t.start()
         wait_until(lambda: len(fake.requests) == 1, 5, "stream started")
-        fake.health_stall = True
-        wait_until(lambda: not b.up, 5, "ejection")
+        fake.health_stall = True  # /health times out, but tokens keep coming: proof of life
         t.join(20)
         r = out["r"]
         assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
-        assert r.text.count('"text"') == 30  # a slow /health is not a dead stream
+        assert r.text.count('"text"') == 30
+        assert counter(instruments.UPSTREAM_ERRORS, fake.id, "health_timeout_excused") > excused
+        # not ejected while it streamed; once quiet, its timed-out checks count
+        wait_until(lambda: not b.up, 5, "ejection once quiet")
+        assert b.ejected_at > b.seen and b.ejected_at - b.seen <= server.config.ejection_bound_s + 0.5
         fake.health_stall = False
         wait_until(lambda: b.up, 5, "re-admission")
         fake.token_delay, fake.stall_after = 0.0, 2
@@ -166,3 +170,18 @@ def test_ejection_spares_a_stream_that_keeps_producing_and_ends_one_that_stalls(
         events = [e for e in out["r"].text.split("\n\n") if e]
         assert events[:2] == [e for e in events[:2] if '"text"' in e] and len(events) == 4
         assert '"error"' in events[2] and events[3] == "data: [DONE]"
+
+
+def test_a_dropped_stream_gets_its_backend_checked_at_once(http):
+    # rounds every 30 s: only the check the dropped connection triggers can eject within the test
+    with cluster(2, policy="round-robin", health_interval_s=30.0, health_timeout_s=2.0,
+                 eject_after=1) as (server, (bad, good)):
+        b = server.pool.get(bad.id)
+        assert b.up, b.last_error  # admitted by the check before serving
+        wait_until(lambda: b.oks >= 2, 5, "the round's first check")  # the next one is 30 s away
+        server.router.set_available(good.id, False)  # the stream lands on `bad`
+        bad.die_after, bad.health_status = 2, 503
+        r = stream(http, server.url, words(3, 4), n=6)
+        assert '"error"' in r.text and r.headers.get("x-kvplane-backend") == bad.id, (r.status_code, r.text)
+        wait_until(lambda: not b.up, 5, "ejection by the triggered check")
+        assert "HTTP 503" in b.last_error

@@ -186,4 +186,4 @@ class GatewayConfig:
     @property
     def ejection_bound_s(self) -> float:
         """Worst-case seconds from a backend going silent to its ejection by health checks."""
-        return self.eject_after * self.health_interval_s + self.health_timeout_s
+        return self.health_interval_s + self.eject_after * self.health_timeout_s

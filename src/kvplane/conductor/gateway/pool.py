@@ -1,9 +1,9 @@
 """The router's backends: health checks (eject, re-admit), ``/metrics`` scrapes, discovery.
 
 A :class:`BackendPool` owns one :class:`Backend` record per vLLM server. Background tasks (one
-event loop; see ``server.py``) check ``/health`` every ``health_interval_s``: a refused
-connection ejects at once, ``eject_after`` failed checks in a row eject, ``admit_after`` good ones
-re-admit. Ejection tells the scheduling :class:`Router` to stop offering the instance and fires the
+event loop; see ``server.py``) check each backend's ``/health`` every ``health_interval_s``, one
+task per backend: a refused connection ejects at once, ``eject_after`` failed checks in a row
+eject, ``admit_after`` good ones re-admit. Ejection tells the scheduling :class:`Router` to stop offering the instance and fires the
 backend's ``gone`` event, which aborts the requests in flight on it (``proxy.py`` retries those
 before their first token). Scrapes read vLLM's own gauges and counters (requests running/waiting,
 prefix-cache queries/hits, block size and KV capacity from ``cache_config_info``). Once the block
@@ -65,6 +65,9 @@ class Backend:
         registered: its KV event stream is registered with the index.
         listed: still in the discovered backend list (static backends always are).
         last_error: the last health or scrape error, for ``/backends``.
+        seen: ``time.monotonic()`` of the last bytes a proxied call got from it (0 = never):
+            proof of life that excuses a health check timing out meanwhile.
+        ejected_at: ``time.monotonic()`` of its last ejection (0 = never ejected).
     """
 
     spec: BackendSpec
@@ -83,6 +86,9 @@ class Backend:
     registered: bool = False
     listed: bool = True
     last_error: str = ""
+    seen: float = 0.0
+    ejected_at: float = 0.0
+    checking: bool = False
 
     @property
     def id(self) -> str:
@@ -134,6 +140,7 @@ class BackendPool:
         self.block_size = config.block_size
         self.backends: dict[str, Backend] = {}
         self._rr = itertools.count()
+        self._tasks: set[asyncio.Future[None]] = set()
         self.discovery_errors = 0
         for spec in config.backends:
             self.add(spec)
@@ -173,6 +180,7 @@ class BackendPool:
         if not b.up:
             return
         b.up = False
+        b.ejected_at = time.monotonic()
         b.gone.set()
         self.router.set_available(b.id, False)
         instruments.BACKEND_UP.labels(b.id).set(0)
@@ -203,20 +211,77 @@ class BackendPool:
             self.eject(b, "health")
 
     async def check(self, b: Backend) -> None:
-        """One health check of ``b`` (GET /health with the health timeout)."""
-        try:
-            r = await self.client.get(b.spec.url + "/health", timeout=self.config.health_timeout_s,
-                                      headers=self.headers())
+        """One health check of ``b`` (GET /health with the health timeout).
+
+        A check that times out while ``b`` keeps sending bytes on proxied calls is not counted: a
+        loaded vLLM answers ``/health`` late but is alive (a killed one sends nothing more).
+        """
+        if b.checking:  # one check of a backend at a time (rounds and passive checks)
+            return
+        b.checking, started = True, time.monotonic()
+        timeout = self.config.health_timeout_s
+        try:  # httpx times each phase (connect, write, read); the check as a whole gets `timeout`
+            r = await asyncio.wait_for(self.client.get(b.spec.url + "/health", timeout=timeout,
+                                                       headers=self.headers()), timeout)
             ok, err = r.status_code == 200, f"HTTP {r.status_code}"
             self.record(b, ok, error="" if ok else err)
         except httpx.ConnectError as exc:
             self.record(b, False, refused=True, error=f"connect: {exc}")
+        except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
+            if b.seen > started:
+                b.last_error = f"health {type(exc).__name__} while streaming (not counted)"
+                instruments.UPSTREAM_ERRORS.labels(b.id, "health_timeout_excused").inc()
+            else:
+                self.record(b, False, error=f"{type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:
             self.record(b, False, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            b.checking = False
+
+    def check_soon(self, b: Backend) -> None:
+        """Check ``b`` now, off the round (a proxied call saw its connection drop)."""
+        if b.up and not b.checking:
+            task = asyncio.ensure_future(self.check(b))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def check_all(self) -> None:
-        """Check every backend concurrently."""
+        """Check every backend concurrently (once, before serving)."""
         await asyncio.gather(*(self.check(b) for b in list(self.backends.values())))
+
+    async def watch_all(self) -> None:
+        """Health-check every backend on its own cadence until cancelled (new ones as they come).
+
+        One task per backend: a slow check of one never delays another's. Seen under load on the
+        2-core test box: with one round for all, a live backend's 1.5 s check (0.5 s per phase)
+        held back the next check of a killed one for 1.5 s.
+        """
+        watchers: dict[str, asyncio.Future[None]] = {}
+        try:
+            while True:
+                for b in list(self.backends.values()):
+                    if b.id not in watchers:
+                        watchers[b.id] = asyncio.ensure_future(self._watch(b))
+                await asyncio.sleep(self.config.health_interval_s)
+        finally:
+            for t in watchers.values():
+                t.cancel()
+            await asyncio.gather(*watchers.values(), return_exceptions=True)
+
+    async def _watch(self, b: Backend) -> None:
+        """Check ``b`` every ``health_interval_s`` (start to start); a failing backend still in
+        rotation is checked again after at most ``health_timeout_s``, so ``eject_after`` timeouts
+        follow each other."""
+        cfg = self.config
+        while True:
+            start = time.monotonic()
+            try:
+                await self.check(b)
+            except Exception:  # a bug in one check must not stop checking; logged, counted
+                instruments.UPSTREAM_ERRORS.labels(b.id, "health_loop").inc()
+                log.exception("router health check of %s failed", b.id)
+            gap = min(cfg.health_interval_s, cfg.health_timeout_s) if b.up and b.fails else cfg.health_interval_s
+            await asyncio.sleep(max(0.0, gap - (time.monotonic() - start)))
 
     def headers(self) -> dict[str, str]:
         """Headers of every upstream call (the shared token, when set)."""

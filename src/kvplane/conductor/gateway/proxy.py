@@ -255,9 +255,15 @@ class Gateway:
     def _failed(self, b: Backend, exc: Exception, phase: str) -> Retryable:
         kind = "gone" if isinstance(exc, BackendGone) else type(exc).__name__
         instruments.UPSTREAM_ERRORS.labels(b.id, kind).inc()
+        self._suspect(b, exc, phase)
+        return Retryable(b, kind, f"{kind} {exc}".strip())
+
+    def _suspect(self, b: Backend, exc: Exception, phase: str) -> None:
+        """A refused connection ejects ``b``; a dropped one gets it checked now."""
         if isinstance(exc, httpx.ConnectError):
             self.pool.record(b, False, refused=True, error=f"{phase}: {exc}")
-        return Retryable(b, kind, f"{kind} {exc}".strip())
+        elif isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+            self.pool.check_soon(b)
 
     async def _call(self, b: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
                     phase: str) -> httpx.Response:
@@ -272,6 +278,7 @@ class Gateway:
             raise self._failed(b, exc, phase) from exc
         finally:
             b.in_flight -= 1
+        b.seen = time.monotonic()
         if r.status_code >= 500:
             instruments.UPSTREAM_ERRORS.labels(b.id, f"http_{r.status_code}").inc()
             raise Retryable(b, "status", f"HTTP {r.status_code}: {r.text[:200]}")
@@ -315,6 +322,7 @@ class Gateway:
             events = sse_events(resp.aiter_bytes())
             while True:
                 first = await race(events.__anext__(), gone)
+                b.seen = time.monotonic()
                 if is_data(first):
                     return resp, events, first
         except StopAsyncIteration as exc:
@@ -347,9 +355,11 @@ class Gateway:
                     event = await race(events.__anext__(), gone, self.config.health_timeout_s)
                 except StopAsyncIteration:
                     return
+                b.seen = time.monotonic()
                 yield event
         except (httpx.HTTPError, BackendGone, ValueError) as exc:
             kind = "gone" if isinstance(exc, BackendGone) else type(exc).__name__
+            self._suspect(b, exc, "stream")
             instruments.STREAM_ERRORS.labels(kind).inc()
             instruments.UPSTREAM_ERRORS.labels(b.id, kind).inc()
             log.warning("stream from %s broke after the first token: %s %s", b.id, kind, exc)

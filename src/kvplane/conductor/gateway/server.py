@@ -138,7 +138,7 @@ class GatewayServer:
             await pool.discover(self._meta)
         await pool.check_all()
         await pool.scrape_all()
-        tasks = [asyncio.ensure_future(pool.run(cfg.health_interval_s, pool.check_all, "health")),
+        tasks = [asyncio.ensure_future(pool.watch_all()),
                  asyncio.ensure_future(pool.run(cfg.metrics_interval_s, pool.scrape_all, "metrics"))]
         if self._meta is not None:
             meta = self._meta
