@@ -102,7 +102,8 @@ class Backend:
                 "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
                 "block_size": self.block_size, "hash_algo": self.hash_algo,
                 "kv_capacity_tokens": self.kv_capacity, "events_indexed": self.registered,
-                "last_error": self.last_error}
+                "last_error": self.last_error,
+                "ejected_at": time.time() - (time.monotonic() - self.ejected_at) if self.ejected_at else None}
 
 
 class GatewayPrefixes:
