@@ -274,15 +274,9 @@ class BackendPool:
         rotation is checked again after at most ``health_timeout_s``, so ``eject_after`` timeouts
         follow each other."""
         cfg = self.config
-        while True:
-            start = time.monotonic()
-            try:
-                await self.check(b)
-            except Exception:  # a bug in one check must not stop checking; logged, counted
-                instruments.UPSTREAM_ERRORS.labels(b.id, "health_loop").inc()
-                log.exception("router health check of %s failed", b.id)
-            gap = min(cfg.health_interval_s, cfg.health_timeout_s) if b.up and b.fails else cfg.health_interval_s
-            await asyncio.sleep(max(0.0, gap - (time.monotonic() - start)))
+        failing = min(cfg.health_interval_s, cfg.health_timeout_s)
+        await self.run(lambda: failing if b.up and b.fails else cfg.health_interval_s,
+                       lambda: self.check(b), "health", b.id)
 
     def headers(self) -> dict[str, str]:
         """Headers of every upstream call (the shared token, when set)."""
@@ -368,16 +362,19 @@ class BackendPool:
         return len(specs)
 
     # loops ----------------------------------------------------------------------------------------
-    async def run(self, every: float, step: Callable[[], Awaitable[object]], what: str) -> None:
-        """Call ``await step()`` every ``every`` seconds (start to start) until cancelled."""
+    async def run(self, every: float | Callable[[], float], step: Callable[[], Awaitable[object]],
+                  what: str, backend: str = "-") -> None:
+        """Call ``await step()`` every ``every`` seconds (start to start; a callable is asked
+        after each step) until cancelled."""
         while True:
             start = time.monotonic()
             try:
                 await step()
-            except Exception:  # a bug in one round must not stop health checking; logged, counted
-                instruments.UPSTREAM_ERRORS.labels("-", f"{what}_loop").inc()
-                log.exception("router %s round failed", what)
-            await asyncio.sleep(max(0.0, every - (time.monotonic() - start)))
+            except Exception:  # a bug in one round must not stop the loop; logged, counted
+                instruments.UPSTREAM_ERRORS.labels(backend, f"{what}_loop").inc()
+                log.exception("router %s round failed (%s)", what, backend)
+            gap = every() if callable(every) else every
+            await asyncio.sleep(max(0.0, gap - (time.monotonic() - start)))
 
 
 def parse_vllm_metrics(text: str, b: Backend) -> None:
