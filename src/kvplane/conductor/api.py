@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -27,7 +28,7 @@ from kvplane.common.errors import (Conflict, InvalidArgument, KVPlaneError, NotF
                                    ProtocolError, Unauthorized)
 Secret = Annotated[str, Field(max_length=4096)]
 from kvplane.conductor import instruments
-from kvplane.conductor.hashing import HashProfile
+from kvplane.conductor.hashing import HashProfile, native
 from kvplane.conductor.service import Conductor, QueryRequest, Registration
 
 Name = Annotated[str, Field(max_length=256)]
@@ -125,8 +126,32 @@ class _QueryWire(msgspec.Struct, kw_only=True):
     lora_path: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
 
-_JSON_QUERY = msgspec.json.Decoder(_QueryWire)
+class _QueryWireRaw(_QueryWire, kw_only=True):
+    """The JSON query body with its token ids left as text, for the C parser (:func:`_decode_json`)."""
+
+    token_ids: msgspec.Raw = msgspec.Raw(b"null")  # type: ignore[assignment]
+
+
+_PLAIN_JSON_QUERY = msgspec.json.Decoder(_QueryWire)
+_JSON_QUERY = _PLAIN_JSON_QUERY if native is None else msgspec.json.Decoder(_QueryWireRaw)
 _MSGPACK_QUERY = msgspec.msgpack.Decoder(_QueryWire)
+
+
+def _decode_json(body: bytes) -> _QueryWire:
+    """A JSON query body. With the C accelerator its token ids are parsed from their text (32k
+    ids in about 0.1 ms, against 1.6 ms as Python ints); a body it does not take (``null``, an
+    out-of-range or non-integer id) is decoded again as a whole by msgspec, so validation and
+    error messages are exactly those of the plain decoder."""
+    q = _JSON_QUERY.decode(body)
+    if isinstance(q.token_ids, msgspec.Raw):
+        if memoryview(q.token_ids) == b"null":  # absent or null (a /query_by_hash body)
+            q.token_ids = None
+            return q
+        ids = native.parse_ids(q.token_ids)
+        if ids is None:
+            return _PLAIN_JSON_QUERY.decode(body)
+        q.token_ids = np.frombuffer(ids, np.int64)  # type: ignore[assignment]
+    return q
 
 
 def _decode_query(body: bytes, content_type: str, by_hash: bool) -> QueryRequest:
@@ -135,9 +160,8 @@ def _decode_query(body: bytes, content_type: str, by_hash: bool) -> QueryRequest
     Raises:
         RequestValidationError: on a malformed body or schema violation (answered with 422).
     """
-    dec = _MSGPACK_QUERY if "msgpack" in content_type else _JSON_QUERY
     try:
-        q = dec.decode(body)
+        q = _MSGPACK_QUERY.decode(body) if "msgpack" in content_type else _decode_json(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise RequestValidationError([{"type": "body", "loc": ["body"], "msg": str(exc)}]) from exc
     hashes = q.seq_hashes if q.seq_hashes is not None else q.block_hash

@@ -28,6 +28,11 @@ import numpy as np
 
 from kvplane.common.errors import InvalidArgument
 
+try:  # ``native``: the optional C accelerator (pyproject's ext-modules); the numpy path below is the fallback
+    from kvplane.conductor import _chainhash as native
+except ImportError:  # pragma: no cover - depends on the build
+    native = None
+
 Algorithm = Literal["sha256", "sha256_cbor"]
 ALGORITHMS: tuple[str, ...] = ("sha256", "sha256_cbor")
 STRATEGIES: tuple[str, ...] = ("vllm_v1", "vllm_v1_tagged")
@@ -203,19 +208,30 @@ def _layout(tok: np.ndarray, bs: int, cbor: bool) -> tuple[list[bytes], list[byt
     return [heads[f] for f in frames], tails
 
 
-def _fast_chain(algorithm: str, tok: np.ndarray, bs: int, parent: bytes) -> list[bytes] | None:
-    """Digests of every complete block of ``tok`` chained from ``parent``, no extra keys.
+def _fast_chain(algorithm: str, tok: np.ndarray, bs: int, parent: bytes,
+                use_native: bool = True) -> bytes | None:
+    """Digests of every complete block of ``tok`` chained from ``parent``, no extra keys, as one
+    blob (32 bytes per block).
 
-    Returns None when the batched layout does not apply or does not reproduce the generic
-    encoder on the first block; the caller then hashes block by block.
+    The C accelerator runs the whole chain when it is built (``use_native=False`` skips it, for tests
+    and benchmarks); otherwise the hash inputs are laid out with numpy. Returns None when neither
+    applies or neither reproduces the generic encoder on the first block; the caller then hashes
+    block by block.
     """
-    layout = _layout(tok, bs, algorithm == "sha256_cbor")
+    cbor = algorithm == "sha256_cbor"
+    first = tuple(tok[:bs].tolist())
+    if use_native and native is not None and tok.size >= bs:
+        # The C loop writes the same bytes as _layout; its first digest is checked like _layout's
+        # first input, against the generic encoder.
+        blob = native.chain(np.ascontiguousarray(tok, np.int64), bs, parent, cbor)
+        if blob is not None and blob[:32] == _HASH_FNS[algorithm]((parent, first, None)):
+            return blob
+    layout = _layout(tok, bs, cbor)
     if layout is None:
         return None
     heads, tails = layout
-    first = tuple(tok[:bs].tolist())
     generic = (pickle.dumps((parent, first, None), protocol=pickle.HIGHEST_PROTOCOL)
-               if algorithm == "sha256" else cbor_canonical((parent, first, None)))
+               if not cbor else cbor_canonical((parent, first, None)))
     if heads[0] + parent + tails[0] != generic:
         return None
     sha = hashlib.sha256
@@ -224,14 +240,20 @@ def _fast_chain(algorithm: str, tok: np.ndarray, bs: int, parent: bytes) -> list
     for head, tail in zip(heads, tails):
         parent = sha(head + parent + tail).digest()
         append(parent)
-    return out
+    return b"".join(out)
 
 
-def low64_all(digests: list[bytes]) -> list[int]:
-    """:func:`low64` of many digests at once."""
+def _split(blob: bytes) -> list[bytes]:
+    """A blob of digests as a list of 32-byte digests."""
+    return [blob[i:i + 32] for i in range(0, len(blob), 32)]
+
+
+def low64_all(digests: list[bytes] | bytes) -> list[int]:
+    """:func:`low64` of many digests at once (a list of them, or one blob of them)."""
     if not digests:
         return []
-    return np.frombuffer(b"".join(digests), dtype=">u8")[3::4].tolist()
+    blob = digests if isinstance(digests, bytes) else b"".join(digests)
+    return np.frombuffer(blob, dtype=">u8")[3::4].tolist()
 
 
 def low64(digest: bytes) -> int:
@@ -318,6 +340,14 @@ class HashProfile:
                        extra_keys: Sequence[ExtraKeys] | None = None,
                        lora_path: str | None = None) -> Iterator[list[bytes]]:
         """:meth:`digests` in lists of growing length (64 blocks, then 8 times more each)."""
+        for blob in self._blobs(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt,
+                                extra_keys=extra_keys, lora_path=lora_path):
+            yield _split(blob)
+
+    def _blobs(self, token_ids: Sequence[int], block_size: int, *, lora_name: str | None = None,
+               cache_salt: str | None = None, extra_keys: Sequence[ExtraKeys] | None = None,
+               lora_path: str | None = None) -> Iterator[bytes]:
+        """:meth:`digest_batches` as blobs of 32-byte digests (no per-digest objects)."""
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be > 0, got {block_size}")
         if not isinstance(token_ids, list | tuple | np.ndarray):
@@ -327,29 +357,29 @@ class HashProfile:
         keyed = bool(lora_name) or extra_keys is not None
         if cache_salt and not keyed and n_blocks:  # the salt is in the first block's keys only
             parent = self._generic(token_ids, block_size, 0, 1, parent, None, None, cache_salt, None)[0]
-            yield [parent]
+            yield parent
             start = 1
         while start < n_blocks:
             end = min(n_blocks, start + size)
             if keyed:
-                out = self._generic(token_ids, block_size, start, end, parent, lora_name,
-                                    lora_path, cache_salt, extra_keys)
+                out = b"".join(self._generic(token_ids, block_size, start, end, parent, lora_name,
+                                             lora_path, cache_salt, extra_keys))
             else:
                 out = self._plain(token_ids, block_size, start, end, parent)
             yield out
-            parent, start, size = out[-1], end, size * _BATCH_GROWTH
+            parent, start, size = out[-32:], end, size * _BATCH_GROWTH
 
     def _plain(self, token_ids: Sequence[int], bs: int, start: int, stop: int,
-               parent: bytes) -> list[bytes]:
+               parent: bytes) -> bytes:
         """Blocks ``start..stop`` without extra keys: batched (_fast_chain) when it applies."""
         if stop - start >= _MIN_BATCH:
             tok = _as_tokens(token_ids[start * bs:stop * bs])
             out = None if tok is None else self._cached_chain(tok, bs, parent)
             if out is not None:
                 return out
-        return self._generic(token_ids, bs, start, stop, parent, None, None, None, None)
+        return b"".join(self._generic(token_ids, bs, start, stop, parent, None, None, None, None))
 
-    def _cached_chain(self, tok: np.ndarray, bs: int, parent: bytes) -> list[bytes] | None:
+    def _cached_chain(self, tok: np.ndarray, bs: int, parent: bytes) -> bytes | None:
         """:func:`_fast_chain` with an exact prefix cache of ``CHUNK_BLOCKS``-block chunks.
 
         A chunk's key is its parent digest and its token ids (the exact bytes, so a hit can
@@ -357,8 +387,8 @@ class HashProfile:
         start; the rest is hashed in one batch and its whole chunks are remembered (at most
         ``CACHE_CHUNKS``, oldest dropped first).
         """
-        out: list[bytes] = []
-        step = CHUNK_BLOCKS * bs
+        hits: list[bytes] = []
+        step, width = CHUNK_BLOCKS * bs, CHUNK_BLOCKS * 32
         if tok.size and (int(tok.min()) < 0 or int(tok.max()) >= 1 << 31):
             return _fast_chain(self.algorithm, tok, bs, parent)
         ids = tok.astype(np.int32)
@@ -367,23 +397,26 @@ class HashProfile:
             got = self._chunks.get((parent, ids[done:done + step].tobytes()))
             if got is None:
                 break
-            out += [got[i:i + 32] for i in range(0, len(got), 32)]
-            parent, done = out[-1], done + step
+            hits.append(got)
+            parent, done = got[-32:], done + step
         if done == tok.size:
-            return out
+            return b"".join(hits)
         rest = _fast_chain(self.algorithm, tok[done:], bs, parent)
         if rest is None:
-            return None if not out else out + self._generic(tok[done:], bs, 0, (tok.size - done) // bs,
-                                                            parent, None, None, None, None)
-        for k in range(0, len(rest) - CHUNK_BLOCKS + 1, CHUNK_BLOCKS):
+            if not hits:
+                return None
+            return b"".join(hits + self._generic(tok[done:], bs, 0, (tok.size - done) // bs,
+                                                 parent, None, None, None, None))
+        for k in range(0, len(rest) // 32 - CHUNK_BLOCKS + 1, CHUNK_BLOCKS):
             key = ids[done + k * bs:done + (k + CHUNK_BLOCKS) * bs].tobytes()
-            self._chunks[(parent if k == 0 else rest[k - 1], key)] = b"".join(rest[k:k + CHUNK_BLOCKS])
+            self._chunks[(parent if k == 0 else rest[32 * k - 32:32 * k], key)] = rest[32 * k:32 * k + width]
         while len(self._chunks) > CACHE_CHUNKS:
             try:
                 del self._chunks[next(iter(self._chunks))]
             except (KeyError, RuntimeError, StopIteration):  # another thread trimmed it
                 break
-        return out + rest
+        hits.append(rest)
+        return b"".join(hits)
 
     def clear_cache(self) -> None:
         """Forget the remembered chunks (benchmarks measure the cold path with this)."""
@@ -419,5 +452,5 @@ class HashProfile:
 
     def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> Iterator[int]:
         """Like :meth:`digests` but yields the 64-bit event projections (index keys)."""
-        for batch in self.digest_batches(token_ids, block_size, **kw):  # type: ignore[arg-type]
-            yield from low64_all(batch)
+        for blob in self._blobs(token_ids, block_size, **kw):  # type: ignore[arg-type]
+            yield from low64_all(blob)

@@ -138,9 +138,20 @@ def _reference(p, tokens, bs, salt=None):
     return out
 
 
+@pytest.fixture(params=["native", "numpy"])
+def chain_path(request, monkeypatch):
+    """Run a test on the C accelerator's chain and again on the numpy layout."""
+    from kvplane.conductor import hashing
+    if request.param == "native" and hashing.native is None:
+        pytest.skip("the C accelerator was not built (no compiler or OpenSSL headers)")
+    if request.param == "numpy":
+        monkeypatch.setattr(hashing, "native", None)
+    return request.param
+
+
 @pytest.mark.parametrize("algo", sorted(GOLDEN))
 @pytest.mark.parametrize("bs", [1, 2, 3, 4, 5, 16, 23, 24, 255, 256])
-def test_batched_path_matches_block_by_block(algo, bs):
+def test_batched_path_matches_block_by_block(algo, bs, chain_path):
     """Every token size class of both encodings, every tuple/array head, across batch edges."""
     import random
     from kvplane.conductor import hashing
@@ -160,7 +171,7 @@ def test_batched_path_matches_block_by_block(algo, bs):
 
 
 @pytest.mark.parametrize("algo", sorted(GOLDEN))
-def test_batched_path_falls_back_where_it_does_not_apply(algo, monkeypatch):
+def test_batched_path_falls_back_where_it_does_not_apply(algo, monkeypatch, chain_path):
     from kvplane.conductor import hashing
     p = HashProfile(algo)
     big = [2**31 + 5, 7] * 40  # LONG1 for pickle, a u32 for CBOR
@@ -173,10 +184,33 @@ def test_batched_path_falls_back_where_it_does_not_apply(algo, monkeypatch):
     monkeypatch.setattr(hashing, "_PICKLE_OPS", np.array([0x4B, 0x4D, 0x4B], np.uint8))
     monkeypatch.setattr(hashing, "_CBOR_USED", hashing._CBOR_USED[[0, 1, 1, 3]])
     odd = [70000 if algo == "sha256" else 300] * 16 * 10
-    assert hashing._fast_chain(algo, np.array(odd, np.int64), 16, p.none_hash) is None
+    assert hashing._fast_chain(algo, np.array(odd, np.int64), 16, p.none_hash, use_native=False) is None
     assert list(p.digests(odd, 16)) == _reference(p, odd, 16)
     with pytest.raises(TypeError):
         list(p.digests([1.5] * 64, 4))
+
+
+@pytest.mark.parametrize("algo", sorted(GOLDEN))
+def test_native_chain_that_goes_wrong_is_caught_on_the_first_block(algo, monkeypatch):
+    from kvplane.conductor import hashing
+    if hashing.native is None:
+        pytest.skip("the C accelerator was not built")
+    p, bs = HashProfile(algo), 16
+    tokens = list(range(1000, 1000 + bs * 100))
+    real = hashing.native
+
+    class Broken:  # a chain one bit off in its first digest
+        parse_ids = staticmethod(real.parse_ids)
+
+        @staticmethod
+        def chain(*args):
+            blob = real.chain(*args)
+            return bytes([blob[0] ^ 1]) + blob[1:]
+    monkeypatch.setattr(hashing, "native", Broken)
+    assert list(p.digests(tokens, bs)) == _reference(p, tokens, bs)  # the numpy path answered
+    calls = []
+    monkeypatch.setattr(hashing, "_layout", lambda *a: calls.append(a))  # and nothing else is left
+    assert hashing._fast_chain(algo, np.array(tokens, np.int64), bs, p.none_hash) is None and calls
 
 
 @pytest.mark.parametrize("algo", sorted(GOLDEN))
