@@ -3,7 +3,9 @@
 Runs both backends side by side in one invocation on 127.0.0.1:
 
 * allreduce of float32 tensors (default 1 MiB and 64 MiB) with 2 and 4 ranks: per iteration the
-  slowest rank's time, median over iterations;
+  slowest rank's time, median over iterations. ``kvplane`` is the default (from 1 MiB up the
+  allreduce goes through /dev/shm), ``kvplane-ring`` the TCP ring (``shm_bytes=0``) with its
+  exact-restart copy, ``kvplane-ring-noexact`` the ring without the copy;
 * recovery: 4 ranks allreduce in a loop, the launcher SIGKILLs rank 2; the time from the kill to
   the survivors' next completed op. kvplane completes the op over the survivors; gloo has to
   notice (its own timeout) and rebuild a 3-rank group on a fresh store prefix.
@@ -41,7 +43,8 @@ VICTIM = 2
 def _init(ctx: RankContext, backend: str, timeout: float) -> None:
     opts = None
     if backend.startswith("kvplane"):
-        opts = kc.KvplaneOptions(timeout=timeout, exact_restart=backend != "kvplane-noexact")
+        opts = kc.KvplaneOptions(timeout=timeout, exact_restart=not backend.endswith("-noexact"),
+                                 shm_bytes=0 if "-ring" in backend else None)
         backend = "kvplane"
     dist.init_process_group(backend, store=ctx.store, rank=ctx.rank, world_size=ctx.world_size,
                             timeout=timedelta(seconds=timeout), pg_options=opts)
@@ -140,7 +143,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="alternate the backends this many times; report the median of the rounds")
     p.add_argument("--no-exact-column", action="store_true",
-                   help="skip the kvplane exact_restart=False column")
+                   help="skip the ring's exact_restart=False column")
     p.add_argument("--recovery-size", default="1MiB")
     p.add_argument("--recovery-timeout", type=float, default=5.0, help="op/PG timeout for the kill test")
     p.add_argument("--no-recovery", action="store_true")
@@ -154,9 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     ranks = [int(r) for r in a.ranks.split(",")]
     out: dict[str, Any] = {"allreduce": [], "recovery": {}, "cpus": os.cpu_count()}
-    backends = ["gloo", "kvplane"] + ([] if a.no_exact_column else ["kvplane-noexact"])
-    print(f"{'ranks':>5} {'bytes':>10} " + " ".join(f"{b + ' ms':>20}" for b in backends)
-          + f" {'kv/gloo':>8}" + ("" if a.no_exact_column else f" {'noexact/gloo':>12}"))
+    backends = ["gloo", "kvplane", "kvplane-ring"] + ([] if a.no_exact_column else ["kvplane-ring-noexact"])
+    print(f"{'ranks':>5} {'bytes':>10} " + " ".join(f"{b + ' ms':>22}" for b in backends)
+          + f" {'kv/gloo':>8} {'ring/gloo':>9}" + ("" if a.no_exact_column else f" {'ring-noexact/gloo':>17}"))
     for n in ranks:
         for size in sizes:
             iters = a.iters or (30 if size < (8 << 20) else 8)
@@ -168,10 +171,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row = {"ranks": n, "bytes": size, "rounds": runs}
             row.update({f"{b.replace('-', '_')}_s": v for b, v in med.items()})
             out["allreduce"].append(row)
-            line = f"{n:>5} {size:>10} " + " ".join(f"{med[b] * 1e3:>20.2f}" for b in backends)
-            line += f" {med['kvplane'] / med['gloo']:>8.2f}"
+            line = f"{n:>5} {size:>10} " + " ".join(f"{med[b] * 1e3:>22.2f}" for b in backends)
+            line += f" {med['kvplane'] / med['gloo']:>8.2f} {med['kvplane-ring'] / med['gloo']:>9.2f}"
             if not a.no_exact_column:
-                line += f" {med['kvplane-noexact'] / med['gloo']:>12.2f}"
+                line += f" {med['kvplane-ring-noexact'] / med['gloo']:>17.2f}"
             print(line, flush=True)
     if not a.no_recovery:
         rsize = parse_size(a.recovery_size)

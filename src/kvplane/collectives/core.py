@@ -106,6 +106,7 @@ class GroupCore:
         self._p2p_in: dict[tuple[int, int], int] = defaultdict(int)
         self._q: queue.Queue[object] = queue.Queue()
         self._closed = False
+        self.on_dead: list[Callable[[int, int | None], None]] = []  # (rank, incarnation) of a failed peer
         deadline = time.monotonic() + settings.timeout
         self._join_from = -1
         try:
@@ -284,6 +285,9 @@ class GroupCore:
             self.dead |= new
             for r in ranks_of(new):
                 self.mesh.drop(r)
+                ep = self.eps.get(r)
+                for fn in self.on_dead:
+                    fn(r, None if ep is None else ep.inc)
             events.event("collectives.peer_failed", rank=self.rank, failed=ranks_of(new), epoch=self.epoch)
 
     def p2p(self, t: torch.Tensor, peer: int, tag: int, send: bool, timeout: float | None) -> OpResult:

@@ -20,6 +20,7 @@ import torch
 from kvplane.collectives import schedule
 from kvplane.collectives.frames import KIND_DATA
 from kvplane.collectives.mesh import Mesh, Post, StreamRecv, StreamSend
+from kvplane.collectives.shm import AreaId, ShmArena
 from kvplane.common.errors import InvalidArgument
 
 # reduce kinds (torch's RedOpType names, lower case)
@@ -100,6 +101,27 @@ class Attempt:
             m = self.mesh
             posts.append((self.ranks[recv[0]], Post(KIND_DATA, m.cur_seq, m.cur_mask, step, 0, mv)))
         self.mesh.exchange(sends, posts, self.deadline, self.stale)
+
+    def share(self, step: int, value: int) -> list[int]:
+        """Tell every other participant ``value`` (unsigned 128-bit) and hear theirs.
+
+        Also a barrier: it returns only after every participant reached it (or raises).
+
+        Returns:
+            Each position's value (this rank's included).
+
+        Raises:
+            AttemptFailed: from the mesh.
+        """
+        m = self.mesh
+        mine = memoryview(value.to_bytes(16, "little"))
+        got = [memoryview(bytearray(16)) for _ in self.ranks]
+        others = [k for k in range(self.n) if k != self.pos]
+        sends = [(self.ranks[k], m.data_header(step, 16), mine) for k in others]
+        posts = [(self.ranks[k], Post(KIND_DATA, m.cur_seq, m.cur_mask, step, 0, got[k])) for k in others]
+        m.exchange(sends, posts, self.deadline, self.stale)
+        got[self.pos] = mine
+        return [int.from_bytes(v, "little") for v in got]
 
 
 SEGMENT_BYTES = 4 << 20  # ring blocks are streamed in segments of this size: a rank folds and forwards
@@ -195,6 +217,76 @@ def allreduce(a: Attempt, flat: torch.Tensor, op: str, scratch: tuple[torch.Tens
     ring.reduce_scatter(op, scratch, blocks[i], before_write)
     ring.allgather((n - 1) * ring.k)
     ring.run()
+
+
+# header steps of the shared-memory allreduce's two agreements (ring steps are small numbers)
+_SHM_PUBLISHED, _SHM_REDUCED = 0xFFFFFF00, 0xFFFFFF01
+
+
+def allreduce_shm(a: Attempt, flat: torch.Tensor, op: str, arena: ShmArena,
+                  incs: list[int | None]) -> bool:
+    """In-place allreduce of ``flat`` through shared memory (every participant on this host).
+
+    1. Each participant copies its input into its area (the copy an exact restart needs, too).
+    2. All tell each other which area (:class:`~kvplane.collectives.shm.AreaId`), which also
+       says that they published.
+    3. Position ``i`` reduces block ``i`` from every participant's area, in the ring's
+       :func:`~kvplane.collectives.schedule.reduction_order` (so the bytes are the ring's), into
+       its area's result.
+    4. All agree that every block is reduced.
+    5. Each participant copies every block's result into ``flat``.
+
+    ``flat`` is written only in step 5, after the last exchange, so a failure raised from here
+    leaves it untouched. If a participant cannot take part all learn it at step 2 or 4 and
+    return False, ``flat`` untouched; the caller then runs the TCP ring. No room in
+    ``/dev/shm`` for one of them sends this size class and up to the ring for good (every rank
+    drops its area); an area someone could not map makes every owner start a new one. The caller's commit round keeps anyone from reusing its area before
+    everyone has read it.
+
+    Args:
+        incs: incarnation id of each position's rank (None if unknown).
+
+    Raises:
+        AttemptFailed: from the mesh (a participant failed).
+    """
+    n, me, size = a.n, a.pos, flat.element_size()
+    nbytes = flat.numel() * size
+    own = arena.own(nbytes) if None not in incs else None
+    if own is not None:
+        own.inputs[:nbytes].copy_(flat.view(torch.uint8))
+    said = a.share(_SHM_PUBLISHED, 0 if own is None or arena.id is None else arena.id.pack())
+    if 0 in said:
+        arena.refuse(nbytes)  # someone has no room for it: not again, and free ours
+        return False
+    areas = [own if k == me else arena.peer(incs[k], AreaId.unpack(v))  # type: ignore[arg-type]
+             for k, v in enumerate(said)]
+    ok = all(x is not None and x.cap >= nbytes for x in areas)
+    spans = schedule.split(flat.numel(), n)
+    if ok:
+        lo, hi = spans[me]
+        parts = [areas[k].inputs[:nbytes].view(flat.dtype)[lo:hi]  # type: ignore[union-attr]
+                 for k in schedule.reduction_order(me, n)]
+        acc = own.result[:(hi - lo) * size].view(flat.dtype)  # type: ignore[union-attr]
+        fold(op, parts[0], parts[1], out=acc)
+        for other in parts[2:]:
+            fold(op, acc, other, out=acc)
+        if op == AVG:
+            acc.div_(n)
+    if 0 in a.share(_SHM_REDUCED, int(ok)):
+        arena.renew()  # someone could not map an area: every owner starts a new generation
+        return False
+    for k, (lo, hi) in enumerate(spans):
+        flat[lo:hi].copy_(areas[k].result[:(hi - lo) * size].view(flat.dtype))  # type: ignore[union-attr]
+    return True
+
+
+def restore_from_shm(flat: torch.Tensor, arena: ShmArena) -> None:
+    """Put back the input :func:`allreduce_shm` published (before a restart)."""
+    nbytes = flat.numel() * flat.element_size()
+    own = arena.own(nbytes)
+    if own is None:  # pragma: no cover - own() keeps an area that holds nbytes
+        raise RuntimeError("the published input is gone")
+    flat.view(torch.uint8).copy_(own.inputs[:nbytes])
 
 
 def reduce_scatter(a: Attempt, blocks: list[torch.Tensor], out: torch.Tensor, op: str,

@@ -22,6 +22,7 @@ from kvplane.collectives import ops
 from kvplane.collectives.core import GroupCore, OpResult, Settings
 from kvplane.collectives.frames import ranks_of
 from kvplane.collectives.membership import Decision
+from kvplane.collectives.shm import ShmArena
 from kvplane.collectives.work import KvplaneWork
 from kvplane.common import envs
 from kvplane.common.errors import InvalidArgument
@@ -41,8 +42,12 @@ class KvplaneOptions:
         max_message: largest payload accepted from a peer; None reads ``KVPLANE_PG_MAX_MESSAGE``.
         exact_restart: keep a copy of each allreduce input so an op that loses a rank part-way
             restarts from the original inputs and returns the exact result over the survivors.
-            False saves one memcpy per allreduce; such an op's output is then unspecified
-            (it still reports ``local_success=False``).
+            False saves one memcpy per allreduce on the TCP ring; such an op's output is then
+            unspecified (it still reports ``local_success=False``). The shared-memory allreduce
+            always keeps the copy: publishing the input is that copy.
+        shm_bytes: allreduces of at least this many bytes go through ``/dev/shm`` (every rank
+            of a group is on one host); 0 keeps them on the TCP ring. None reads
+            ``KVPLANE_PG_SHM_BYTES`` (default 1 MiB).
     """
 
     is_extension: bool = False
@@ -51,6 +56,7 @@ class KvplaneOptions:
     heartbeat_timeout: float | None = None
     max_message: int | None = None
     exact_restart: bool = True
+    shm_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout", "heartbeat_interval", "heartbeat_timeout"):
@@ -130,6 +136,11 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         self._name = ""
         self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._copier: ThreadPoolExecutor | None = None
+        shm = self.options.shm_bytes
+        self._shm_bytes = envs.get("KVPLANE_PG_SHM_BYTES") if shm is None else shm
+        self._shm = ShmArena(self.core.inc) if self._shm_bytes > 0 else None
+        if self._shm is not None:
+            self.core.on_dead.append(lambda _rank, inc: inc is not None and self._shm.forget(inc))  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -215,12 +226,23 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
         exact = self.options.exact_restart
         copying: list[Future[Any]] = []
+        path = [""]  # "shm": the last attempt wrote its result through the arena, which holds its input
+        shm = self._shm if flat.numel() * flat.element_size() >= self._shm_bytes else None
 
         def copied() -> None:  # the ring calls this before it first writes into ``flat``
             while copying:
                 copying.pop().result()
 
         def body(a: ops.Attempt) -> None:
+            path[0] = ""
+            if shm is not None and a.n > 1:
+                # flat is written only once every participant reduced its block, after the
+                # last exchange: a failure raised from in here leaves it untouched
+                incs = [self.core.inc if r == self.core.rank else getattr(self.core.eps.get(r), "inc", None)
+                        for r in a.ranks]
+                if ops.allreduce_shm(a, flat, kind, shm, incs):
+                    path[0] = "shm"
+                    return
             if exact and "backup" not in holder and a.n > 1:
                 holder["backup"] = self._buf("backup", flat.dtype, flat.numel())
                 copying.append(self._copy(holder["backup"], flat))
@@ -229,10 +251,17 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
         def restore() -> None:
             copied()
-            if "backup" in holder:
+            if path[0] == "shm":
+                ops.restore_from_shm(flat, shm)  # type: ignore[arg-type]
+            elif "backup" in holder:
                 flat.copy_(holder["backup"])
 
-        return self._submit(self._run(body, restore, opts, lambda _: f.write_back()), tensors)
+        def after(_: OpResult) -> None:
+            if path[0] == "shm":
+                shm.settle()  # type: ignore[union-attr]  # every participant mapped its area
+            f.write_back()
+
+        return self._submit(self._run(body, restore, opts, after), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> KvplaneWork:
         """Allreduce several tensors as one flat buffer."""
@@ -458,6 +487,8 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         self.core.close()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
+        if self._shm is not None:
+            self._shm.close()
 
     def abort(self) -> None:
         """Same as :meth:`shutdown`."""

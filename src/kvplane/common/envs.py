@@ -73,6 +73,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_PG_HEARTBEAT_INTERVAL", float, 0.1, "seconds between collectives heartbeats"),
         EnvVar("KVPLANE_PG_HEARTBEAT_TIMEOUT", float, 1.0, "silence (s) after which a collectives peer counts as failed"),
         EnvVar("KVPLANE_PG_MAX_MESSAGE", _size, 1 << 30, "largest collectives frame payload accepted from a peer"),
+        EnvVar("KVPLANE_PG_SHM_BYTES", _size, 1 << 20, "allreduces from this size up go through /dev/shm (0: always the TCP ring)"),
     )
 }
 

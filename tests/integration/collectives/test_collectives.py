@@ -2,7 +2,9 @@
 
 Float32 sums are checked bit for bit against a reference that folds in the ring's documented
 order (:func:`kvplane.collectives.schedule.reduction_order`); order-free ops (max, min, ints)
-against plain torch.
+against plain torch. Every case runs twice: allreduces over the TCP ring (``shm_bytes=0``) and
+through /dev/shm (``shm_bytes=1``, so even these small tensors take that path), which must give
+the ring's bytes.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ def _x(rank: int, n: int = N, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return torch.randint(-50, 50, (n,), generator=g).to(dtype)
 
 
-def _worker(ctx: RankContext) -> dict[str, object]:
+def _worker(ctx: RankContext, shm_bytes: int) -> dict[str, object]:
     dist.init_process_group("kvplane", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size,
-                            pg_options=kc.KvplaneOptions(timeout=10.0))
+                            pg_options=kc.KvplaneOptions(timeout=10.0, shm_bytes=shm_bytes))
     r, w = ctx.rank, ctx.world_size
     out: dict[str, object] = {"backend": dist.get_backend()}
     for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
@@ -80,6 +82,12 @@ def _worker(ctx: RankContext) -> dict[str, object]:
         out["sendrecv"] = recv_t
     fut = dist.all_reduce(torch.ones(3), async_op=True).get_future()
     out["future"] = fut.wait()[0]
+    flags = torch.tensor([r % 2 == 0, False, r == 1] * 5)
+    dist.all_reduce(flags)  # bool SUM is a logical or
+    out["allreduce_bool"] = flags
+    # an area whose op completed is mapped by every peer, so its file is already gone
+    import os
+    out["shm_files"] = [f for f in os.listdir("/dev/shm") if f.startswith(f"kvplane-pg-{os.getpid()}-")]
     dist.destroy_process_group()
     return out
 
@@ -96,11 +104,12 @@ def _ring_reference(xs: list[torch.Tensor], fold) -> torch.Tensor:
     return out
 
 
-@pytest.fixture(scope="module", params=[3, 4], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[(3, 0), (4, 0), (3, 1), (4, 1)],
+                ids=lambda p: f"world{p[0]}-{'shm' if p[1] else 'ring'}")
 def results(request: pytest.FixtureRequest) -> tuple[int, dict[int, dict[str, object]]]:
-    w = request.param
+    w, shm_bytes = request.param
     with RankGroup(w) as g:
-        g.start(_worker)
+        g.start(_worker, shm_bytes)
         return w, g.wait_results(list(range(w)), 80.0)
 
 
@@ -169,6 +178,14 @@ def test_all_to_all(results) -> None:
         ref = torch.cat([torch.full((r + 1, 3), float(100 * s + r)) for s in range(w)])
         assert torch.equal(res[r]["all_to_all_single"], ref)
         assert torch.equal(res[r]["all_to_all"], torch.stack([torch.full((2,), float(10 * s + r)) for s in range(w)]))
+
+
+def test_bool_sum_and_no_shm_files_left(results) -> None:
+    w, res = results
+    ref = torch.tensor([True, False, True] * 5)  # rank 0 sets the first, rank 1 the third
+    for r in range(w):
+        assert torch.equal(res[r]["allreduce_bool"], ref)
+        assert res[r]["shm_files"] == []
 
 
 def test_send_recv_and_future(results) -> None:
