@@ -8,9 +8,10 @@ Queries: the index is filled with ``--blocks`` blocks spread over ``--instances`
 instance holds a share of a 32k-token prompt's chain (instance k holds the first k/I of it, so one
 instance matches the whole prompt: the worst case for the walk) plus random filler chains.
 We time ``/query_by_hash`` and ``/query`` (token ids, hashed lazily by the conductor) in process
-and over HTTP (httpx, keep-alive, JSON bodies), reporting p50/p99. The token query is also sent by
-a minimal HTTP/1.1 client (one keep-alive socket, the request bytes prepared once): the server's
-share of the latency, without httpx's own Python (about 1 ms per 200 KB request here).
+and over HTTP (httpx, keep-alive, JSON bodies) to a conductor running in its own process (as it is
+deployed; the same index, filled the same way), reporting p50/p99. The token query is also sent
+by a minimal HTTP/1.1 client (one keep-alive socket, the request bytes prepared once): the
+server's share of the latency, without httpx's own Python.
 
 Walk: ``PrefixIndex.match`` alone, in thread CPU time (immune to preemption on a shared box), in
 two layouts of the same chain: the one above (GPU tier only), and a shared pool (the kvplane
@@ -200,12 +201,65 @@ class RawHttp:
         self.sock.close()
 
 
-def bench_queries(n_blocks: int, n_inst: int, args: argparse.Namespace) -> dict[str, float]:
-    """p50/p99 (ms) by hash and by tokens, in process and over HTTP."""
-    bs = args.block_size
+def _prompt(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The benchmark's prompt (seeded, so the server process builds the same) and its hashes."""
     rng = random.Random(4)
     tokens = [rng.randrange(32000) for _ in range(args.prompt_tokens)]
-    hashes = list(HashProfile().event_hashes(tokens, bs))
+    return tokens, list(HashProfile().event_hashes(tokens, args.block_size))
+
+
+def serve_child(n_blocks: int, n_inst: int, args: argparse.Namespace) -> None:
+    """``--serve-child``: a conductor in its own process, filled like ``populate`` does; prints
+    its URL, then answers each stdin line ``clear`` (forget the prefix cache) with ``ok``."""
+    _, hashes = _prompt(args)
+    with ConductorServer(ConductorConfig(port=0)) as srv:
+        populate(srv, n_blocks, n_inst, hashes, args.block_size)
+        print(srv.url, flush=True)
+        for line in sys.stdin:
+            if line.strip() != "clear":
+                break
+            srv.conductor.clear_hash_caches()
+            print("ok", flush=True)
+
+
+class ServerProcess:
+    """The conductor of :func:`serve_child`, as a subprocess: queries over HTTP reach it the way
+    they reach a deployed conductor, not through this process's GIL."""
+
+    def __init__(self, n_blocks: int, n_inst: int, args: argparse.Namespace) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--serve-child", "--blocks", str(n_blocks),
+               "--instances", str(n_inst), "--block-size", str(args.block_size),
+               "--prompt-tokens", str(args.prompt_tokens)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.url = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
+        if not self.url.startswith("http"):
+            self.close()
+            raise RuntimeError(f"conductor process did not start (exit {self.proc.poll()})")
+
+    def clear(self) -> None:
+        """Forget the server's prefix cache (the next token query hashes cold)."""
+        self.proc.stdin.write("clear\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        if self.proc.stdout.readline().strip() != "ok":  # type: ignore[union-attr]
+            raise RuntimeError("conductor process did not clear its cache")
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+def bench_queries(n_blocks: int, n_inst: int, args: argparse.Namespace) -> dict[str, float]:
+    """p50/p99 (ms) by hash and by tokens, in process and over HTTP to a conductor process."""
+    bs = args.block_size
+    tokens, hashes = _prompt(args)
     out: dict[str, float] = {}
     with ConductorServer(ConductorConfig(port=0)) as srv:
         populate(srv, n_blocks, n_inst, hashes, bs)
@@ -220,26 +274,31 @@ def bench_queries(n_blocks: int, n_inst: int, args: argparse.Namespace) -> dict[
         cold = c.clear_hash_caches  # token columns hash cold unless marked warm
         out["tok_inproc_p50"], out["tok_inproc_p99"], out["tok_inproc_cpu99"] = time_calls(
             lambda: c.query(by_tok), args.queries // 4, cold)
-        with httpx.Client(base_url=srv.url, timeout=30) as h:
+        out["indexed_blocks"] = c.health()["blocks"]
+    server = ServerProcess(n_blocks, n_inst, args)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as h:
             hb = json.dumps({"model": "m", "seq_hashes": hashes, "block_size": bs})
             tb = json.dumps({"model": "m", "token_ids": tokens, "block_size": bs})
             hdr = {"content-type": "application/json"}
             assert h.post("/query_by_hash", content=hb, headers=hdr).json()["default"][f"i{n_inst - 1}"]["GPU"] == top
+            assert h.post("/query", content=tb, headers=hdr).json()["default"][f"i{n_inst - 1}"]["GPU"] == top
             out["hash_http_p50"], out["hash_http_p99"], _ = time_calls(
                 lambda: h.post("/query_by_hash", content=hb, headers=hdr), args.http_queries)
             out["tok_http_p50"], out["tok_http_p99"], _ = time_calls(
-                lambda: h.post("/query", content=tb, headers=hdr), args.http_queries, cold)
+                lambda: h.post("/query", content=tb, headers=hdr), args.http_queries, server.clear)
             out["warm_http_p50"], out["warm_http_p99"], _ = time_calls(
                 lambda: h.post("/query", content=tb, headers=hdr), args.http_queries)
-        raw = RawHttp(srv.url, "/query", tb.encode())
+        raw = RawHttp(server.url, "/query", tb.encode())
         try:
             status, answer = raw.post()
             if status != 200 or json.loads(answer)["default"][f"i{n_inst - 1}"]["GPU"] != top:
                 raise RuntimeError(f"raw client answer is wrong: {status} {answer[:200]!r}")
-            out["tok_raw_p50"], out["tok_raw_p99"], _ = time_calls(raw.post, args.http_queries, cold)
+            out["tok_raw_p50"], out["tok_raw_p99"], _ = time_calls(raw.post, args.http_queries, server.clear)
         finally:
             raw.close()
-        out["indexed_blocks"] = c.health()["blocks"]
+    finally:
+        server.close()
     return out
 
 
@@ -279,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events-per-batch", type=int, default=4)
     ap.add_argument("--blocks-per-event", type=int, default=16)
     ap.add_argument("--walk-calls", type=int, default=1000, help="match() calls per walk layout")
+    ap.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve_child:
+        serve_child(args.blocks[0], args.instances[0], args)
+        return 0
 
     ing = bench_ingest(args.ingest_blocks, args.events_per_batch, args.blocks_per_event, args.block_size)
     print(f"ingest: {ing['block_events']:.0f} block events in {ing['seconds']:.2f}s = "

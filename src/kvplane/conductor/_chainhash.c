@@ -125,43 +125,43 @@ static PyObject *parse_ids(PyObject *self, PyObject *args) {
     Py_buffer text;
     if (!PyArg_ParseTuple(args, "y*", &text)) return NULL;
     const unsigned char *p = text.buf, *end = p + text.len;
-    PyObject *result = NULL;
-    Py_ssize_t most = text.len / 2 + 1;  /* each id takes a digit and a separator */
-    int64_t *ids = PyMem_Malloc((size_t)most * sizeof(int64_t));
-    if (ids == NULL) { PyBuffer_Release(&text); return PyErr_NoMemory(); }
+    Py_ssize_t most = 1;  /* ids are separated by commas: at most one more id than commas */
+    for (const unsigned char *q = p; q < end; q++) most += *q == ',';
+    PyObject *out = PyBytes_FromStringAndSize(NULL, most * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL) { PyBuffer_Release(&text); return NULL; }
+    int64_t *ids = (int64_t *)PyBytes_AS_STRING(out);
     Py_ssize_t count = 0;
     while (p < end && is_ws(*p)) p++;
     if (p == end || *p++ != '[') goto fail;
     while (p < end && is_ws(*p)) p++;
     if (p < end && *p == ']') { p++; goto tail; }
     for (;;) {
-        if (p == end || *p < '0' || *p > '9') goto fail;
-        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') goto fail;  /* leading zero */
+        const unsigned char *first = p;
         uint64_t v = 0;
-        int digits = 0;
-        while (p < end && *p >= '0' && *p <= '9') {
-            v = v * 10 + (uint64_t)(*p++ - '0');
-            if (++digits > 10) goto fail;
-        }
+        while (p < end && (unsigned)(*p - '0') < 10u) v = v * 10 + (uint64_t)(*p++ - '0');
+        Py_ssize_t digits = p - first;
+        if (digits == 0 || digits > 10 || (digits > 1 && *first == '0')) goto fail;  /* JSON: no leading zeros */
         if (v >= ((uint64_t)1 << 32) || count >= most) goto fail;
         ids[count++] = (int64_t)v;
-        while (p < end && is_ws(*p)) p++;
-        if (p == end) goto fail;
-        if (*p == ']') { p++; break; }
-        if (*p++ != ',') goto fail;
+        if (p < end && *p == ',') { p++; }
+        else {
+            while (p < end && is_ws(*p)) p++;
+            if (p == end) goto fail;
+            if (*p == ']') { p++; break; }
+            if (*p++ != ',') goto fail;
+        }
         while (p < end && is_ws(*p)) p++;
     }
 tail:
     while (p < end && is_ws(*p)) p++;
     if (p != end) goto fail;
-    result = PyBytes_FromStringAndSize((const char *)ids, count * (Py_ssize_t)sizeof(int64_t));
-    goto done;
-fail:
-    result = Py_NewRef(Py_None);
-done:
-    PyMem_Free(ids);
     PyBuffer_Release(&text);
-    return result;
+    if (count != most && _PyBytes_Resize(&out, count * (Py_ssize_t)sizeof(int64_t)) < 0) return NULL;
+    return out;
+fail:
+    PyBuffer_Release(&text);
+    Py_DECREF(out);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from kvplane.kvevents import Tier
 
@@ -383,17 +384,15 @@ def _walk(blocks: dict[int, int], hashes: Iterable[int], stages: _Stages) -> Non
     """Advance every cursor block by block until all have stopped (or the chain ends)."""
     if not stages.running():
         return
-    get = blocks.get
-    gpu, others = stages.gpu, bool(stages.cpu or stages.disk)
+    gpu, gpu_only = stages.gpu, not (stages.cpu or stages.disk)
     position = -1
-    for position, block in enumerate(hashes):
-        held = get(block, 0)
-        if gpu & held == gpu and not others:
+    for position, held in enumerate(map(blocks.get, hashes, repeat(0))):  # lookups in C
+        if gpu_only and gpu & held == gpu:
             continue  # fast path: every running cursor is on GPU and continues
         stages.advance(position, held)
         if not stages.running():
             return
-        gpu, others = stages.gpu, bool(stages.cpu or stages.disk)
+        gpu, gpu_only = stages.gpu, not (stages.cpu or stages.disk)
     stages.advance(position + 1, 0)  # past the end of the chain nothing is held
 
 
