@@ -6,12 +6,14 @@ where ``H`` is SHA-256 over pickle protocol 5 (``sha256``, vLLM's default) or ov
 string. Events carry the low 64 bits of the digest (last 8 bytes, big-endian). The next block is
 chained on the **full** 32-byte digest, never on the projection. Only complete blocks are hashed.
 
-Long prompts take a batched path (:func:`_fast_chain`): the hash inputs of many blocks are laid
-out at once with numpy, so the per-block Python work is one concatenation and one SHA-256 call. It
-is exact by construction and checked against the generic encoder on the first block of every
-batch (any difference falls back to the generic path).
+Long prompts take a batched path (:func:`_fast_chain`): the C accelerator hashes a whole batch in
+one call when it was built; otherwise the hash inputs of many blocks are laid out at once with
+numpy, so the per-block Python work is one concatenation and one SHA-256 call. Both are exact by
+construction and checked against the generic encoder on the first block of every batch (any
+difference falls back to the next path).
 
-Pure: no I/O. Must not import sockets, HTTP or anything outside the standard library and numpy.
+Pure: no I/O. Must not import sockets, HTTP or anything outside the standard library, numpy and
+its own optional C accelerator (``_chainhash``, see :func:`_fast_chain`).
 """
 
 from __future__ import annotations
