@@ -35,8 +35,12 @@ _MIN_CAP = 1 << 20
 
 
 def _cap(nbytes: int) -> int:
-    """The size class of an ``nbytes`` input: the next power of two, at least 1 MiB."""
-    return max(_MIN_CAP, 1 << max(0, nbytes - 1).bit_length())
+    """The size class of an ``nbytes`` input: at least 1 MiB, else rounded up to a multiple of
+    an eighth of the power of two above it (at most 25 % more than asked)."""
+    if nbytes <= _MIN_CAP:
+        return _MIN_CAP
+    step = 1 << max(0, (nbytes - 1).bit_length() - 3)
+    return -(-nbytes // step) * step
 
 
 def _path(pid: int, inc: int, gen: int) -> str:
