@@ -13,7 +13,7 @@ construction and checked against the generic encoder on the first block of every
 difference falls back to the next path).
 
 Pure: no I/O. Must not import sockets, HTTP or anything outside the standard library, numpy and
-its own optional C accelerator (``_chainhash``, see :func:`_fast_chain`).
+its own optional C accelerator (``_accel``, see :func:`_fast_chain`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 from kvplane.common.errors import InvalidArgument
 
 try:  # ``native``: the optional C accelerator (pyproject's ext-modules); the numpy path below is the fallback
-    from kvplane.conductor import _chainhash as native
+    from kvplane.conductor import _accel as native
 except ImportError:  # pragma: no cover - depends on the build
     native = None
 
@@ -453,7 +453,24 @@ class HashProfile:
             keys.append(("cache_salt", cache_salt) if tagged else cache_salt)
         return tuple(keys) if keys else None
 
-    def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> Iterator[int]:
+    def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> "HashStream":
         """Like :meth:`digests` but yields the 64-bit event projections (index keys)."""
-        # batch by batch (a walk that stops early saves hashing), flattened in C
-        return chain.from_iterable(map(low64_all, self._blobs(token_ids, block_size, **kw)))  # type: ignore[arg-type]
+        return HashStream(map(low64_all, self._blobs(token_ids, block_size, **kw)))  # type: ignore[arg-type]
+
+
+class HashStream:
+    """The event hashes of a prompt, computed batch by batch as they are consumed (a walk that
+    stops early saves hashing). Iterate it for the hashes, or take :meth:`batches` for the same
+    hashes as lists (the index walks a list at a time). Single use, either way."""
+
+    __slots__ = ("_batches",)
+
+    def __init__(self, batches: Iterator[list[int]]) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self._batches)
+
+    def batches(self) -> Iterator[list[int]]:
+        """The hashes in lists of growing length (64, then 8 times more each)."""
+        return self._batches

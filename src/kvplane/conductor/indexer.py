@@ -1,7 +1,8 @@
 """The global prefix index: context -> block hash -> holders (instance, DP rank, tier).
 
 Pure: no sockets, no clocks, no threads, no locks (the caller serialises access). Must not
-import ``zmq``, the HTTP stack or any other conductor module (``Tier`` comes from kvevents).
+import ``zmq``, the HTTP stack or any other conductor module (``Tier`` comes from kvevents), but
+for the optional C accelerator ``_accel``, which runs the walk's inner loop.
 
 Layout, chosen to stay lean in memory: a context (tenant, model, LoRA, block size, salt) owns a
 ``dict[int, int]`` from the 64-bit event hash to a bitmask of *holder slots*; a slot is one
@@ -22,9 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import islice, repeat
 
 from kvplane.kvevents import Tier
+
+try:  # the optional C accelerator (see _walk); the Python loops below are the fallback
+    from kvplane.conductor import _accel as native
+except ImportError:  # pragma: no cover - depends on the build
+    native = None
 
 _INTERN_LIMIT = 1 << 16
 
@@ -381,19 +387,64 @@ class PrefixIndex:
 
 
 def _walk(blocks: dict[int, int], hashes: Iterable[int], stages: _Stages) -> None:
-    """Advance every cursor block by block until all have stopped (or the chain ends)."""
+    """Advance every cursor block by block until all have stopped (or the chain ends).
+
+    A list, or a stream with ``batches()`` (:meth:`HashProfile.event_hashes`), is walked a list
+    at a time: between two blocks where some cursor stops every block is only looked up and
+    checked, and the C accelerator finds that run when it is built (:func:`_next_stop`
+    otherwise). Any other iterable is pulled one hash at a time (:func:`_walk_each`).
+    """
     if not stages.running():
         return
+    if isinstance(hashes, list):
+        chunks: Iterable[list[int]] = (hashes,)
+    elif hasattr(hashes, "batches"):
+        chunks = hashes.batches()
+    else:
+        _walk_each(blocks, hashes, stages)
+        return
+    run = None if native is None else native.continue_run
+    position = 0  # chain index of the chunk's first block
+    for chunk in chunks:
+        i, n = 0, len(chunk)
+        while i < n:
+            j = -1 if run is None else run(blocks, chunk, i, stages.gpu, (*stages.cpu, *stages.disk))
+            if j < 0:
+                j = _next_stop(blocks, chunk, i, stages)
+            if j >= n:
+                break
+            stages.advance(position + j, blocks.get(chunk[j], 0))
+            if not stages.running():
+                return
+            i = j + 1
+        position += n
+    stages.advance(position, 0)  # past the end of the chain nothing is held
+
+
+def _walk_each(blocks: dict[int, int], hashes: Iterable[int], stages: _Stages) -> None:
+    """:func:`_walk` pulling one hash at a time (a lazy producer stops where the walk does)."""
     gpu, gpu_only = stages.gpu, not (stages.cpu or stages.disk)
     position = -1
-    for position, held in enumerate(map(blocks.get, hashes, repeat(0))):  # lookups in C
+    for position, held in enumerate(map(blocks.get, hashes, repeat(0))):
         if gpu_only and gpu & held == gpu:
             continue  # fast path: every running cursor is on GPU and continues
         stages.advance(position, held)
         if not stages.running():
             return
         gpu, gpu_only = stages.gpu, not (stages.cpu or stages.disk)
-    stages.advance(position + 1, 0)  # past the end of the chain nothing is held
+    stages.advance(position + 1, 0)
+
+
+def _next_stop(blocks: dict[int, int], chunk: list[int], i: int, stages: _Stages) -> int:
+    """The first index from ``i`` where a running cursor cannot continue; ``len(chunk)`` if none."""
+    gpu, groups = stages.gpu, (*stages.cpu, *stages.disk)
+    for j, held in enumerate(map(blocks.get, islice(chunk, i, None), repeat(0)), i):
+        if gpu & held != gpu:
+            return j
+        for mask in groups:
+            if not held & mask:
+                return j
+    return len(chunk)
 
 
 def _summarise(cursors: list[_Cursor], instances: Mapping[str, Collection[int]]) -> dict[str, Match]:

@@ -11,6 +11,8 @@ import random
 
 import pytest
 
+from kvplane.conductor import indexer
+from kvplane.conductor.hashing import HashStream
 from kvplane.conductor.indexer import ContextKey, Holder, PrefixIndex, Tier
 
 pytestmark = pytest.mark.timeout(30)
@@ -50,11 +52,29 @@ def scenario(rng: random.Random) -> tuple[dict[Holder, set[int]], list[int]]:
     return holdings, chain
 
 
+def _as(form: str, chain: list[int], rng: random.Random):
+    """The chain as the walk may get it: pulled one by one, a list, or a batched hash stream."""
+    if form == "iter":
+        return iter(chain)
+    if form == "stream":
+        cut = rng.randint(0, len(chain))
+        return HashStream(iter([chain[:cut], chain[cut:]]))
+    return list(chain)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_match_agrees_with_the_reference(seed):
+@pytest.mark.parametrize("form", ["iter", "list", "list-python", "stream", "wide"])
+def test_match_agrees_with_the_reference(seed, form, monkeypatch):
+    """Every input form, with the C walk (when built) and without (``list-python``); ``wide``
+    adds holders until masks pass 64 bits, where the C walk hands back to Python."""
+    if form == "list-python":
+        monkeypatch.setattr(indexer, "native", None)
     rng = random.Random(seed)
     for _ in range(100):
         holdings, chain = scenario(rng)
+        if form == "wide":
+            for k in range(70):  # 70 slots and more: masks past 64 bits
+                holdings[Holder(f"filler{k}", 0, Tier(k % 3))] = set(rng.sample(chain, len(chain) // 2))
         index = PrefixIndex()
         for holder, blocks in holdings.items():
             index.store(CTX, holder, blocks)
@@ -63,7 +83,7 @@ def test_match_agrees_with_the_reference(seed):
             if h.instance != SHARED:
                 asked[h.instance].add(h.dp_rank)
         asked["idle"] = {0, 1}  # holds nothing: may only profit from the shared pool
-        got = index.match(CTX, iter(chain), asked, shared=[SHARED])
+        got = index.match(CTX, _as(form, chain, rng), asked, shared=[SHARED])
         for instance, ranks in asked.items():
             per_rank = {r: reference(holdings, chain, instance, r) for r in ranks}
             match = got[instance]
@@ -71,3 +91,23 @@ def test_match_agrees_with_the_reference(seed):
             assert match.gpu == max(g for g, _, _ in per_rank.values())
             assert match.cpu == max(c for _, c, _ in per_rank.values())
             assert match.disk == match.longest == max(d for _, _, d in per_rank.values())
+
+
+def test_the_c_walk_is_built_and_used(monkeypatch):
+    """Guard against the C path silently not running (then only the Python walk is tested)."""
+    if indexer.native is None:
+        pytest.skip("the C accelerator was not built (no compiler or OpenSSL headers)")
+    calls = []
+    real = indexer.native.continue_run
+
+    class Spy:
+        @staticmethod
+        def continue_run(*args):
+            calls.append(args[2])
+            return real(*args)
+    monkeypatch.setattr(indexer, "native", Spy)
+    index = PrefixIndex()
+    chain = list(range(1, 200))
+    index.store(CTX, Holder("a", 0, Tier.GPU), chain[:50])
+    assert index.match(CTX, chain, {"a": {0}})["a"].gpu == 50
+    assert calls and calls[0] == 0

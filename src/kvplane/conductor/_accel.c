@@ -1,5 +1,5 @@
-/* The conductor's hot loop in C: vLLM's block-hash chain over a whole prompt, and the token-id
- * array of a JSON query body.
+/* The conductor's hot loops in C: vLLM's block-hash chain over a whole prompt, the token-id
+ * array of a JSON query body, and the prefix walk's run between two cursor stops.
  *
  * Optional: kvplane.conductor.hashing uses it when it was built and falls back to its numpy path
  * otherwise. Both functions take only the happy path and return None for anything else, so the
@@ -12,6 +12,12 @@
  *       comment above _FIRST_BATCH in hashing.py. None when an id is negative or too large for
  *       the short encodings (>= 2**31 pickle, >= 2**32 CBOR) or a pickle frame would reach 64 KiB.
  *       The GIL is released while hashing.
+ *
+ *   continue_run(blocks, hashes, start, gpu, groups) -> int
+ *       The prefix walk's inner loop (indexer._walk): the first index i >= start of the list
+ *       ``hashes`` at which some running cursor stops, i.e. where ``held = blocks.get(h, 0)``
+ *       misses a bit of ``gpu`` or has no bit of one of the ``groups`` masks; len(hashes) if
+ *       none. -1 when a mask or a held value does not fit in 64 bits (the caller walks in Python).
  *
  *   parse_ids(text) -> bytes | None
  *       text: a JSON array of integers in [0, 2**32) (no signs, fractions, exponents or leading
@@ -164,15 +170,53 @@ fail:
     Py_RETURN_NONE;
 }
 
+static int as_u64(PyObject *o, unsigned long long *out) {
+    *out = PyLong_AsUnsignedLongLong(o);
+    if (*out == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();  /* negative, too wide or not an int: not ours to decide */
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *continue_run(PyObject *self, PyObject *args) {
+    PyObject *blocks, *hashes, *gpu_obj, *groups;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "O!O!nOO!", &PyDict_Type, &blocks, &PyList_Type, &hashes, &start,
+                          &gpu_obj, &PyTuple_Type, &groups))
+        return NULL;
+    unsigned long long gpu, masks[64];
+    Py_ssize_t ng = PyTuple_GET_SIZE(groups);
+    if (ng > 64 || as_u64(gpu_obj, &gpu) < 0) return PyLong_FromLong(-1);
+    for (Py_ssize_t k = 0; k < ng; k++)
+        if (as_u64(PyTuple_GET_ITEM(groups, k), &masks[k]) < 0) return PyLong_FromLong(-1);
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    for (Py_ssize_t i = start < 0 ? 0 : start; i < n; i++) {
+        PyObject *held_obj = PyDict_GetItemWithError(blocks, PyList_GET_ITEM(hashes, i));  /* borrowed */
+        unsigned long long held = 0;
+        if (held_obj == NULL) {
+            if (PyErr_Occurred()) return NULL;
+        } else if (as_u64(held_obj, &held) < 0) {
+            return PyLong_FromLong(-1);
+        }
+        if ((held & gpu) != gpu) return PyLong_FromSsize_t(i);
+        for (Py_ssize_t k = 0; k < ng; k++)
+            if (!(held & masks[k])) return PyLong_FromSsize_t(i);
+    }
+    return PyLong_FromSsize_t(n);
+}
+
 static PyMethodDef methods[] = {
+    {"continue_run", continue_run, METH_VARARGS,
+     "continue_run(blocks, hashes, start, gpu, groups) -> index of the next stop, or -1"},
     {"chain", chain, METH_VARARGS, "chain(tokens, block_size, parent, cbor) -> bytes | None"},
     {"parse_ids", parse_ids, METH_VARARGS, "parse_ids(json_array_text) -> int64 bytes | None"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvplane.conductor._chainhash",
-    "vLLM block-hash chains and JSON token-id arrays in C (optional accelerator).", -1, methods,
+    PyModuleDef_HEAD_INIT, "kvplane.conductor._accel",
+    "The conductor's hot loops in C (optional accelerator).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__chainhash(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__accel(void) { return PyModule_Create(&module); }
