@@ -20,7 +20,7 @@ import torch
 from kvplane.collectives import schedule
 from kvplane.collectives.frames import KIND_DATA
 from kvplane.collectives.mesh import Mesh, Post, StreamRecv, StreamSend
-from kvplane.collectives.shm import AreaId, ShmArena
+from kvplane.collectives.shm import Area, AreaId, ShmArena
 from kvplane.common.errors import InvalidArgument
 
 # reduce kinds (torch's RedOpType names, lower case)
@@ -263,21 +263,26 @@ def allreduce_shm(a: Attempt, flat: torch.Tensor, op: str, arena: ShmArena,
     ok = all(x is not None and x.cap >= nbytes for x in areas)
     spans = schedule.split(flat.numel(), n)
     if ok:
-        lo, hi = spans[me]
-        parts = [areas[k].inputs[:nbytes].view(flat.dtype)[lo:hi]  # type: ignore[union-attr]
-                 for k in schedule.reduction_order(me, n)]
-        acc = own.result[:(hi - lo) * size].view(flat.dtype)  # type: ignore[union-attr]
-        fold(op, parts[0], parts[1], out=acc)
-        for other in parts[2:]:
-            fold(op, acc, other, out=acc)
-        if op == AVG:
-            acc.div_(n)
+        _reduce_block(areas, me, spans[me], flat.dtype, nbytes, op)  # type: ignore[arg-type]
     if 0 in a.share(_SHM_REDUCED, int(ok)):
         arena.renew()  # someone could not map an area: every owner starts a new generation
         return False
     for k, (lo, hi) in enumerate(spans):
         flat[lo:hi].copy_(areas[k].result[:(hi - lo) * size].view(flat.dtype))  # type: ignore[union-attr]
     return True
+
+
+def _reduce_block(areas: list[Area], me: int, span: tuple[int, int], dtype: torch.dtype,
+                  nbytes: int, op: str) -> None:
+    """Block ``me`` of every area's input, folded in the ring's order, into area ``me``'s result."""
+    n, (lo, hi) = len(areas), span
+    parts = [areas[k].inputs[:nbytes].view(dtype)[lo:hi] for k in schedule.reduction_order(me, n)]
+    acc = areas[me].result[:(hi - lo) * dtype.itemsize].view(dtype)
+    fold(op, parts[0], parts[1], out=acc)
+    for other in parts[2:]:
+        fold(op, acc, other, out=acc)
+    if op == AVG:
+        acc.div_(n)
 
 
 def restore_from_shm(flat: torch.Tensor, arena: ShmArena) -> None:
