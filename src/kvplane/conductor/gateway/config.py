@@ -121,6 +121,11 @@ class GatewayConfig:
         eject_after: consecutive failed checks (timeouts, errors) that eject a backend; a
             refused connection ejects at once.
         admit_after: consecutive good checks that re-admit an ejected backend.
+        stream_grace_s: once a backend is ejected, each of its running streams goes on while its
+            next event arrives within this many seconds, else it ends with an error event. A
+            backend ejected because a loaded host starved its health checks keeps its streams
+            through normal gaps between tokens (a long prefill step can take a second); a hung
+            one has them ended this long after its ejection.
         metrics_interval_s: seconds between two scrapes of a backend's ``/metrics``.
         max_request_bytes: largest request body accepted (413 beyond).
     """
@@ -150,6 +155,7 @@ class GatewayConfig:
     health_timeout_s: float = 0.5
     eject_after: int = 2
     admit_after: int = 1
+    stream_grace_s: float = 2.0
     metrics_interval_s: float = 1.0
     max_request_bytes: int = 8 << 20
 
@@ -174,7 +180,7 @@ class GatewayConfig:
             raise InvalidArgument("block_size, retry_after_s >= 0; eject_after, admit_after >= 1")
         for name in ("connect_timeout_s", "read_timeout_s", "request_timeout_s",
                      "tokenize_timeout_s", "health_interval_s", "health_timeout_s",
-                     "metrics_interval_s", "discover_interval_s"):
+                     "stream_grace_s", "metrics_interval_s", "discover_interval_s"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0")
 

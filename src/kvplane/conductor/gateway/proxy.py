@@ -345,14 +345,14 @@ class Gateway:
         """Relay the stream after its first event; a failure becomes an SSE error event.
 
         Ejection ends the stream only if it also stalls: each read after it gets
-        ``health_timeout_s`` to arrive (a slow ``/health`` is not a dead stream).
+        ``stream_grace_s`` to arrive (a slow ``/health`` is not a dead stream).
         """
         gone = b.gone
         try:
             yield first
             while True:
                 try:  # after an ejection the stream goes on while tokens keep coming
-                    event = await race(events.__anext__(), gone, self.config.health_timeout_s)
+                    event = await race(events.__anext__(), gone, self.config.stream_grace_s)
                 except StopAsyncIteration:
                     return
                 b.seen = time.monotonic()
