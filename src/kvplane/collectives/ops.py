@@ -240,8 +240,8 @@ def allreduce_shm(a: Attempt, flat: torch.Tensor, op: str, arena: ShmArena,
     leaves it untouched. If a participant cannot take part all learn it at step 2 or 4 and
     return False, ``flat`` untouched; the caller then runs the TCP ring. No room in
     ``/dev/shm`` for one of them sends this size class and up to the ring for good (every rank
-    drops its area); an area someone could not map makes every owner start a new one. The caller's commit round keeps anyone from reusing its area before
-    everyone has read it.
+    drops its area); an area someone could not map makes every owner start a new one. The
+    caller's commit round keeps anyone from reusing its area before everyone has read it.
 
     Args:
         incs: incarnation id of each position's rank (None if unknown).

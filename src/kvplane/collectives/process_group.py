@@ -140,7 +140,12 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         self._shm_bytes = envs.get("KVPLANE_PG_SHM_BYTES") if shm is None else shm
         self._shm = ShmArena(self.core.inc) if self._shm_bytes > 0 else None
         if self._shm is not None:
-            self.core.on_dead.append(lambda _rank, inc: inc is not None and self._shm.forget(inc))  # type: ignore[union-attr]
+            self.core.on_dead.append(self._forget_peer)
+
+    def _forget_peer(self, _rank: int, inc: int | None) -> None:
+        """A peer failed: its shared-memory area goes (it cannot remove it itself)."""
+        if self._shm is not None and inc is not None:
+            self._shm.forget(inc)
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)

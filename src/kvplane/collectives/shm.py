@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,20 +48,25 @@ def _path(pid: int, inc: int, gen: int) -> str:
     return os.path.join(SHM_DIR, f"kvplane-pg-{pid}-{inc:08x}-{gen}")
 
 
-def _sweep() -> None:
-    """Remove areas whose owner process is gone."""
+def _areas_on_host() -> Iterator[tuple[str, int, str]]:
+    """``(path, owner pid, incarnation as named)`` of every area file in :data:`SHM_DIR`."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return
     for name in names:
         parts = name.split("-")
-        if len(parts) != 5 or parts[:2] != ["kvplane", "pg"] or not parts[2].isdigit():
-            continue
+        if len(parts) == 5 and parts[:2] == ["kvplane", "pg"] and parts[2].isdigit():
+            yield os.path.join(SHM_DIR, name), int(parts[2]), parts[3]
+
+
+def _sweep() -> None:
+    """Remove areas whose owner process is gone."""
+    for path, pid, _ in _areas_on_host():
         try:
-            os.kill(int(parts[2]), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            _unlink(os.path.join(SHM_DIR, name))
+            _unlink(path)
         except OSError:  # alive, another user's
             pass
 
@@ -209,14 +215,9 @@ class ShmArena:
         known = self._peers.pop(inc, None)
         if known is not None:
             known[1].close()
-        try:
-            names = os.listdir(SHM_DIR)
-        except OSError:
-            return
-        tag = f"-{inc:08x}-"
-        for name in names:
-            if name.startswith("kvplane-pg-") and tag in name:
-                _unlink(os.path.join(SHM_DIR, name))
+        for path, _, named in _areas_on_host():
+            if named == f"{inc:08x}":
+                _unlink(path)
 
     def close(self) -> None:
         """Unmap everything and remove this rank's file (idempotent)."""

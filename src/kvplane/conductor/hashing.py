@@ -151,7 +151,7 @@ CACHE_CHUNKS = 2048  # chunks remembered per profile (about 6 KiB each with 16-t
 def _as_tokens(token_ids: Sequence[int]) -> np.ndarray | None:
     """Token ids as int64 (each as ``operator.index`` gives it), or None if one is not an int."""
     if isinstance(token_ids, np.ndarray):
-        return token_ids.astype(np.int64) if token_ids.dtype.kind in "iu" else None
+        return token_ids.astype(np.int64, copy=False) if token_ids.dtype.kind in "iu" else None
     try:
         return np.frombuffer(struct.pack(f"<{len(token_ids)}q", *token_ids), dtype=np.int64)
     except (struct.error, TypeError, OverflowError):
@@ -251,11 +251,8 @@ def _split(blob: bytes) -> list[bytes]:
     return [blob[i:i + 32] for i in range(0, len(blob), 32)]
 
 
-def low64_all(digests: list[bytes] | bytes) -> list[int]:
-    """:func:`low64` of many digests at once (a list of them, or one blob of them)."""
-    if not digests:
-        return []
-    blob = digests if isinstance(digests, bytes) else b"".join(digests)
+def low64_all(blob: bytes) -> list[int]:
+    """:func:`low64` of every digest in a blob of 32-byte digests."""
     return np.frombuffer(blob, dtype=">u8")[3::4].tolist()
 
 
