@@ -461,44 +461,75 @@ class TransferEngine:
         tcp = self.transports.get("tcp")
         jobs: dict[int, tuple[PeerJob, list[int]]] = {}  # handle -> (job, item indexes)
         rest: list[int] = []
-        picks: dict[tuple[int, int], Transport] = {}
-        views = _Views(self.memory)
-        for i, (h, local, remote, n, gen) in enumerate(items):
-            try:
+        by_handle: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            where = by_handle.get(it[0])
+            if where is None:
+                by_handle[it[0]] = [i]
+            else:
+                where.append(i)
+        local: Any = None  # the local region of the previous item (most share one)
+        for h, idx in by_handle.items():
+            seg = self._segments.get(h)
+            if seg is None or tcp is None:
+                rest += idx  # transfer() reports it with its own status and counters
+                continue
+            job = PeerJob((seg.desc.host, seg.desc.port), [], [], [], [])
+            taken: list[int] = []
+            remote_r: Any = None  # the peer's region of the previous item, if TCP serves it
+            for i in idx:
+                _, addr, remote, n, gen = items[i]
                 if n <= 0:
-                    raise InvalidArgument(f"length must be > 0, got {n}")
-                seg = self.segment(h)
-                region = seg.region(remote, n)
-                t = picks.get((h, region.addr))
-                if t is None:
-                    t = picks[(h, region.addr)] = self._pick(
-                        None, Route(seg.desc, region, seg.same_host))
-                if tcp is None or t is not tcp:
                     rest.append(i)
                     continue
-                view = views.at(local, n)
-            except KVPlaneError:
-                rest.append(i)  # transfer() reports it with its own status and counters
-                continue
-            entry = jobs.get(h)
-            if entry is None:
-                entry = jobs[h] = (PeerJob((seg.desc.host, seg.desc.port), [], [], [], []), [])
-            job, where = entry
-            job.remote.append(remote)
-            job.lengths.append(n)
-            job.gens.append(gen)
-            job.views.append(view)
-            where.append(i)
+                if remote_r is None or not (remote_r.addr <= remote
+                                            and remote + n <= remote_r.addr + remote_r.length):
+                    try:
+                        remote_r = seg.region(remote, n)
+                    except KVPlaneError:
+                        rest.append(i)
+                        remote_r = None
+                        continue
+                    if self._pick(None, Route(seg.desc, remote_r, seg.same_host)) is not tcp:
+                        rest.append(i)
+                        remote_r = None
+                        continue
+                if local is None or not (local.addr <= addr and addr + n <= local.addr + local.length):
+                    try:
+                        local = self.memory.find(addr, n)
+                    except KVPlaneError:
+                        rest.append(i)
+                        local = None
+                        continue
+                if local.view is None:  # a file region: transfer() reads it
+                    rest.append(i)
+                    continue
+                off = addr - local.addr
+                job.views.append(local.view[off:off + n])
+                job.remote.append(remote)
+                job.lengths.append(n)
+                job.gens.append(gen)
+                taken.append(i)
+            if taken:
+                jobs[h] = (job, taken)
         if jobs:
             run = tcp.read_scatter if op == OpCode.READ else tcp.write_gather  # type: ignore[union-attr]
             run([job for job, _ in jobs.values()], deadline)
             done: dict[tuple[OpCode, TransferStatus], int] = {}
             moved = 0
+            ok = TransferStatus.COMPLETED
             for job, where in jobs.values():
-                for i, st, n in zip(where, job.status, job.lengths):
+                status = job.status
+                if status.count(ok) == len(status):  # the usual case: no per-entry work
+                    for i in where:
+                        out[i] = ok
+                    done[(op, ok)] = done.get((op, ok), 0) + len(where)
+                    moved += sum(job.lengths)
+                    continue
+                for i, st, n in zip(where, status, job.lengths):
                     out[i] = st = st or TransferStatus.FAILED
                     done[(op, st)] = done.get((op, st), 0) + 1
-                    moved += n if st == TransferStatus.COMPLETED else 0
+                    moved += n if st == ok else 0
             _count(done, {op: moved})
         if rest:
             left = max(deadline.remaining(), 1e-3)

@@ -204,21 +204,30 @@ class DataServer:
         codes: list[int] = []
         parts: list[bytes | memoryview] = []
         total = 0
-        entries = list(protocol.READV_ENTRY.iter_unpack(table))
-        admitted = self.fence.admit_many([gen for _, _, gen in entries])  # one lock, one instant
+        rows = struct.unpack(f"<{3 * count}Q", table)
+        admitted = self.fence.admit_many(list(rows[2::3]))  # one lock, one instant
         region = None
-        for (addr, n, gen), ok in zip(entries, admitted):
-            self._check_length(n)
-            try:
-                region = self._find(region, addr, n)
-                if not ok:
-                    raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
-            except KVPlaneError as exc:
-                codes.append(exc.code)
+        lo = hi = 0  # the bounds of ``region`` (the entries of one frame mostly share one)
+        view = None
+        limit = self.max_frame
+        for addr, n, gen, ok in zip(rows[0::3], rows[1::3], rows[2::3], admitted):
+            if n > limit:
+                self._check_length(n)
+            if not (lo <= addr and addr + n <= hi) or view is None:
+                try:
+                    region = self._find(region, addr, n)
+                except KVPlaneError as exc:
+                    codes.append(exc.code)
+                    continue
+                lo, hi, view = region.addr, region.end, region.view
+                if region.kind == "file":
+                    view = None
+            if not ok:
+                codes.append(Fenced.code)
                 continue
-            off = addr - region.addr
-            parts.append(os.pread(region.fd, n, off) if region.kind == "file"
-                         else region.view[off:off + n])  # type: ignore[index]
+            off = addr - lo
+            parts.append(region.view[off:off + n] if view is not None  # type: ignore[union-attr]
+                         else os.pread(region.fd, n, off))  # type: ignore[union-attr]
             codes.append(0)
             total += n
         self._check_length(total)

@@ -247,9 +247,12 @@ class Conn:
         raw = bytearray(4 * len(views))
         protocol.recv_exact(self.sock, memoryview(raw))
         codes = list(struct.unpack(f"<{len(views)}i", raw))
-        if length != sum(n for n, c in zip(lengths, codes) if c == 0):
+        if any(codes):
+            lengths = [n for n, c in zip(lengths, codes) if c == 0]
+            views = [v for v, c in zip(views, codes) if c == 0]
+        if length != sum(lengths):
             raise ProtocolError(f"READV returned {length} bytes for the entries that succeeded")
-        protocol.recv_scatter(self.sock, [v for v, c in zip(views, codes) if c == 0])
+        protocol.recv_scatter(self.sock, views)
         return codes, ""
 
     def receive_one(self, rid: int, view: memoryview | None) -> tuple[list[int], str]:
@@ -518,6 +521,10 @@ class TcpTransport(Transport):
                 else:
                     codes, refused = conn.receive_codes(rid, len(ids))
                 waiting.popleft()
+                if not refused and not any(codes):
+                    for i in ids:
+                        job.status[i] = TransferStatus.COMPLETED
+                    continue
                 for i, code in zip(ids, codes):
                     if refused or code:
                         job.status[i] = TransferStatus.FAILED
@@ -566,6 +573,8 @@ def _refused(code: int, op: str = "READ") -> str:
 def _frames(lengths: list[int]) -> list[tuple[int, int]]:
     """[start, end) index ranges of consecutive entries cut into READV frames (at most
     MAX_READV entries and READV_BYTES each; an entry larger than that goes alone)."""
+    if len(lengths) <= protocol.MAX_READV and sum(lengths) <= READV_BYTES:
+        return [(0, len(lengths))] if lengths else []
     out: list[tuple[int, int]] = []
     start, size = 0, 0
     for i, n in enumerate(lengths):
@@ -598,7 +607,12 @@ class PeerJob:
 
     def table(self, ids: list[int]) -> bytes:
         """The READV rows of entries ``ids``."""
-        rows = [x for i in ids for x in (self.remote[i], self.lengths[i], self.gens[i])]
+        a, b = ids[0], ids[-1] + 1
+        if b - a == len(ids):  # a run of consecutive entries (every first attempt): sliced
+            rows = [0] * (3 * len(ids))
+            rows[0::3], rows[1::3], rows[2::3] = self.remote[a:b], self.lengths[a:b], self.gens[a:b]
+        else:
+            rows = [x for i in ids for x in (self.remote[i], self.lengths[i], self.gens[i])]
         return struct.pack(f"<{len(rows)}Q", *rows)
 
     def pending(self) -> list[int]:
