@@ -219,3 +219,27 @@ def test_space_held_for_readers_does_not_evict_live_objects():
     put(st, "live", size=20 * 1024 - 64, now=3.0)
     assert st.used_ratio() > 0.5  # over the watermark counting held space
     assert st.evict(3.5) == 0 and "live" in st.objects  # only 20 % is live: nothing to evict
+
+
+def test_batched_lookup_is_the_single_lookup_of_each_key():
+    """get_replicas_many inlines the one-replica case: it must answer, lease and reorder the
+    LRU exactly as get_replicas does key by key, for every kind of key."""
+    def build():
+        st = state(n_segs=3)
+        put(st, "one", 1000)
+        put(st, "two", 2000, replica_num=2)
+        st.put_start("open", 500, ReplicateConfig(), 0.0)  # not finished
+        put(st, "old", 700)
+        return st
+
+    keys = ["two", "missing", "one", "open", "one", "old"]
+    a, b = build(), build()
+    many = a.get_replicas_many(keys, 5.0)
+    single = [b.get_replicas(k, 5.0) for k in keys]
+    assert many == single
+    assert [r.code for r in many] == [0, ObjectNotFound.code, 0, ReplicaNotReady.code, 0, 0]
+    assert many[0].replicas[0].segment != many[0].replicas[1].segment
+    assert list(a.objects) == list(b.objects)  # the same LRU order
+    assert {k: o.lease_until for k, o in a.objects.items()} == \
+        {k: o.lease_until for k, o in b.objects.items()}
+    assert a.objects["one"].lease_until == 5.0 + a.config.lease_ttl

@@ -304,7 +304,7 @@ class MasterServer:
     def _get_replicas(self, req: KeysReq) -> ResultsRep:
         now = self.clock()
         self.state.suspect(req.suspects, now)
-        results = [self.state.get_replicas(k, now) for k in req.keys]
+        results = self.state.get_replicas_many(req.keys, now)
         self._gate(now, any(r.code == ObjectNotFound.code for r in results))
         return ResultsRep(results, self.state.config.lease_ttl)
 

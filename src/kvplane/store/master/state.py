@@ -394,6 +394,28 @@ class MasterState:
         return KeyResult(0, obj.replicas_of(self.segments, reps), obj.size, obj.version,
                          obj.checksum, disk=self.tiers.disk_replicas(key, obj) if obj.disk else [])
 
+    def get_replicas_many(self, keys: list[str], now: float) -> list[KeyResult]:
+        """:meth:`get_replicas` of each key (the same leases and LRU moves), with the common
+        case inlined: one replica, no SSD copy."""
+        objects, segments = self.objects, self.segments
+        until = now + self.config.lease_ttl
+        touch = objects.move_to_end
+        out: list[KeyResult] = []
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or not obj.complete or obj.disk or len(obj.replicas) != 1:
+                out.append(self.get_replicas(key, now))
+                continue
+            if obj.lease_until < until:
+                obj.lease_until = until
+            touch(key)
+            name, off, gen = obj.replicas[0]
+            info = segments[name].info
+            out.append(KeyResult(0, [Replica(info.name, info.base + off + obj.hdr, obj.size,
+                                             info.endpoint, info.host_id, gen)],
+                                 obj.size, obj.version, obj.checksum))
+        return out
+
     def exist(self, key: str, now: float) -> int:
         """1 if a complete object exists (and lease it, as Mooncake's ExistKey does), else 0."""
         obj = self.objects.get(key)
