@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -141,3 +142,32 @@ def test_a_refused_writev_payload_larger_than_the_drain_buffer_keeps_the_stream_
         assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:] == (0, 9, 8)
         assert struct.unpack("<2i", recv_n(sock, 8)) == (AddressNotRegistered.code, 0)
         assert data == want  # the good entry landed, nothing of the refused one did
+
+
+def test_one_readv_serves_entries_from_a_file_and_from_memory_alternately(server, tmp_path):
+    """Entries that switch between a file region and memory regions each get their own bytes
+    (the listener keeps the previous entry's region: a switch must look the next one up)."""
+    srv, data = server
+    content = bytes(range(251)) * 20  # 5020 bytes, a pattern unlike the memory's
+    path = tmp_path / "region.bin"
+    path.write_bytes(content)
+    fd = os.open(path, os.O_RDONLY)
+    fbase = 0x900000
+    other = bytearray(b"\xab" * 512)
+    srv.memory.add(Region(fbase, len(content), None, kind="file", path=str(path), fd=fd))
+    srv.memory.add(Region(0x500000, len(other), memoryview(other)))
+    try:
+        entries = [(fbase + 7, 100, 0), (BASE + 20, 40, 0), (fbase + 4000, 1000, 0),
+                   (fbase + 5000, 40, 0), (0x500000 + 10, 16, 0), (BASE, 8, 0)]
+        want = (content[7:107] + bytes(data[20:60]) + content[4000:5000] +
+                bytes(other[10:26]) + bytes(data[:8]))
+        with connect(srv) as sock:
+            readv(sock, entries)
+            status, rid, length = protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:]
+            assert (status, rid) == (0, 7)
+            codes = struct.unpack("<6i", recv_n(sock, 24))
+            assert codes == (0, 0, 0, AddressNotRegistered.code, 0, 0)  # 5000+40 > 5020
+            assert length == len(want)
+            assert recv_n(sock, length) == want
+    finally:
+        os.close(fd)
