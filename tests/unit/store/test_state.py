@@ -1,5 +1,7 @@
 """MasterState semantics, each as a test, on an explicit timeline (no clocks, no sockets)."""
 
+from collections import OrderedDict
+
 import pytest
 
 from kvplane.common.errors import InvalidArgument
@@ -243,3 +245,33 @@ def test_batched_lookup_is_the_single_lookup_of_each_key():
     assert {k: o.lease_until for k, o in a.objects.items()} == \
         {k: o.lease_until for k, o in b.objects.items()}
     assert a.objects["one"].lease_until == 5.0 + a.config.lease_ttl
+
+
+class _NoScan(OrderedDict):
+    """An object table that fails a test walking it whole (the timer must not)."""
+
+    def items(self):
+        raise AssertionError("walked every object")
+
+    def __iter__(self):
+        raise AssertionError("walked every object")
+
+
+def test_reclaim_drops_only_abandoned_puts_and_never_walks_every_object():
+    st = state(n_segs=2, seg_size=64 * MB, put_release_timeout=600.0)
+    for i in range(200):
+        put(st, f"done-{i}", 1000, now=0.0)
+    st.put_start("ended", 1000, ReplicateConfig(), 0.0)
+    st.put_end("ended", 1.0)
+    st.put_start("revoked", 1000, ReplicateConfig(), 0.0)
+    st.put_revoke("revoked", 1.0)
+    st.put_start("old", 1000, ReplicateConfig(), 0.0)
+    st.put_start("young", 1000, ReplicateConfig(), 500.0)
+    st.objects = _NoScan(st.objects)
+    st.reclaim(700.0)
+    assert "old" not in st.objects  # abandoned past the release timeout: dropped
+    assert st.objects["young"].complete is False  # still inside it: kept
+    assert st.objects["ended"].complete and st.objects.get("done-7") is not None
+    assert set(st.open_puts) == {"young"}
+    st.reclaim(1200.0)
+    assert "young" not in st.objects and not st.open_puts

@@ -99,6 +99,9 @@ class MasterState:
         self.secret = b""  # keys the inventory headers' tags (``inventory.secret_of``)
         self._next_gen = epoch << EPOCH_SHIFT
         self.objects: OrderedDict[str, Obj] = OrderedDict()  # LRU order: oldest first
+        # puts started and not ended (entries of ended or dropped ones are pruned by
+        # ``reclaim``): the timer looks at these, never at every object
+        self.open_puts: dict[str, Obj] = {}
         self.segments: dict[str, Segment] = {}
         self.clients: dict[str, Client] = {}
         self.graveyard = Quarantine()  # freed space not yet reusable
@@ -334,6 +337,7 @@ class MasterState:
                   header=inventory.pack(self.secret, key, version, version, size, checksum,
                                         cfg.replica_num, flags))
         self.objects[key] = obj
+        self.open_puts[key] = obj
         return KeyResult(0, obj.replicas_of(self.segments), size, obj.version, checksum, obj.header)
 
     def _resume(self, key: str, obj: Obj, now: float, window: float) -> KeyResult:
@@ -358,6 +362,7 @@ class MasterState:
             return ObjectNotFound.code
         if not obj.complete:
             obj.complete = True
+            self.open_puts.pop(key, None)
             obj.checksum = obj.checksum or checksum
             obj.writer, obj.header = "", b""
             self.changes.append(("stored", key))
@@ -457,10 +462,14 @@ class MasterState:
         for seg, off in due:
             if seg in self.segments:
                 self.segments[seg].alloc.free(off)
-        stale = [k for k, o in self.objects.items()
-                 if not o.complete and now - o.started > self.config.put_release_timeout]
+        stale = []
+        for k, o in list(self.open_puts.items()):
+            if self.objects.get(k) is not o or o.complete:  # ended, revoked or dropped
+                del self.open_puts[k]
+            elif now - o.started > self.config.put_release_timeout:
+                stale.append(k)
         for k in stale:
-            self._drop(k, self.objects[k], now)
+            self._drop(k, self.open_puts.pop(k), now)
         return len(due) + len(stale)
 
     def used_ratio(self) -> float:
@@ -552,6 +561,8 @@ class MasterState:
         """Forget an object. Space under a live lease is freed only once the lease ends; space of
         an unfinished put only once its write window is over and its segment fenced it."""
         self.objects.pop(key, None)
+        if self.open_puts.get(key) is obj:
+            del self.open_puts[key]
         self.repairs.forget(key, now)
         self.tiers.dropped(key, obj, now)
         if obj.complete:
