@@ -13,7 +13,7 @@ import msgspec
 from kvplane.store.inventory import Record
 
 
-class DiskReplica(msgspec.Struct, array_like=True):
+class DiskReplica(msgspec.Struct, array_like=True, gc=False):
     """A disk copy of an object: held by the owner of ``segment``, served through its disk RPC
     at ``endpoint`` (Mooncake's LOCAL_DISK replica, whose endpoint is the client's RPC).
 

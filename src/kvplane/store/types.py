@@ -41,7 +41,7 @@ class ReplicateConfig(msgspec.Struct, kw_only=True):
         return self.soft_pin_action or ("enable" if self.with_soft_pin else "preserve")
 
 
-class Replica(msgspec.Struct, array_like=True):
+class Replica(msgspec.Struct, array_like=True, gc=False):
     """One memory replica: a contiguous buffer in a segment (Mooncake's buffer descriptor)."""
 
     segment: str
@@ -144,7 +144,7 @@ class PutStartReq(msgspec.Struct):
     nonce: int = 0  # this call's id: a retry with the same nonce resumes its puts
 
 
-class KeyResult(msgspec.Struct, array_like=True):
+class KeyResult(msgspec.Struct, array_like=True, gc=False):
     """Per-key outcome: code 0 and replicas, or a negative error code."""
 
     code: int
