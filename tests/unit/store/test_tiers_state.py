@@ -50,7 +50,7 @@ def test_objects_near_eviction_are_offloaded_and_eviction_demotes_them():
     assert offload_all(st, now=4) == ["k0"]  # the LRU tail, above the 0.80 offload watermark
     assert put(st, "k4", now=11) == 0  # evicts k0's memory replica: it stays, on disk
     obj = st.objects["k0"]
-    assert obj.replicas == [] and obj.disk == {"s0": "/d/k0"} and st.tiers.demoted == 1
+    assert obj.replicas == () and obj.disk == {"s0": "/d/k0"} and st.tiers.demoted == 1
     got = st.get_replicas("k0", 12)
     assert got.code == 0 and got.replicas == [] and [d.endpoint for d in got.disk] == ["h:9"]
 
@@ -177,7 +177,7 @@ def test_planning_counts_replicas_already_on_disk_and_queues_nothing_more():
     assert len(offload_all(st, 4)) == 4  # memory full, everything on disk too
     assert st.tiers.plan(5) == 0 and not st.tiers.offloads
     assert put(st, "k4", now=11) == 0  # eviction demotes at once: nothing waits
-    assert st.objects["k0"].replicas == [] and list(st.objects)[-2:] == ["k0", "k4"]
+    assert st.objects["k0"].replicas == () and list(st.objects)[-2:] == ["k0", "k4"]
 
 
 def test_a_node_back_after_its_ttl_brings_back_what_it_took_not_what_was_removed():

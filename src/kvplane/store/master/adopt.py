@@ -153,7 +153,7 @@ class Adoption:
             return 0
         gen = st._gen()
         if obj is not None and obj.complete and obj.version == rec.version:
-            obj.replicas.append((seg.info.name, rec.offset, gen))
+            obj.replicas += ((seg.info.name, rec.offset, gen),)
             return gen
         if obj is not None:
             st._drop(rec.key, obj, now)

@@ -114,7 +114,7 @@ class Repairs:
         if seg is None:
             return False
         if ok and obj is not None and obj.complete and obj.version == p.task.version:
-            obj.replicas.append((p.segment, p.offset, gen))
+            obj.replicas += ((p.segment, p.offset, gen),)
             self.done_count += 1
             if len(obj.replicas) >= obj.want:
                 self.short.discard(key)

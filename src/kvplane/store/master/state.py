@@ -22,7 +22,10 @@ from __future__ import annotations
 import random
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.store import inventory
@@ -55,10 +58,13 @@ class Segment:
                        self.info.host_id, gen)
 
 
-@dataclass
-class Obj:
+class Obj(msgspec.Struct, gc=False):
+    """One object's metadata. Not tracked by Python's cyclic GC (it holds no cycle, and its
+    replicas are a tuple): a full collection in a master holding millions of objects would
+    otherwise walk every one of them, under the lock every RPC takes."""
+
     size: int
-    replicas: list[Rep]
+    replicas: tuple[Rep, ...]
     complete: bool
     started: float
     lease_until: float = 0.0
@@ -75,9 +81,9 @@ class Obj:
     header: bytes = b""  # that header, while the put is unfinished
     flags: int = 0  # inventory flags (hard pin)
     nonce: int = 0  # id of the PutStart call that made it (a retry of it resumes the put)
-    disk: dict[str, str] = field(default_factory=dict)  # SSD copies: segment -> file path
+    disk: dict[str, str] = msgspec.field(default_factory=dict)  # SSD copies: segment -> path
 
-    def replicas_of(self, segments: dict[str, "Segment"], reps: list[Rep] | None = None
+    def replicas_of(self, segments: dict[str, "Segment"], reps: Sequence[Rep] | None = None
                     ) -> list[Replica]:
         return [segments[s].replica(o, self.size, g, self.hdr) for s, o, g in
                 (self.replicas if reps is None else reps)]
@@ -168,7 +174,7 @@ class MasterState:
 
     def adopted_object(self, rec: inventory.Record, segment: str, gen: int, hard_pin: bool) -> None:
         """A complete object re-registered from a segment's record (``adopt.py``)."""
-        self.objects[rec.key] = Obj(rec.size, [(segment, rec.offset, gen)], True, 0.0,
+        self.objects[rec.key] = Obj(rec.size, ((segment, rec.offset, gen),), True, 0.0,
                                     hard_pin=hard_pin, version=rec.version, checksum=rec.checksum,
                                     want=rec.want, hdr=rec.hdr, flags=rec.flags)
         self.changes.append(("stored", rec.key))
@@ -178,7 +184,7 @@ class MasterState:
     def disk_object(self, rec: inventory.Record, segment: str, path: str) -> None:
         """A complete object re-registered from a node's disk copy (``tiers.py``): no memory
         replica until a read promotes it."""
-        self.objects[rec.key] = Obj(rec.size, [], True, 0.0,
+        self.objects[rec.key] = Obj(rec.size, (), True, 0.0,
                                     hard_pin=bool(rec.flags & inventory.FLAG_HARD_PIN),
                                     version=rec.version, checksum=rec.checksum, want=rec.want,
                                     hdr=rec.hdr, flags=rec.flags, disk={segment: path})
@@ -217,7 +223,7 @@ class MasterState:
             obj = self.objects[key]
             keep = [r for r in obj.replicas if r[0] != name]
             if len(keep) != len(obj.replicas):
-                obj.replicas = keep
+                obj.replicas = tuple(keep)
                 if not keep and not obj.disk:
                     del self.objects[key]
                     if obj.complete:
@@ -329,7 +335,7 @@ class MasterState:
             return KeyResult(exc.code)
         flags = inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0
         version = replicas[0][2]
-        obj = Obj(size, replicas, False, now, hard_pin=cfg.with_hard_pin, version=version,
+        obj = Obj(size, tuple(replicas), False, now, hard_pin=cfg.with_hard_pin, version=version,
                   want=cfg.replica_num, writer=client_id, checksum=checksum, nonce=nonce,
                   window_until=now + self.write_window(window), hdr=hdr, flags=flags,
                   soft_pin_ttl=pin,
@@ -546,7 +552,7 @@ class MasterState:
         """Take the replicas on ``segments`` out of ``obj`` (the object stays, even with none
         left: the caller decides). Space under a live lease waits for it. Returns how many."""
         gone = [r for r in obj.replicas if r[0] in segments]
-        obj.replicas = [r for r in obj.replicas if r[0] not in segments]
+        obj.replicas = tuple(r for r in obj.replicas if r[0] not in segments)
         for seg, off, gen in gone:
             if seg not in self.segments:
                 continue

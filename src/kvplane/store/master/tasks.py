@@ -157,7 +157,7 @@ class Tasks:
             self._free(task)
             self._fail(task, "object removed during the task", wall_ms)
             return 0
-        obj.replicas.extend(a for a in done if a[0] in st.segments)
+        obj.replicas += tuple(a for a in done if a[0] in st.segments)
         obj.want = max(obj.want, len(obj.replicas) - (task.kind == "move"))  # repairs keep them
         # the task's protection ends with it; a reader's lease taken meanwhile is kept
         obj.lease_until = min(obj.lease_until, now + st.config.lease_ttl)

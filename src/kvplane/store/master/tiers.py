@@ -283,7 +283,7 @@ class DiskTier:
         if seg is None:
             return False
         if ok and obj is not None and obj.version == p.version and obj.complete:
-            obj.replicas.append((p.segment, p.offset, gen))
+            obj.replicas += ((p.segment, p.offset, gen),)
             st.objects.move_to_end(key)
             self.promoted += 1
             return True
