@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures as cf
 import itertools
 import logging
+import operator
 import os
 import re
 import threading
@@ -35,7 +36,7 @@ from kvplane.transfer.segments import (
 from kvplane.transfer.server import DataServer
 from kvplane.transfer.transports import TRANSPORTS, Route, Transport
 from kvplane.transfer.transports.base import TransportContext
-from kvplane.transfer.transports.tcp import PeerJob
+from kvplane.transfer.transports.tcp import PeerJob, Span
 from kvplane.transfer.types import OpCode, SegmentDesc, TransferRequest, TransferStatus
 
 log = logging.getLogger(__name__)
@@ -461,18 +462,27 @@ class TransferEngine:
         tcp = self.transports.get("tcp")
         jobs: dict[int, tuple[PeerJob, list[int]]] = {}  # handle -> (job, item indexes)
         rest: list[int] = []
-        by_handle: dict[int, list[int]] = {}
-        for i, it in enumerate(items):
-            where = by_handle.get(it[0])
-            if where is None:
-                by_handle[it[0]] = [i]
-            else:
-                where.append(i)
+        handles = [it[0] for it in items]
+        by_handle: dict[int, list[int]]
+        if items and handles.count(handles[0]) == len(handles):  # one peer (the usual case)
+            by_handle = {handles[0]: list(range(len(items)))}
+        else:
+            by_handle = {}
+            for i, h in enumerate(handles):
+                where = by_handle.get(h)
+                if where is None:
+                    by_handle[h] = [i]
+                else:
+                    where.append(i)
         local: Any = None  # the local region of the previous item (most share one)
         for h, idx in by_handle.items():
             seg = self._segments.get(h)
             if seg is None or tcp is None:
                 rest += idx  # transfer() reports it with its own status and counters
+                continue
+            job = self._whole_job(seg, tcp, [items[i] for i in idx])
+            if job is not None:  # every item in one local and one remote region, over TCP
+                jobs[h] = (job, idx)
                 continue
             job = PeerJob((seg.desc.host, seg.desc.port), [], [], [], [])
             taken: list[int] = []
@@ -538,6 +548,29 @@ class TransferEngine:
             for i, st in zip(rest, got):
                 out[i] = st
         return out
+
+    def _whole_job(self, seg: OpenSegment, tcp: Transport,
+                   items: list[tuple[int, int, int, int, int]]) -> PeerJob | None:
+        """The job of ``items`` (all for ``seg``) built a list at a time, when every local
+        range lies in one registered memory region, every remote range in one region the
+        peer published, and TCP serves that region; else None (then item by item)."""
+        locs = [it[1] for it in items]
+        rems = [it[2] for it in items]
+        lens = [it[3] for it in items]
+        if min(lens) <= 0:
+            return None
+        lo, hi = min(locs), max(map(operator.add, locs, lens))
+        rlo, rhi = min(rems), max(map(operator.add, rems, lens))
+        try:
+            local = self.memory.find(lo, hi - lo)
+            remote = seg.region(rlo, rhi - rlo)
+        except KVPlaneError:
+            return None
+        if local.view is None or self._pick(None, Route(seg.desc, remote, seg.same_host)) is not tcp:
+            return None
+        base = local.addr
+        return PeerJob((seg.desc.host, seg.desc.port), rems, lens, [it[4] for it in items],
+                       Span(local.view, [a - base for a in locs], lens))
 
     async def transfer_async(self, requests: list[TransferRequest],
                              timeout: float | None = None) -> list[TransferStatus]:

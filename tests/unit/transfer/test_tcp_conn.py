@@ -18,7 +18,7 @@ from kvplane.testing.fake_data_socket import FakeDataPeer
 from kvplane.testing.faults import FaultKind, FaultPlan
 from kvplane.transfer.batch import Batch, Slice
 from kvplane.transfer.transports.base import Route, TransportContext
-from kvplane.transfer.transports.tcp import WINDOW, Conn, PeerJob, TcpTransport, _Broken
+from kvplane.transfer.transports.tcp import WINDOW, Conn, PeerJob, Span, TcpTransport, _Broken
 from kvplane.transfer.types import OpCode, RegionDesc, SegmentDesc, TransferRequest, TransferStatus
 
 pytestmark = pytest.mark.timeout(20)
@@ -355,43 +355,59 @@ def test_a_corrupt_readv_answer_breaks_the_connection(at, match):
 
 # -- read_scatter: READs with no per-slice bookkeeping -------------------------------------------
 def scatter_job(n: int, size: int, local: bytearray, gens: list[int] | None = None,
-                peer=ADDR) -> PeerJob:
-    """A job reading entry k (``size`` bytes at BASE+k*size) into local[k*size:]."""
+                peer=ADDR, span: bool = False) -> PeerJob:
+    """A job reading entry k (``size`` bytes at BASE+k*size) into local[k*size:]; its local
+    buffers a list of views, or (``span``) one Span over ``local``."""
     view = memoryview(local)
-    return PeerJob(peer, [BASE + k * size for k in range(n)], [size] * n,
-                   gens or [0] * n, [view[k * size:(k + 1) * size] for k in range(n)])
+    views = Span(view, [k * size for k in range(n)], [size] * n) if span else \
+        [view[k * size:(k + 1) * size] for k in range(n)]
+    return PeerJob(peer, [BASE + k * size for k in range(n)], [size] * n, gens or [0] * n, views)
 
 
-def test_read_scatter_moves_every_byte_in_readv_frames(lane_peer):
+def test_a_span_merges_entries_that_follow_each_other_and_only_those():
+    buf = memoryview(bytearray(range(100)))
+    span = Span(buf, [0, 10, 20, 50, 60], [10, 10, 5, 10, 3])
+    assert [bytes(v) for v in span.runs([0, 1])] == [bytes(range(20))]  # adjacent: one view
+    assert [bytes(v) for v in span.runs([0, 1, 2])] == [bytes(range(25))]
+    assert [bytes(v) for v in span.runs([2, 3])] == [bytes(range(20, 25)), bytes(range(50, 60))]
+    assert [bytes(v) for v in span.runs([1, 3])] == [bytes(range(10, 20)), bytes(range(50, 60))]
+    assert [bytes(v) for v in span.each([4, 0])] == [bytes(range(60, 63)), bytes(range(10))]
+    assert bytes(span[3]) == bytes(range(50, 60)) and len(span) == 5
+
+
+@pytest.mark.parametrize("span", [False, True])
+def test_read_scatter_moves_every_byte_in_readv_frames(lane_peer, span):
     from kvplane.transfer import protocol
     n = 2 * protocol.MAX_READV + 5
     peer, tcp = lane_peer(FaultPlan(), n * 16)
     peer.recv_chunk = 100  # partial scatter receives too
     fill(peer, n * 16)
     local = bytearray(n * 16)
-    job = scatter_job(n, 16, local)
+    job = scatter_job(n, 16, local, span=span)
     tcp.read_scatter([job], Deadline.after(5))
     assert job.status == [TransferStatus.COMPLETED] * n and local == peer.memory
     assert [addr for _, addr, _ in peer.served] == [BASE + k * 16 for k in range(n)]
     assert len(peer.sockets) == 1 and not peer.sockets[0].closed  # pooled again
 
 
-def test_read_scatter_fails_only_the_entries_the_peer_refuses(lane_peer):
+@pytest.mark.parametrize("span", [False, True])
+def test_read_scatter_fails_only_the_entries_the_peer_refuses(lane_peer, span):
     peer, tcp = lane_peer(FaultPlan(), 4 * 64)
     fill(peer, 4 * 64)
     local = bytearray(5 * 64)
-    job = scatter_job(5, 64, local)  # entry 4 lies past the peer's memory
+    job = scatter_job(5, 64, local, span=span)  # entry 4 lies past the peer's memory
     tcp.read_scatter([job], Deadline.after(5))
     assert job.status == [TransferStatus.COMPLETED] * 4 + [TransferStatus.FAILED]
     assert "AddressNotRegistered" in job.errors[4]
     assert local[:256] == peer.memory and local[256:] == bytes(64)  # nothing lands for it
 
 
-def test_read_scatter_retries_a_broken_connection_on_a_fresh_one(lane_peer):
+@pytest.mark.parametrize("span", [False, True])
+def test_read_scatter_retries_a_broken_connection_on_a_fresh_one(lane_peer, span):
     peer, tcp = lane_peer(FaultPlan(seed=7).disconnect(op="read", after=3), 8 * 64)
     fill(peer, 8 * 64)
     local = bytearray(8 * 64)
-    job = scatter_job(8, 64, local)
+    job = scatter_job(8, 64, local, span=span)
     before = retries()
     tcp.read_scatter([job], Deadline.after(5))
     assert job.status == [TransferStatus.COMPLETED] * 8 and local == peer.memory
@@ -463,33 +479,36 @@ def test_read_scatter_serves_one_peer_while_the_other_stalls():
 
 
 # -- write_gather: WRITEV frames -----------------------------------------------------------------
-def test_write_gather_moves_every_byte_in_writev_frames(lane_peer):
+@pytest.mark.parametrize("span", [False, True])
+def test_write_gather_moves_every_byte_in_writev_frames(lane_peer, span):
     from kvplane.transfer import protocol
     n = 2 * protocol.MAX_READV + 5
     peer, tcp = lane_peer(FaultPlan(), n * 16)
     peer.send_chunk = 1000  # partial sends too
     local = bytearray(bytes(i % 253 for i in range(n * 16)))
-    job = scatter_job(n, 16, local)
+    job = scatter_job(n, 16, local, span=span)
     tcp.write_gather([job], Deadline.after(5))
     assert job.status == [TransferStatus.COMPLETED] * n and peer.memory == local
     assert [op for op, _ in peer.arrivals] == ["writev"] * 3  # 256 + 256 + 5 entries
     assert len(peer.sockets) == 1 and not peer.sockets[0].closed
 
 
-def test_write_gather_fails_only_the_entries_the_peer_refuses(lane_peer):
+@pytest.mark.parametrize("span", [False, True])
+def test_write_gather_fails_only_the_entries_the_peer_refuses(lane_peer, span):
     peer, tcp = lane_peer(FaultPlan(), 4 * 64)
     local = bytearray(b"\x07" * (5 * 64))
-    job = scatter_job(5, 64, local)  # entry 4 lies past the peer's memory
+    job = scatter_job(5, 64, local, span=span)  # entry 4 lies past the peer's memory
     tcp.write_gather([job], Deadline.after(5))
     assert job.status == [TransferStatus.COMPLETED] * 4 + [TransferStatus.FAILED]
     assert "WRITE refused by the peer: AddressNotRegistered" in job.errors[4]
     assert peer.memory == local[:256]
 
 
-def test_write_gather_writes_again_on_a_fresh_connection_after_a_hang_up(lane_peer):
+@pytest.mark.parametrize("span", [False, True])
+def test_write_gather_writes_again_on_a_fresh_connection_after_a_hang_up(lane_peer, span):
     peer, tcp = lane_peer(FaultPlan(seed=7).disconnect(op="write", after=3), 8 * 64)
     local = bytearray(bytes(range(1, 9)) * 64)
-    job = scatter_job(8, 64, local)
+    job = scatter_job(8, 64, local, span=span)
     before = retries()
     tcp.write_gather([job], Deadline.after(5))
     assert job.status == [TransferStatus.COMPLETED] * 8 and peer.memory == local

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import operator
 import socket
 import struct
 import threading
+from collections.abc import Iterable, Iterator
 
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
@@ -232,11 +234,13 @@ class Conn:
                                       table])
         return rid
 
-    def receive_readv(self, rid: int, views: list[memoryview], lengths: list[int]
-                      ) -> tuple[list[int], str]:
+    def receive_readv(self, rid: int, views: Iterable[memoryview], lengths: list[int],
+                      whole: list[memoryview] | None = None) -> tuple[list[int], str]:
         """Receive the answer to READV ``rid``: the entries that succeeded land in their
-        ``views``. Returns per entry 0 or the peer's error code, and the peer's message when
-        it refused the whole frame (every code is then its status).
+        ``views`` (``whole``, when given, holds every entry's bytes in order in fewer
+        buffers: it is used when every entry succeeded). Returns per entry 0 or the peer's
+        error code, and the peer's message when it refused the whole frame (every code is
+        then its status).
 
         Raises:
             TimeoutError, OSError, Unavailable, ProtocolError: the connection is unusable.
@@ -244,15 +248,17 @@ class Conn:
         status, length = self.read_resp(rid)
         if status:  # the whole frame was refused
             return [status] * len(views), str(self.read_error(status, length))
-        raw = bytearray(4 * len(views))
+        raw = bytearray(4 * len(lengths))
         protocol.recv_exact(self.sock, memoryview(raw))
-        codes = list(struct.unpack(f"<{len(views)}i", raw))
+        codes = list(struct.unpack(f"<{len(lengths)}i", raw))
         if any(codes):
             lengths = [n for n, c in zip(lengths, codes) if c == 0]
-            views = [v for v, c in zip(views, codes) if c == 0]
+            bufs = [v for v, c in zip(views, codes) if c == 0]
+        else:
+            bufs = whole if whole is not None else list(views)
         if length != sum(lengths):
             raise ProtocolError(f"READV returned {length} bytes for the entries that succeeded")
-        protocol.recv_scatter(self.sock, views)
+        protocol.recv_scatter(self.sock, bufs)
         return codes, ""
 
     def receive_one(self, rid: int, view: memoryview | None) -> tuple[list[int], str]:
@@ -516,8 +522,10 @@ class TcpTransport(Transport):
                 if len(ids) == 1:
                     codes, refused = conn.receive_one(rid, job.views[ids[0]] if reading else None)
                 elif reading:
-                    codes, refused = conn.receive_readv(rid, [job.views[i] for i in ids],
-                                                        [job.lengths[i] for i in ids])
+                    views = job.views
+                    codes, refused = conn.receive_readv(
+                        rid, views.each(ids) if isinstance(views, Span) else [views[i] for i in ids],
+                        [job.lengths[i] for i in ids], _runs(views, ids))
                 else:
                     codes, refused = conn.receive_codes(rid, len(ids))
                 waiting.popleft()
@@ -592,7 +600,7 @@ class PeerJob:
     (:meth:`TcpTransport.write_gather`).
 
     ``remote``/``lengths``/``gens`` describe the entries, ``views`` are where READs land or
-    where WRITEs come from;
+    where WRITEs come from (a list, or a :class:`Span` when they share one buffer);
     ``status`` and ``errors`` hold each entry's outcome once run (None: not finished; reset
     when the job starts, so entries may be appended until then).
     """
@@ -600,7 +608,7 @@ class PeerJob:
     __slots__ = ("peer", "remote", "lengths", "gens", "views", "status", "errors")
 
     def __init__(self, peer: tuple[str, int], remote: list[int], lengths: list[int],
-                 gens: list[int], views: list[memoryview]) -> None:
+                 gens: list[int], views: "list[memoryview] | Span") -> None:
         self.peer, self.remote, self.lengths, self.gens, self.views = peer, remote, lengths, gens, views
         self.status: list[TransferStatus | None] = [None] * len(remote)
         self.errors: list[str] = [""] * len(remote)
@@ -639,8 +647,44 @@ def _send_frame(conn: Conn, job: PeerJob, ids: list[int], reading: bool) -> int:
     protocol.send_all(conn.sock, [
         protocol.pack_req(protocol.OP_WRITEV, rid, len(ids),
                           len(table) + sum(job.lengths[i] for i in ids)),
-        table, *(job.views[i] for i in ids)])
+        table, *_runs(job.views, ids)])
     return rid
+
+
+class Span:
+    """The local buffers of entries that all lie in one memory view: entry ``i`` is
+    ``base[offs[i]:offs[i] + lens[i]]``, sliced only when asked for (a batch of small entries
+    then costs no view per entry)."""
+
+    __slots__ = ("base", "offs", "lens")
+
+    def __init__(self, base: memoryview, offs: list[int], lens: list[int]) -> None:
+        self.base, self.offs, self.lens = base, offs, lens
+
+    def __getitem__(self, i: int) -> memoryview:
+        o = self.offs[i]
+        return self.base[o:o + self.lens[i]]
+
+    def __len__(self) -> int:
+        return len(self.offs)
+
+    def each(self, ids: list[int]) -> Iterator[memoryview]:
+        """The views of entries ``ids``, one by one."""
+        return map(self.__getitem__, ids)
+
+    def runs(self, ids: list[int]) -> list[memoryview]:
+        """The bytes of entries ``ids`` in order: one view when they follow each other in
+        the buffer, else one per entry."""
+        a, b = ids[0], ids[-1] + 1
+        offs, lens = self.offs, self.lens
+        if b - a == len(ids) and offs[a + 1:b] == list(map(operator.add, offs[a:b - 1],
+                                                            lens[a:b - 1])):
+            return [self.base[offs[a]:offs[b - 1] + lens[b - 1]]]
+        return [self[i] for i in ids]
+
+
+def _runs(views: "list[memoryview] | Span", ids: list[int]) -> list[memoryview]:
+    return views.runs(ids) if isinstance(views, Span) else [views[i] for i in ids]
 
 
 def _readv_groups(slices: list[Slice]) -> list[list[Slice]]:
