@@ -172,6 +172,22 @@ def test_a_batch_reports_the_failed_key_and_serves_the_others(cluster):
     assert isinstance(missing, ObjectNotFound)
 
 
+def test_a_batch_of_single_replicas_fails_only_the_key_whose_read_failed(cluster):
+    """The one-pass read of a batch (every key one replica, every segment open) fails the key
+    whose read failed, serves the others, and blames only that segment."""
+    client, master, pool, plan = cluster
+    master.replicas["a"] = [pool.replica("seg-a", b"x" * 100)]
+    master.replicas["b"] = [pool.replica("seg-b", b"y" * 100)]
+    assert client.get_batch(["a", "b"]) == [b"x" * 100, b"y" * 100]  # both segments open now
+    assert sorted(client.opened) == ["seg-a", "seg-b"]
+    plan.fail(peer="seg-a", op="read")
+    bad, good = client.get_batch(["a", "b"])
+    assert isinstance(bad, TransferFail) and "a" in str(bad) and good == b"y" * 100
+    assert client.suspects.bad("seg-a") and not client.suspects.bad("seg-b")
+    assert client.get_batch(["a", "b"]) == [b"x" * 100, b"y" * 100]
+    assert sorted(client.opened) == ["seg-a", "seg-a", "seg-b"]  # seg-a looked up afresh
+
+
 def test_failover_reads_the_next_replica_into_a_registered_buffer(cluster):
     client, master, pool, plan = cluster
     master.replicas["k"] = [pool.replica("seg-a"), pool.replica("seg-b", offset=4096)]

@@ -18,6 +18,7 @@ Imports the transfer engine and store types; never binds sockets itself.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -102,22 +103,27 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
     out = [False] * len(moves)
     if deadline.remaining() <= 0:
         return out
-    todo: list[tuple[int, int, int, int, int]] = []  # (handle, local, remote, length, gen)
-    ops: list[OpCode] = []
-    where: list[int] = []
+    todo: list[tuple[int, int, int, int, int]]  # (handle, local, remote, length, gen)
     failed: set[str] = set()
     handles = client._handles
-    for i, (_, rep, op, addr, size) in enumerate(moves):
-        h = handles.get(rep.segment)
-        if h is None:
-            try:
-                h = client._handle(rep.segment, deadline)
-            except KVPlaneError:  # unreachable segment (or no time left to look it up): it fails
-                failed.add(rep.segment)
-                continue
-        todo.append((h, addr, rep.addr, size, rep.gen))
-        ops.append(op)
-        where.append(i)
+    hs = [handles.get(m[1].segment) for m in moves]
+    if None not in hs:  # every segment open already (the usual case): a list at a time
+        todo = [(h, m[3], m[1].addr, m[4], m[1].gen) for h, m in zip(hs, moves)]
+        ops = [m[2] for m in moves]
+        where = list(range(len(moves)))
+    else:
+        todo, ops, where = [], [], []
+        for i, (_, rep, op, addr, size) in enumerate(moves):
+            h = handles.get(rep.segment)
+            if h is None:
+                try:
+                    h = client._handle(rep.segment, deadline)
+                except KVPlaneError:  # unreachable segment (or no time left to look it up)
+                    failed.add(rep.segment)
+                    continue
+            todo.append((h, addr, rep.addr, size, rep.gen))
+            ops.append(op)
+            where.append(i)
     if todo and deadline.remaining() > 0:
         left = coarse(deadline.remaining())
         if ops.count(OpCode.READ) == len(ops):  # a get: the engine's lean paths
@@ -131,13 +137,17 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
             out[i] = st == OK
     if out.count(True) == len(out):
         return out
-    for i in where:
-        if not out[i]:
-            failed.add(moves[i][1].segment)
-            client._handles.pop(moves[i][1].segment, None)  # it may have restarted: refresh
+    _blame(client, failed | {moves[i][1].segment for i in where if not out[i]})
+    return out
+
+
+def _blame(client: "StoreClient", failed: set[str]) -> None:
+    """Segments a transfer failed on: looked up afresh next time (they may have restarted),
+    tried last for a while, reported to the master."""
+    for seg in failed:
+        client._handles.pop(seg, None)
     if failed:
         client.suspects.add(failed)
-    return out
 
 
 def write(client: "StoreClient", moves: list[Move], deadline: Deadline) -> set[int]:
@@ -149,22 +159,25 @@ def write(client: "StoreClient", moves: list[Move], deadline: Deadline) -> set[i
 def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps: list[int],
          deadline: Deadline, lease_end: float) -> list[int]:
     """Read each key from its replicas with failover; per key the size read or an error code."""
-    out = [r.code if r.code else r.size for r in results]
-    todo: dict[int, list[Replica]] = {}
+    if not results:
+        return []
+    got = _read_plain(client, results, addrs, caps, deadline, lease_end)
+    if got is not None:
+        return got
+    out = [r.code or r.size for r in results]  # codes are negative, sizes positive
     corrupt: set[int] = set()
-    for i, r in enumerate(results):
-        if r.code:
-            continue
-        if r.size > caps[i]:
-            out[i] = InvalidParams.code
-            continue
-        todo[i] = ordered(client, r.replicas)
+    if max(map(operator.sub, out, caps)) > 0:  # some buffer is too small
+        for i, r in enumerate(results):
+            if not r.code and r.size > caps[i]:
+                out[i] = InvalidParams.code
+    todo = {i: ordered(client, r.replicas) for i, r in enumerate(results) if out[i] > 0}
     lease = Deadline(min(deadline.at, lease_end))
     check = client.config.checksum
+    read_op = OpCode.READ
     while todo and lease.remaining() > 0:
-        share = lease.remaining() / max(len(reps) for reps in todo.values())
+        share = lease.remaining() / max(map(len, todo.values()))
         attempt = Deadline(min(lease.at, time.monotonic() + share))
-        moves = [(i, reps.pop(0), OpCode.READ, addrs[i], results[i].size) for i, reps in todo.items()]
+        moves = [(i, reps.pop(0), read_op, addrs[i], results[i].size) for i, reps in todo.items()]
         done = run(client, moves, attempt)
         if not check and done.count(True) == len(done):  # the usual case: every key read
             todo.clear()
@@ -183,6 +196,34 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
     for i in todo:  # time ran out with replicas left to try
         out[i] = _failure(i in corrupt, lease_end)
     return out
+
+
+def _read_plain(client: "StoreClient", results: list[KeyResult], addrs: list[int],
+                caps: list[int], deadline: Deadline, lease_end: float) -> list[int] | None:
+    """:func:`read` of the usual batch in one pass, a list at a time: every key found with
+    one replica, on a segment already open, into a buffer big enough, checksums off. None
+    when the batch is not like that (``read`` then goes key by key). With one replica per
+    key there is nothing to fail over to: a key whose read failed fails, as in ``read``."""
+    if client.config.checksum or not all(len(r.replicas) == 1 for r in results):
+        return None  # (a miss has no replica)
+    reps = [r.replicas[0] for r in results]
+    handles = client._handles
+    hs = [handles.get(rep.segment) for rep in reps]
+    sizes = [r.size for r in results]
+    if None in hs or max(map(operator.sub, sizes, caps)) > 0:
+        return None
+    lease = Deadline(min(deadline.at, lease_end))
+    if lease.remaining() <= 0:
+        return None
+    items = [(h, a, rep.addr, n, rep.gen) for h, a, rep, n in zip(hs, addrs, reps, sizes)]
+    got = client.engine.read_many(items, coarse(lease.remaining()))
+    if got.count(OK) == len(got):
+        return sizes
+    bad = [i for i, st in enumerate(got) if st != OK]
+    _blame(client, {reps[i].segment for i in bad})
+    for i in bad:
+        sizes[i] = _failure(False, lease_end)
+    return sizes
 
 
 def _failure(corrupt: bool, lease_end: float) -> int:
