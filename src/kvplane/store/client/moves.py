@@ -242,13 +242,17 @@ def _verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:
 INLINE = 64 << 10  # values up to this size travel in one WRITE with their header
 
 
-def _copy(value_of: Callable[[int, int], Any], addr: int, n: int, into: np.ndarray) -> bool:
-    """Copy ``n`` bytes at ``addr`` into ``into``; False where they have no memory view (a
-    file region: the value then goes in its own WRITE)."""
+def _copy(value_of: Callable[[int, int], Any], addr: int, n: int, into: memoryview) -> bool:
+    """Copy ``n`` bytes at ``addr`` into ``into`` (bytes); False where they have no memory
+    view (a file region: the value then goes in its own WRITE)."""
     try:
-        into[:] = np.frombuffer(value_of(addr, n), np.uint8)
+        src = value_of(addr, n)
     except KVPlaneError:
         return False
+    try:
+        into[:] = src
+    except (TypeError, ValueError):  # a view in another format than bytes
+        np.frombuffer(into, np.uint8)[:] = np.frombuffer(src, np.uint8)
     return True
 
 
@@ -266,14 +270,15 @@ def put_moves(results: list[KeyResult], ok: list[int], addrs: list[int], sizes: 
     header costs a put almost nothing); ``value_of(addr, n)`` gives its bytes."""
     out: list[Move] = []
     at = 0
+    hmem = memoryview(hview).cast("B")  # byte-wise copies into it cost no numpy call
     for i in ok:
         res = results[i]
         head = res.header
         n = len(head)
         if n:
-            hview[at:at + n] = np.frombuffer(head, np.uint8)
+            hmem[at:at + n] = head
         if n and sizes[i] <= INLINE and _copy(value_of, addrs[i], sizes[i],
-                                               hview[at + n:at + n + sizes[i]]):
+                                               hmem[at + n:at + n + sizes[i]]):
             out += [(i, msgspec.structs.replace(rep, addr=rep.addr - n, size=n + sizes[i]),
                      OpCode.WRITE, hbase + at, n + sizes[i]) for rep in res.replicas]
             at += n + sizes[i]
