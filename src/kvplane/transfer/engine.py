@@ -462,66 +462,22 @@ class TransferEngine:
         tcp = self.transports.get("tcp")
         jobs: dict[int, tuple[PeerJob, list[int]]] = {}  # handle -> (job, item indexes)
         rest: list[int] = []
-        handles = [it[0] for it in items]
-        by_handle: dict[int, list[int]]
-        if items and handles.count(handles[0]) == len(handles):  # one peer (the usual case)
-            by_handle = {handles[0]: list(range(len(items)))}
-        else:
-            by_handle = {}
-            for i, h in enumerate(handles):
-                where = by_handle.get(h)
-                if where is None:
-                    by_handle[h] = [i]
-                else:
-                    where.append(i)
-        local: Any = None  # the local region of the previous item (most share one)
-        for h, idx in by_handle.items():
+        views = _Views(self.memory)
+        for h, idx in _by_handle(items).items():
             seg = self._segments.get(h)
             if seg is None or tcp is None:
                 rest += idx  # transfer() reports it with its own status and counters
                 continue
-            job = self._whole_job(seg, tcp, [items[i] for i in idx])
+            group = [items[i] for i in idx]
+            job = self._whole_job(seg, tcp, group)
             if job is not None:  # every item in one local and one remote region, over TCP
                 jobs[h] = (job, idx)
                 continue
-            job = PeerJob((seg.desc.host, seg.desc.port), [], [], [], [])
-            taken: list[int] = []
-            remote_r: Any = None  # the peer's region of the previous item, if TCP serves it
-            for i in idx:
-                _, addr, remote, n, gen = items[i]
-                if n <= 0:
-                    rest.append(i)
-                    continue
-                if remote_r is None or not (remote_r.addr <= remote
-                                            and remote + n <= remote_r.addr + remote_r.length):
-                    try:
-                        remote_r = seg.region(remote, n)
-                    except KVPlaneError:
-                        rest.append(i)
-                        remote_r = None
-                        continue
-                    if self._pick(None, Route(seg.desc, remote_r, seg.same_host)) is not tcp:
-                        rest.append(i)
-                        remote_r = None
-                        continue
-                if local is None or not (local.addr <= addr and addr + n <= local.addr + local.length):
-                    try:
-                        local = self.memory.find(addr, n)
-                    except KVPlaneError:
-                        rest.append(i)
-                        local = None
-                        continue
-                if local.view is None:  # a file region: transfer() reads it
-                    rest.append(i)
-                    continue
-                off = addr - local.addr
-                job.views.append(local.view[off:off + n])
-                job.remote.append(remote)
-                job.lengths.append(n)
-                job.gens.append(gen)
-                taken.append(i)
+            job, taken = self._item_job(seg, tcp, group, views)
             if taken:
-                jobs[h] = (job, taken)
+                jobs[h] = (job, [idx[k] for k in taken])
+            chosen = set(taken)
+            rest += [i for k, i in enumerate(idx) if k not in chosen]
         if jobs:
             run = tcp.read_scatter if op == OpCode.READ else tcp.write_gather  # type: ignore[union-attr]
             run([job for job, _ in jobs.values()], deadline)
@@ -548,6 +504,35 @@ class TransferEngine:
             for i, st in zip(rest, got):
                 out[i] = st
         return out
+
+    def _item_job(self, seg: OpenSegment, tcp: Transport,
+                  items: list[tuple[int, int, int, int, int]], views: "_Views"
+                  ) -> tuple[PeerJob, list[int]]:
+        """The job of those ``items`` (all for ``seg``) that TCP serves, item by item, and
+        their positions in ``items`` (the others go through :meth:`transfer`)."""
+        job = PeerJob((seg.desc.host, seg.desc.port), [], [], [], [])
+        taken: list[int] = []
+        region: Any = None  # the peer's region of the previous item, when TCP serves it
+        for k, (_, addr, remote, n, gen) in enumerate(items):
+            try:
+                if n <= 0:
+                    raise InvalidArgument(f"length must be > 0, got {n}")
+                if region is None or not (region.addr <= remote
+                                          and remote + n <= region.addr + region.length):
+                    region = None
+                    found = seg.region(remote, n)
+                    if self._pick(None, Route(seg.desc, found, seg.same_host)) is not tcp:
+                        continue
+                    region = found
+                view = views.at(addr, n)
+            except KVPlaneError:
+                continue
+            job.views.append(view)  # type: ignore[union-attr]
+            job.remote.append(remote)
+            job.lengths.append(n)
+            job.gens.append(gen)
+            taken.append(k)
+        return job, taken
 
     def _whole_job(self, seg: OpenSegment, tcp: Transport,
                    items: list[tuple[int, int, int, int, int]]) -> PeerJob | None:
@@ -630,6 +615,17 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _by_handle(items: list[tuple[int, int, int, int, int]]) -> dict[int, list[int]]:
+    """The indexes of ``items`` per segment handle (their first field), in order."""
+    handles = [it[0] for it in items]
+    if items and handles.count(handles[0]) == len(handles):  # one peer (the usual case)
+        return {handles[0]: list(range(len(items)))}
+    out: dict[int, list[int]] = {}
+    for i, h in enumerate(handles):
+        out.setdefault(h, []).append(i)
+    return out
 
 
 class _Views:
