@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
 from kvplane.conductor.gateway.server import GatewayServer
+from kvplane.common.errors import Timeout
 from kvplane.testing.auth import headers
 from kvplane.testing.procs import Proc
 from kvplane.testing.services import wait_until
@@ -215,7 +216,11 @@ def test_kill9_under_load_retries_ejects_and_recovers(servers):
         threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
         for t in threads:
             t.start()
-        wait_until(lambda: rows()[vid]["in_flight"] >= 3, 60, "3 requests in flight on the victim")
+        try:
+            wait_until(lambda: rows()[vid]["in_flight"] >= 3, 60, "3 requests in flight on the victim")
+        except Timeout as exc:  # say where the requests went (a backend ejected meanwhile?)
+            raise AssertionError(f"{exc}: backends {list(rows().values())}, finished "
+                                 f"{[(r[0], r[1][-160:]) for r in results]}") from exc
 
         refused: list[float] = []
 
