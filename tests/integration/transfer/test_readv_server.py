@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import struct
 
@@ -171,3 +172,21 @@ def test_one_readv_serves_entries_from_a_file_and_from_memory_alternately(server
             assert recv_n(sock, length) == want
     finally:
         os.close(fd)
+
+
+def test_a_readv_inside_one_region_returns_every_entry_in_order(server):
+    """All entries admitted and in one memory region (the listener slices them a list at a
+    time): any order, overlaps and empty entries included, each gets its own bytes."""
+    srv, data = server
+    rng = random.Random(5)
+    entries = [(BASE + off, n, 0) for off, n in
+               ((rng.randrange(0, 4000), rng.randrange(0, 96)) for _ in range(60))]
+    entries += [(BASE + 4090, 6, 0), (BASE, 0, 0), (BASE + 10, 100, 0)]
+    want = b"".join(bytes(data[a - BASE:a - BASE + n]) for a, n, _ in entries)
+    with connect(srv) as sock:
+        readv(sock, entries, rid=9)
+        status, rid, length = protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:]
+        assert (status, rid, length) == (0, 9, len(want))
+        assert struct.unpack(f"<{len(entries)}i", recv_n(sock, 4 * len(entries))) == \
+            (0,) * len(entries)
+        assert recv_n(sock, length) == want
