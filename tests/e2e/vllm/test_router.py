@@ -212,15 +212,19 @@ def test_kill9_under_load_retries_ejects_and_recovers(servers):
             except httpx.HTTPError as exc:  # pragma: no cover - reported by the assert below
                 results.append(("", f"client error {exc}", time.monotonic() - start))
 
-        # round robin: 4 requests per instance, 2 running there (max-num-seqs 2) and 2 queued
+        # round robin: 4 requests per instance, 2 running there (max-num-seqs 2), the others
+        # queued or not sent yet. The clients start over a second or more on this loaded box,
+        # so the 4 need not all be open at once: a full run once saw all 12 finish, 4 per
+        # instance, with the victim never at 3 open. Kill once 2 are open there.
         threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
         for t in threads:
             t.start()
         try:
-            wait_until(lambda: rows()[vid]["in_flight"] >= 3, 60, "3 requests in flight on the victim")
+            wait_until(lambda: rows()[vid]["in_flight"] >= 2, 60, "2 requests in flight on the victim")
         except Timeout as exc:  # say where the requests went (a backend ejected meanwhile?)
             raise AssertionError(f"{exc}: backends {list(rows().values())}, finished "
                                  f"{[(r[0], r[1][-160:]) for r in results]}") from exc
+        open_there = rows()[vid]["in_flight"]
 
         refused: list[float] = []
 
@@ -257,11 +261,12 @@ def test_kill9_under_load_retries_ejects_and_recovers(servers):
         assert all(r[0] == vid for r in broken), (vid, [(r[0], r[1][-400:]) for r in broken],
                                                   list(rows().values()))
         assert len(broken) <= 2 + 1  # at most what ran there (+1 if a retry raced the kill)
-        # each of the 3+ on the victim finished before the kill, broke after its first token, or
-        # was retried elsewhere before it (the queued ones, unless they started first)
+        # each of those open on the victim at the kill finished, broke after its first token, or
+        # was retried elsewhere (the queued ones, unless they started first)
         retried = retries() - before
         finished = [r for r in done if r[0] == vid]
-        assert retried + len(broken) + len(finished) >= 3, (retried, len(broken), len(finished))
+        assert retried + len(broken) + len(finished) >= max(open_there, 2), \
+            (open_there, retried, len(broken), len(finished))
         for i in range(6):
             r = complete(url, text(90 + i, BS), headers=auth)
             assert r.headers["x-kvplane-backend"] != vid
