@@ -207,7 +207,7 @@ def test_kill9_under_load_retries_ejects_and_recovers(servers):
             try:
                 r = httpx.post(url + "/v1/completions", timeout=120, trust_env=False, headers=auth,
                                json={"model": "tiny", "prompt": text(40 + i, 2 * BS), "stream": True,
-                                     "max_tokens": 200, "temperature": 0, "ignore_eos": True})
+                                     "max_tokens": 400, "temperature": 0, "ignore_eos": True})
                 results.append((r.headers.get("x-kvplane-backend", ""), r.text, time.monotonic() - start))
             except httpx.HTTPError as exc:  # pragma: no cover - reported by the assert below
                 results.append(("", f"client error {exc}", time.monotonic() - start))
@@ -215,7 +215,8 @@ def test_kill9_under_load_retries_ejects_and_recovers(servers):
         # round robin: 4 requests per instance, 2 running there (max-num-seqs 2), the others
         # queued or not sent yet. The clients start over a second or more on this loaded box,
         # so the 4 need not all be open at once: a full run once saw all 12 finish, 4 per
-        # instance, with the victim never at 3 open. Kill once 2 are open there.
+        # instance, with the victim never at 3 open. Kill once 2 are open there; 400 tokens
+        # each (64 + 400 < the 512 context) keep them open long enough to be seen.
         threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
         for t in threads:
             t.start()
