@@ -104,26 +104,22 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
     if deadline.remaining() <= 0:
         return out
     todo: list[tuple[int, int, int, int, int]]  # (handle, local, remote, length, gen)
+    ops: list[OpCode]
+    where: list[int]
     failed: set[str] = set()
     handles = client._handles
-    hs = [handles.get(m[1].segment) for m in moves]
-    if None not in hs:  # every segment open already (the usual case): a list at a time
-        todo = [(h, m[3], m[1].addr, m[4], m[1].gen) for h, m in zip(hs, moves)]
-        ops = [m[2] for m in moves]
-        where = list(range(len(moves)))
-    else:
-        todo, ops, where = [], [], []
-        for i, (_, rep, op, addr, size) in enumerate(moves):
-            h = handles.get(rep.segment)
-            if h is None:
-                try:
-                    h = client._handle(rep.segment, deadline)
-                except KVPlaneError:  # unreachable segment (or no time left to look it up)
-                    failed.add(rep.segment)
-                    continue
-            todo.append((h, addr, rep.addr, size, rep.gen))
-            ops.append(op)
-            where.append(i)
+    todo, ops, where = [], [], []
+    for i, (_, rep, op, addr, size) in enumerate(moves):
+        h = handles.get(rep.segment)
+        if h is None:
+            try:
+                h = client._handle(rep.segment, deadline)
+            except KVPlaneError:  # unreachable segment (or no time left to look it up)
+                failed.add(rep.segment)
+                continue
+        todo.append((h, addr, rep.addr, size, rep.gen))
+        ops.append(op)
+        where.append(i)
     if todo and deadline.remaining() > 0:
         left = coarse(deadline.remaining())
         if ops.count(OpCode.READ) == len(ops):  # a get: the engine's lean paths

@@ -421,9 +421,7 @@ class MasterState:
                 obj.lease_until = until
             touch(key)
             name, off, gen = obj.replicas[0]
-            info = segments[name].info
-            out.append(KeyResult(0, [Replica(info.name, info.base + off + obj.hdr, obj.size,
-                                             info.endpoint, info.host_id, gen)],
+            out.append(KeyResult(0, [segments[name].replica(off, obj.size, gen, obj.hdr)],
                                  obj.size, obj.version, obj.checksum))
         return out
 
