@@ -70,6 +70,9 @@ def run(
     request_timeout: float = typer.Option(600.0, help="Longest non-streamed upstream answer, s."),
     health_interval: float = typer.Option(0.5, help="Seconds between health checks."),
     health_timeout: float = typer.Option(0.5, help="Timeout of one health check, s."),
+    retries: int = typer.Option(2, min=0, help="Times a request that failed before its first "
+                                "token (refused, dropped, 5xx, ejected) is sent again, each time "
+                                "to an instance not tried yet."),
     stream_grace: float = typer.Option(
         2.0, help="Once a backend is ejected, its running streams go on while each next token "
                   "arrives within this many seconds; a stalled one ends with an error event."),
@@ -95,7 +98,7 @@ def run(
             discover=discover, discover_key=discover_key, connect_timeout_s=connect_timeout,
             read_timeout_s=read_timeout, request_timeout_s=request_timeout,
             health_interval_s=health_interval, health_timeout_s=health_timeout,
-            stream_grace_s=stream_grace,
+            retries=retries, stream_grace_s=stream_grace,
             eject_after=eject_after, max_request_bytes=max_request_bytes)
     except KVPlaneError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -121,6 +121,10 @@ class GatewayConfig:
         eject_after: consecutive failed checks (timeouts, errors) that eject a backend; a
             refused connection ejects at once.
         admit_after: consecutive good checks that re-admit an ejected backend.
+        retries: how many times a request that failed before its first token is sent again,
+            each time to an instance not tried yet (colocated, and the prefill in PD; a failed
+            decode moves once). 2 by default: on a loaded host a live instance can miss its
+            connect timeout while another dies, and the third instance should then serve.
         stream_grace_s: once a backend is ejected, each of its running streams goes on while its
             next event arrives within this many seconds, else it ends with an error event. A
             backend ejected because a loaded host starved its health checks keeps its streams
@@ -155,6 +159,7 @@ class GatewayConfig:
     health_timeout_s: float = 0.5
     eject_after: int = 2
     admit_after: int = 1
+    retries: int = 2
     stream_grace_s: float = 2.0
     metrics_interval_s: float = 1.0
     max_request_bytes: int = 8 << 20
@@ -176,8 +181,9 @@ class GatewayConfig:
         ids = [b.id for b in self.backends]
         if len(ids) != len(set(ids)):
             raise InvalidArgument(f"backend ids must be unique: {ids}")
-        if self.block_size < 0 or self.retry_after_s < 0 or self.eject_after < 1 or self.admit_after < 1:
-            raise InvalidArgument("block_size, retry_after_s >= 0; eject_after, admit_after >= 1")
+        if min(self.block_size, self.retry_after_s, self.retries) < 0 or min(self.eject_after,
+                                                                             self.admit_after) < 1:
+            raise InvalidArgument("block_size, retry_after_s, retries >= 0; eject_after, admit_after >= 1")
         for name in ("connect_timeout_s", "read_timeout_s", "request_timeout_s",
                      "tokenize_timeout_s", "health_interval_s", "health_timeout_s",
                      "stream_grace_s", "metrics_interval_s", "discover_interval_s"):

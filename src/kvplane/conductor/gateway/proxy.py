@@ -11,7 +11,8 @@ index fed by the backends' KV events) and relays the request:
   the chosen decode instance (the KV moves between them, never through the router).
 
 Failures before the first token (refused or dropped connection, 5xx, ejection while waiting) are
-retried once on another instance; after it the stream ends with an SSE error event and
+retried on instances not tried yet, up to ``GatewayConfig.retries`` times (colocated and
+prefill; a decode moves once); after the first token the stream ends with an SSE error event and
 ``[DONE]``. A 4xx from a backend is the client's answer. Every upstream call has a timeout.
 Must not bind sockets.
 """
@@ -158,11 +159,16 @@ class Gateway:
         start = time.perf_counter()
         req = await self.request_of(path, body)
         exclude: list[str] = []
-        retries = 1
+        retries = self.config.retries
+        last: Retryable | None = None
         while True:
             try:
                 d = self.router.route(req, exclude)
             except Unavailable as exc:
+                if last is not None:  # every backend still in rotation was tried
+                    instruments.FAILED.labels("upstream").inc()
+                    return _json_error(f"upstream failed before the first token: {last}", 502,
+                                       "upstream_error")
                 instruments.FAILED.labels("unavailable").inc()
                 return _json_error(str(exc), 503, "unavailable")
             if d.rejected:
@@ -180,6 +186,7 @@ class Gateway:
             except Retryable as exc:
                 self.router.abandon(req.rid)
                 exclude.append(exc.backend.id)
+                last = exc
                 phase = "prefill" if self.config.pd else "both"
                 if retries == 0:
                     instruments.FAILED.labels("upstream").inc()
