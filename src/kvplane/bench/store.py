@@ -4,7 +4,8 @@ Topologies: ``remote`` (the segment lives in another process: ``kvplane segment`
 ``mooncake_client``; clients contribute nothing) and ``local`` (the client contributes its own
 segment). kvplane runs with protocol ``tcp`` (bytes over TCP even on one host, like Mooncake
 here) and ``auto`` (shared memory on one host). Every side runs ``store_loop``'s loop. Sides
-ending in ``-csum`` turn store checksums on; sides ending in ``-ha`` run etcd and two HA masters
+with ``-csum`` turn store checksums on; sides with ``-nocache`` turn the clients' location cache
+off (every get asks the master before it reads: a first get); sides ending in ``-ha`` run etcd and two HA masters
 (a leader and a standby) and reach them through ``etcd://`` (the ratio ``vs_non_ha`` is ops/s
 over the same side without HA).
 """
@@ -278,6 +279,8 @@ def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | N
         protocol = "tcp" if cell.side.startswith("kvplane-tcp") else "auto"
         # "-csum" sides: the same client with store checksums on (their cost, side by side)
         env = {"KVPLANE_STORE_CHECKSUM": "1" if "-csum" in cell.side else "0"}
+        if "-nocache" in cell.side:  # no speculative gets: the lookup, then the read
+            env["KVPLANE_STORE_LOCATION_CACHE"] = "0"
         return _worker(sys.executable, "kvplane", cell.side, master, opt, cell.clients, protocol,
                        segment_mb=segment_mb, extra_env=env)
     if cell.side == "mooncake":

@@ -102,7 +102,7 @@ def store(
     batch: str = typer.Option("32", help="Objects per batch call, comma separated (e.g. 32,128)."),
     duration: float = typer.Option(1.0, help="Seconds per cell."),
     clients: str = typer.Option("1,2", help="Client process counts (remote topology)."),
-    sides: str = typer.Option("kvplane-tcp,kvplane-shm,mooncake,redis", help="What to measure (kvplane-tcp-csum and kvplane-shm-csum: with store checksums on; kvplane-tcp-ha and kvplane-shm-ha: etcd + leader + standby, clients on etcd://)."),
+    sides: str = typer.Option("kvplane-tcp,kvplane-shm,mooncake,redis", help="What to measure (kvplane-tcp-csum and kvplane-shm-csum: with store checksums on; kvplane-tcp-nocache: no location cache, every get asks the master first; kvplane-tcp-ha and kvplane-shm-ha: etcd + leader + standby, clients on etcd://)."),
     topologies: str = typer.Option("remote,local", help="remote: segment in another process; local: own segment."),
     segment_mb: int = typer.Option(2048, help="Segment size, MiB."),
     cap_mb: int = typer.Option(256, help="Live bytes per client before keys are recycled."),

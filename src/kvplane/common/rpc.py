@@ -341,7 +341,8 @@ class RpcClient:
             pass
         self._reset()  # closed (b""), reset, or unsolicited bytes: the stream is out of step
 
-    def _exchange(self, sock: socket.socket, timeout: float, method: str, request: Any) -> wire.Reply:
+    def _exchange(self, sock: socket.socket, timeout: float, method: str, request: Any,
+                  meanwhile: Callable[[], None] | None = None) -> wire.Reply:
         if timeout != self._armed:
             set_io_timeout(sock, timeout)
             self._armed = timeout
@@ -349,6 +350,8 @@ class RpcClient:
         env = wire.Envelope(wire.WIRE_VERSION, rid, method, self._token, int(timeout * 1000),
                             msgspec.Raw(wire.encode(request)))
         _send_frame(sock, wire.encode(env))
+        if meanwhile is not None:
+            meanwhile()
         rep = wire.decode(_recv_frame(sock, self._max), wire.Reply)
         if rep.id != rid:
             raise ProtocolError(f"reply id {rep.id} != request id {rid}")
@@ -356,8 +359,13 @@ class RpcClient:
             raise from_code(rep.code, rep.error)
         return rep
 
-    def call(self, method: str, request: Any, reply_type: type[T], timeout: float | None = None) -> T:
+    def call(self, method: str, request: Any, reply_type: type[T], timeout: float | None = None,
+             meanwhile: Callable[[], None] | None = None) -> T:
         """Call ``method`` and decode the reply as ``reply_type``.
+
+        ``meanwhile`` runs once the request is sent, before the reply is read (the store's
+        client reads the bytes it speculates on while the master answers). It must not raise
+        and must not use this client.
 
         Raises:
             Timeout: no reply within ``timeout`` (default: the client's).
@@ -370,7 +378,7 @@ class RpcClient:
             now = time.monotonic()
             try:
                 sock = self._socket(t, len(body), now)
-                rep = self._exchange(sock, t, method, msgspec.Raw(body))
+                rep = self._exchange(sock, t, method, msgspec.Raw(body), meanwhile)
                 self._used = now
             except TimeoutError as exc:
                 self._reset()

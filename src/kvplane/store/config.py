@@ -38,6 +38,11 @@ class StoreConfig:
         checksum: compute an xxh3-64 checksum of every put and check it on every get; a
             mismatch fails over to another replica and is never returned as a success. Off by
             default: it cost more than 10 % on 1 MiB gets (docs/benchmarks.md, "Checksums").
+        location_cache: keys whose replica this client remembers (from its gets and its own
+            puts), so that a get of such a key reads it while the master looks it up: one round
+            trip of wall time instead of two. The bytes count only if the master's answer names
+            the same allocation (segment, address, generation); else the key is read again.
+            0 turns it off (``KVPLANE_STORE_LOCATION_CACHE``).
         client_id: unique id of this client (fresh by default).
         disk_dir: directory of this node's SSD tier ("" : none; needs a segment).
         disk_size: bytes the SSD tier may hold (its quota).
@@ -60,6 +65,7 @@ class StoreConfig:
     heartbeat_interval: float = 1.0
     lease_ttl: float = 10.0
     checksum: bool = False
+    location_cache: int = 65536
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     disk_dir: str = ""
     disk_size: int = 0
@@ -69,6 +75,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.global_segment_size < 0 or self.local_buffer_size < 0:
             raise InvalidArgument("segment and buffer sizes must be >= 0")
+        if self.location_cache < 0:
+            raise InvalidArgument("location_cache must be >= 0")
         if self.timeout <= 0 or self.heartbeat_interval <= 0:
             raise InvalidArgument("timeout and heartbeat_interval must be > 0")
         if self.disk_dir and (self.disk_size <= 0 or self.global_segment_size <= 0):
@@ -77,6 +85,7 @@ class StoreConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreConfig":
         """Defaults (the token from KVPLANE_TOKEN or the token file), then
-        KVPLANE_STORE_CHECKSUM, then explicit ``overrides``."""
-        base = cls(checksum=envs.get("KVPLANE_STORE_CHECKSUM"))
+        KVPLANE_STORE_CHECKSUM and KVPLANE_STORE_LOCATION_CACHE, then explicit ``overrides``."""
+        base = cls(checksum=envs.get("KVPLANE_STORE_CHECKSUM"),
+                   location_cache=envs.get("KVPLANE_STORE_LOCATION_CACHE"))
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})

@@ -132,8 +132,10 @@ class MemRpcClient:
         self._lock = threading.Lock()
         self.calls = 0
 
-    def call(self, method: str, request: Any, reply_type: type[T], timeout: float | None = None) -> T:
-        """Call ``method`` and decode the reply as ``reply_type``.
+    def call(self, method: str, request: Any, reply_type: type[T], timeout: float | None = None,
+             meanwhile: Callable[[], None] | None = None) -> T:
+        """Call ``method`` and decode the reply as ``reply_type`` (``meanwhile`` runs once the
+        request reached a server, before the reply is taken, as in ``RpcClient.call``).
 
         Raises:
             Timeout: no reply within ``timeout`` (default: the client's).
@@ -147,7 +149,7 @@ class MemRpcClient:
             env = wire.Envelope(wire.WIRE_VERSION, rid, method, self._token, int(seconds * 1000),
                                 msgspec.Raw(wire.encode(request)))
             try:
-                rep = self._exchange(method, wire.encode(env), seconds)
+                rep = self._exchange(method, wire.encode(env), seconds, meanwhile)
                 if rep.id != rid:
                     raise ProtocolError(f"reply id {rep.id} != request id {rid}")
             except TimeoutError as exc:
@@ -158,11 +160,14 @@ class MemRpcClient:
             raise from_code(rep.code, rep.error)
         return wire.decode(rep.body, reply_type)
 
-    def _exchange(self, method: str, frame: bytes, seconds: float) -> wire.Reply:
+    def _exchange(self, method: str, frame: bytes, seconds: float,
+                  meanwhile: Callable[[], None] | None = None) -> wire.Reply:
         """Deliver one request through the fault plan; the decoded reply."""
         srv = self.network.lookup(self.endpoint)
         if srv is None:
             raise Unavailable(f"cannot reach {self.endpoint}: connection refused")
+        if meanwhile is not None:
+            meanwhile()
         fault = self.network.plan.decide(self.endpoint, method)
         if fault is None:
             return wire.decode(srv.handle(frame), wire.Reply)

@@ -64,3 +64,23 @@ def test_timeout_and_unreachable():
     ls.close()
     with RpcClient(f"127.0.0.1:{port}", timeout=0.3) as c, pytest.raises(Unavailable):
         c.call("double", Req(1), int)
+
+
+def test_meanwhile_runs_once_between_the_request_and_its_reply():
+    # the server answers only after `meanwhile` let it: the reply cannot have been read first
+    import threading
+
+    gate = threading.Event()
+    srv = RpcServer()
+    srv.add("gated", lambda r: (gate.wait(5), r.x)[1], Req)
+    with srv.start():
+        with RpcClient(f"127.0.0.1:{srv.port}", timeout=5) as c:
+            runs: list[int] = []
+            assert c.call("gated", Req(7), int, meanwhile=lambda: (runs.append(1), gate.set())) == 7
+            assert runs == [1]
+    ls = socket.create_server(("127.0.0.1", 0))
+    port = ls.getsockname()[1]
+    ls.close()  # nobody listens: nothing was sent, so `meanwhile` does not run
+    with RpcClient(f"127.0.0.1:{port}", timeout=0.3) as c, pytest.raises(Unavailable):
+        c.call("double", Req(1), int, meanwhile=lambda: runs.append(2))
+    assert runs == [1]

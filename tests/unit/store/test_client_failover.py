@@ -239,3 +239,27 @@ def test_a_master_that_does_not_answer_is_a_timeout_and_a_reset_is_retried(clust
     plan.disconnect(op="get_replicas", times=None)  # a master that stays unreachable
     with pytest.raises(Unavailable):
         client.get("k")
+
+
+def test_a_known_key_is_read_once_while_the_master_answers_even_when_the_lookup_is_retried(cluster):
+    # get_into learns where "k" is; the next get_into reads it while the master is asked. The
+    # first lookup's connection drops after the request went out (the link retries): the
+    # speculative read runs once, and the answer of the retry confirms it
+    client, master, pool, plan = cluster
+    master.replicas["k"] = [pool.replica("seg-b")]
+    out = np.zeros(len(VALUE), np.uint8)
+    addr = client.register_buffer(out)
+    assert client.get_into("k", addr, len(out)) == len(VALUE)
+    assert client.locations.get("k") is not None
+    pool.fabric.moves.clear()
+    out[:] = 0
+    plan.disconnect(op="get_replicas")
+    assert client.get_into("k", addr, len(out)) == len(VALUE) and out.tobytes() == VALUE
+    assert plan.count(FaultKind.DISCONNECT, op="get_replicas") == 1
+    assert pool.fabric.moves == {("seg-b", "read"): 1}  # once, and confirmed: not read again
+    # the master now names another replica at another place: read again, from there
+    master.replicas["k"] = [pool.replica("seg-a", offset=4096)]
+    pool.fabric.moves.clear()
+    out[:] = 0
+    assert client.get_into("k", addr, len(out)) == len(VALUE) and out.tobytes() == VALUE
+    assert pool.fabric.moves == {("seg-b", "read"): 1, ("seg-a", "read"): 1}

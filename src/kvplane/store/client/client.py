@@ -32,6 +32,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -46,7 +47,8 @@ from kvplane.store.disk.node import DiskDuty
 from kvplane.store.client import moves
 from kvplane.store.client.duty import SegmentDuty
 from kvplane.store.client.link import MasterLink
-from kvplane.store.client import tiering
+from kvplane.store.client import locations, tiering
+from kvplane.store.client.locations import Locations
 from kvplane.store.client.remount import Holdings
 from kvplane.store.client.staging import Staging
 from kvplane.store.errors import InvalidParams, ObjectExists, TransferFail, key_error
@@ -54,7 +56,7 @@ from kvplane.store.types import (
     CodesRep, KeyResult, KeysReq, ListKeysRep, ListKeysReq, MountRep, MountReq, PingRep, PingReq,
     PutEndReq, RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
 )
-from kvplane.transfer import EngineConfig, OpCode, TransferEngine
+from kvplane.transfer import EngineConfig, TransferEngine
 
 log = logging.getLogger(__name__)
 WRITE_RESERVE = 0.2  # share of a put's time (at most 1 s) kept for PutEnd / PutRevoke
@@ -85,6 +87,7 @@ class StoreClient:
         self.duty = SegmentDuty(self)
         self.holdings = Holdings(self)
         self.corrupt_reads = 0  # replica reads whose bytes failed the checksum
+        self.locations = Locations(cfg.location_cache)  # where recent keys are (speculative gets)
         self.disk_links = tiering.DiskLinks(cfg.token)
         self.disk: DiskDuty | None = None
         try:
@@ -176,9 +179,11 @@ class StoreClient:
             self._handles[segment] = h
         return h
 
-    def _call(self, method: str, req: Any, typ: type, deadline: Deadline) -> Any:
-        """A master RPC bounded by what is left of the call's deadline."""
-        return self.rpc.call(method, req, typ,
+    def _call(self, method: str, req: Any, typ: type, deadline: Deadline,
+              meanwhile: Callable[[], None] | None = None) -> Any:
+        """A master RPC bounded by what is left of the call's deadline (``meanwhile``: see
+        ``MasterLink.call``)."""
+        return self.rpc.call(method, req, typ, meanwhile=meanwhile,
                              timeout=moves.coarse(deadline.check(f"store {method}")))
 
     # -- zero-copy batch primitives ---------------------------------------------------------------
@@ -236,6 +241,11 @@ class StoreClient:
                        CodesRep, deadline)
         for i in failed:
             codes[i] = TransferFail.code
+        if self.locations.capacity:  # where the committed ones are (replicas: same host first)
+            done = [i for i in ok if codes[i] == 0 and rep.results[i].replicas]
+            self.locations.learn([keys[i] for i in done],
+                                 [moves.ordered(self, rep.results[i].replicas)[0] for i in done],
+                                 [sizes[i] for i in done])
         return codes
 
     def batch_get_into(self, keys: list[str], addrs: list[int],
@@ -250,18 +260,18 @@ class StoreClient:
             raise InvalidParams("keys, buffers and sizes differ in length")
         if not keys:
             return []
-        deadline = Deadline.after(self.config.timeout)
-        results, lease_end = self._get_replicas(keys, deadline)
-        got = tiering.read(self, results, [int(a) for a in addrs], [int(s) for s in sizes],
-                         deadline, lease_end)
+        got = locations.get_into(self, list(keys), [int(a) for a in addrs], [int(s) for s in sizes],
+                                 Deadline.after(self.config.timeout))
         return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
 
-    def _get_replicas(self, keys: list[str], deadline: Deadline) -> tuple[list[KeyResult], float]:
+    def _get_replicas(self, keys: list[str], deadline: Deadline,
+                      meanwhile: Callable[[], None] | None = None) -> tuple[list[KeyResult], float]:
         """The replicas and the local time their read lease ends (the master's TTL, counted
-        from before the request was sent)."""
+        from before the request was sent). ``meanwhile`` runs while the master answers."""
         sent = time.monotonic()
         rep = self._call("get_replicas", KeysReq(self.config.client_id, list(keys),
-                                                 self.suspects.take()), ResultsRep, deadline)
+                                                 self.suspects.take()), ResultsRep, deadline,
+                         meanwhile)
         results = rep.results
         if tiering.cold(results):  # on disk only: the owner reads them into memory first
             results = tiering.read_through(self, list(keys), results, deadline)
@@ -341,6 +351,7 @@ class StoreClient:
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[KVPlaneError | None]:
         """Remove objects; per key None or the exception (ObjectNotFound, ObjectHasLease...)."""
+        self.locations.forget(keys)
         codes = self.rpc.call("remove", RemoveReq(self.config.client_id, list(keys), force),
                               CodesRep).codes
         return [key_error(c, k) if c else None for k, c in zip(keys, codes)]
@@ -352,10 +363,12 @@ class StoreClient:
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         """Remove every key matching ``pattern``; returns how many went."""
         re.compile(pattern)
+        self.locations.clear()
         return self.rpc.call("remove_regex", RegexReq(self.config.client_id, pattern, force), int)
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every removable object; returns how many went."""
+        self.locations.clear()
         return self.rpc.call("remove_all", RegexReq(self.config.client_id, "", force), int)
 
     def list_keys(self, prefix: str = "", limit: int | None = None) -> list[str]:

@@ -21,6 +21,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvplane.common.deadline import Deadline
@@ -112,10 +113,11 @@ class MasterLink:
 
     # -- calls -------------------------------------------------------------------------------
     def call(self, method: str, request: Any, reply_type: type[T], timeout: float | None = None,
-             once: bool = False) -> T:
+             once: bool = False, meanwhile: Callable[[], None] | None = None) -> T:
         """Call ``method`` on the leading master, retrying within ``timeout`` (see module doc).
 
-        ``once``: a single attempt (a health probe).
+        ``once``: a single attempt (a health probe). ``meanwhile``: run by the first attempt
+        that sends its request, between the send and the reply (``RpcClient.call``); at most once.
 
         Raises:
             Timeout, Unavailable, NotLeader, Recovering: no master answered in time.
@@ -123,6 +125,13 @@ class MasterLink:
         """
         deadline = Deadline.after(self._timeout if timeout is None else timeout)
         pause = BACKOFF[0]
+
+        def first() -> None:  # ``meanwhile``, by the first attempt that gets to it
+            nonlocal meanwhile
+            fn, meanwhile = meanwhile, None
+            if fn is not None:
+                fn()
+
         while True:
             rpc = None
             try:
@@ -131,7 +140,9 @@ class MasterLink:
                 if left <= 0:
                     raise Timeout(f"store {method}: no time left to reach the master")
                 per = min(left, self._attempt) if self.ha else left
-                return rpc.call(method, request, reply_type, timeout=coarse(per))
+                if meanwhile is None:
+                    return rpc.call(method, request, reply_type, timeout=coarse(per))
+                return rpc.call(method, request, reply_type, timeout=coarse(per), meanwhile=first)
             except (NotLeader, Recovering, Unavailable, Timeout) as exc:
                 if rpc is not None and not isinstance(exc, Recovering):
                     self._forget(rpc)

@@ -180,7 +180,7 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
             break
         for m, ok in zip(moves, done):
             i = m[0]
-            if ok and check and not _verified(client, results[i], addrs[i]):
+            if ok and check and not verified(client, results[i], addrs[i]):
                 ok = False
                 corrupt.add(i)
                 client.corrupt_reads += 1
@@ -229,7 +229,8 @@ def _failure(corrupt: bool, lease_end: float) -> int:
     return LeaseExpired.code if time.monotonic() >= lease_end - GRAIN else TransferFail.code
 
 
-def _verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:
+def verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:
+    """False if checksums are on and the bytes at ``addr`` do not match ``result``'s."""
     if not (client.config.checksum and result.checksum):
         return True
     return digest(client.engine.memory.view(addr, result.size)) == result.checksum

@@ -1,0 +1,199 @@
+"""Where this client last saw each object: the read it speculates on while the master answers.
+
+A get is two round trips when done in order: the master's lookup, then the read from the
+replica. For a key whose replica this client already knows (from an earlier get, or from its
+own put), ``batch_get_into`` sends the lookup and, while the master answers, reads the key from
+that replica (``RpcClient.call(meanwhile=...)``): the two round trips overlap.
+
+The bytes are taken only if the master's answer names the very allocation that was read: the
+same segment, address and generation. A generation is given to one allocation only and never
+comes back, and an allocation's bytes do not change once its put has ended. If the master still
+lists that generation for the key, the allocation held the key's object from when this client
+learned of it until the lookup, and the lookup's lease keeps it from being reused after that
+(the read ends within the call's deadline, inside the lease): whichever came first, the read or
+the lookup, the bytes are the object's. Otherwise (the key was removed, replaced, moved to
+disk, re-registered under a new epoch, or the read failed) the key is read again from the
+master's answer, as without this cache. A read that was not confirmed may have written into the
+caller's buffer; its key then ends as it would have without the speculation (the master's
+bytes, or the error it reports for that key).
+
+The cache is a bounded dict in insertion order (``StoreConfig.location_cache`` keys; 0 turns
+speculation off). Entries come from gets and from this client's committed puts, and go with its
+removes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvplane.common import metrics
+from kvplane.common.deadline import Deadline
+from kvplane.store.client import moves, tiering
+from kvplane.store.types import KeyResult, Replica
+from kvplane.transfer.types import TransferStatus
+
+if TYPE_CHECKING:
+    from kvplane.store.client.client import StoreClient
+
+SPECULATED = metrics.Counter(
+    "kvplane_store_speculative_reads_total", "Keys a get read from their last known replica while "
+    "the master looked them up, by whether the master's answer confirmed the read", ["outcome"])
+_CONFIRMED, _REFUTED = SPECULATED.labels("confirmed"), SPECULATED.labels("refuted")
+_OK = TransferStatus.COMPLETED
+log = logging.getLogger(__name__)
+
+Location = tuple[str, int, int, int]  # segment, value address, generation, size
+
+
+class Locations:
+    """At most ``capacity`` keys' last known replica; the oldest entries go first."""
+
+    __slots__ = ("capacity", "_map", "_lock")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._map: dict[str, Location] = {}
+        self._lock = threading.Lock()  # mutations (a lookup is one dict operation)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def get(self, key: str) -> Location | None:
+        return self._map.get(key)
+
+    def learn(self, keys: Iterable[str], replicas: Iterable[Replica], sizes: Iterable[int]) -> None:
+        """Remember that each key's object (of that size) is at that replica."""
+        m = self._map
+        with self._lock:
+            for k, r, n in zip(keys, replicas, sizes):
+                m[k] = (r.segment, r.addr, r.gen, n)
+            over = len(m) - self.capacity
+            if over > 0:
+                for k in list(itertools.islice(m, over)):
+                    del m[k]
+
+    def forget(self, keys: Iterable[str]) -> None:
+        m = self._map
+        with self._lock:
+            for k in keys:
+                m.pop(k, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._map.clear()
+
+
+def confirmed(loc: Location, replicas: list[Replica], size: int) -> bool:
+    """True if the master's ``replicas`` (and ``size``) for a key include the allocation at
+    ``loc``: the bytes read from there are the key's object."""
+    seg, addr, gen, n = loc
+    if n != size:
+        return False
+    for r in replicas:
+        if r.gen == gen and r.addr == addr and r.segment == seg:
+            return True
+    return False
+
+
+def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: list[int],
+             deadline: Deadline) -> list[int]:
+    """The reads of ``batch_get_into``: per key the bytes read or an error code. Keys with a
+    known location are read while the master is asked (module docstring); the others, and
+    those the master's answer does not confirm, are read from that answer."""
+    spec = _plan(client, keys, addrs, caps) if client.locations.capacity else None
+    if spec is None:
+        results, lease_end = client._get_replicas(keys, deadline)
+        got = tiering.read(client, results, addrs, caps, deadline, lease_end)
+        _learn(client, keys, results, got, range(len(keys)))
+        return got
+    idx, locs, items = spec
+    read: list[list[TransferStatus]] = []
+
+    def speculate() -> None:  # sent, unless the master could not be asked at all
+        try:
+            read.append(client.engine.read_many(items, moves.coarse(deadline.remaining())))
+        except Exception:  # noqa: BLE001 - a failed speculation is a read to do again
+            log.exception("speculative read failed")
+
+    results, lease_end = client._get_replicas(keys, deadline, meanwhile=speculate)
+    status = read[0] if read else [TransferStatus.FAILED] * len(items)
+    check = client.config.checksum
+    if len(idx) == len(keys) and not check and status.count(_OK) == len(status) \
+            and _answer_is(results) == locs:  # the usual case: every read confirmed at once
+        _CONFIRMED.inc(len(keys))
+        return [loc[3] for loc in locs]
+    got = [0] * len(keys)
+    done = [False] * len(keys)
+    for j, i in enumerate(idx):
+        r = results[i]
+        if status[j] is _OK and not r.code and confirmed(locs[j], r.replicas, r.size) \
+                and not (check and not moves.verified(client, r, addrs[i])):
+            got[i], done[i] = r.size, True
+    hits = done.count(True)
+    _CONFIRMED.inc(hits)
+    if hits < len(idx):
+        _REFUTED.inc(len(idx) - hits)
+        client.locations.forget([keys[i] for i in idx if not done[i] and results[i].code])
+    if hits == len(keys):
+        return got
+    rest = [i for i in range(len(keys)) if not done[i]]
+    for i, n in zip(rest, tiering.read(client, [results[i] for i in rest], [addrs[i] for i in rest],
+                                       [caps[i] for i in rest], deadline, lease_end)):
+        got[i] = n
+    _learn(client, keys, results, got, rest)
+    return got
+
+
+def _plan(client: "StoreClient", keys: list[str], addrs: list[int], caps: list[int]
+          ) -> tuple[list[int], list[Location], list[tuple[int, int, int, int, int]]] | None:
+    """The keys with a known location on an open segment and a buffer big enough: their
+    indexes, locations and ``read_many`` items; None if there is none."""
+    find, handles = client.locations._map.get, client._handles
+    locs = list(map(find, keys))
+    if None not in locs:  # every key known: on one open segment, buffers big enough?
+        seg = locs[0][0]  # type: ignore[index]
+        h = handles.get(seg)
+        if h is not None and all(loc[0] == seg and loc[3] <= c  # type: ignore[index]
+                                 for loc, c in zip(locs, caps)):
+            return (list(range(len(keys))), locs,  # type: ignore[return-value]
+                    [(h, a, loc[1], loc[3], loc[2]) for a, loc in zip(addrs, locs)])  # type: ignore[index]
+    idx: list[int] = []
+    locs: list[Location] = []
+    items: list[tuple[int, int, int, int, int]] = []
+    for i, k in enumerate(keys):
+        loc = find(k)
+        if loc is None:
+            continue
+        h = handles.get(loc[0])
+        if h is None or loc[3] > caps[i]:
+            continue
+        idx.append(i)
+        locs.append(loc)
+        items.append((h, addrs[i], loc[1], loc[3], loc[2]))
+    return (idx, locs, items) if idx else None
+
+
+def _answer_is(results: list[KeyResult]) -> list[Location | None]:
+    """Each key's first replica in the master's answer as a location (None: a miss)."""
+    return [(rp.segment, rp.addr, rp.gen, r.size)
+            if not r.code and r.replicas and (rp := r.replicas[0]) else None for r in results]
+
+
+def _learn(client: "StoreClient", keys: list[str], results: list[KeyResult], got: list[int],
+           which: Iterable[int]) -> None:
+    """Remember where the keys of ``which`` that were read are (the replica a read tries first)."""
+    if not client.locations.capacity:
+        return
+    ks, reps, sizes = [], [], []
+    for i in which:
+        r = results[i]
+        if got[i] >= 0 and not r.code and r.replicas:
+            ks.append(keys[i])
+            reps.append(r.replicas[0] if len(r.replicas) == 1 else moves.ordered(client, r.replicas)[0])
+            sizes.append(r.size)
+    if ks:
+        client.locations.learn(ks, reps, sizes)

@@ -1,0 +1,165 @@
+"""Speculative gets (``store/client/locations.py``): a key whose replica the client knows is
+read while the master looks it up, and its bytes count only if the master's answer names that
+very allocation. Master and segments are processes; the clients read over TCP. Every value is
+distinct per key and per write, so a stale or misplaced read shows up as wrong bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvplane.common.deadline import Deadline
+from kvplane.store.client.client import StoreClient
+from kvplane.store.client.locations import SPECULATED
+from kvplane.store.errors import ObjectNotFound
+from kvplane.store.types import ReplicateConfig
+from kvplane.testing.store_procs import spawn_master, spawn_segment
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+SIZE = 4096
+
+
+def count(outcome: str) -> float:
+    return SPECULATED.labels(outcome)._value.get()
+
+
+def value(key: str, round_: int) -> np.ndarray:
+    seed = (hash(key) & 0xFFFF_FFFF) ^ (round_ * 7919)
+    return np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with spawn_master() as m:
+        addr = m.info["master"]
+        with spawn_segment(addr, "64MiB") as s1, spawn_segment(addr, "64MiB") as s2:
+            yield addr, [s1, s2]
+
+
+class Side:
+    """A client with one registered buffer for puts and one for gets."""
+
+    def __init__(self, master: str, n: int, **cfg) -> None:
+        self.c = StoreClient(master=master, protocol="tcp", **cfg)
+        self.tx = np.zeros(SIZE * n, np.uint8)
+        self.rx = np.zeros(SIZE * n, np.uint8)
+        self.t, self.r = self.c.register_buffer(self.tx), self.c.register_buffer(self.rx)
+
+    def put(self, keys: list[str], round_: int, upsert: bool = False, replicas: int = 1,
+            prefer: str = "") -> None:
+        for j, k in enumerate(keys):
+            self.tx[j * SIZE:(j + 1) * SIZE] = value(k, round_)
+        got = self.c.batch_put_from(keys, [self.t + j * SIZE for j in range(len(keys))],
+                                    [SIZE] * len(keys), ReplicateConfig(replica_num=replicas,
+                                                                    preferred_segment=prefer),
+                                    upsert=upsert)
+        assert got == [None] * len(keys)
+
+    def get(self, keys: list[str]) -> list:
+        self.rx[:] = 0
+        return self.c.batch_get_into(keys, [self.r + j * SIZE for j in range(len(keys))],
+                                     [SIZE] * len(keys))
+
+    def wrong(self, keys: list[str], round_: int) -> int:
+        """Keys read as a success whose bytes are not ``round_``'s value."""
+        got = self.get(keys)
+        return sum(1 for j, (k, n) in enumerate(zip(keys, got)) if n == SIZE and not
+                   np.array_equal(self.rx[j * SIZE:(j + 1) * SIZE], value(k, round_)))
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def test_a_known_key_is_read_while_the_master_looks_it_up(pool):
+    addr, _ = pool
+    a = Side(addr, 32)
+    off = Side(addr, 32, location_cache=0)
+    try:
+        keys = [f"spec-a-{i}" for i in range(32)]
+        a.put(keys, 1)
+        # the put taught the client where each key is: exactly what a lookup answers
+        results, _ = a.c._get_replicas(keys, Deadline.after(5))
+        for k, r in zip(keys, results):
+            rep = r.replicas[0]
+            assert a.c.locations.get(k) == (rep.segment, rep.addr, rep.gen, SIZE)
+        before = count("confirmed"), count("refuted")
+        assert a.wrong(keys, 1) == 0 and a.get(keys) == [SIZE] * 32
+        assert count("confirmed") - before[0] == 64 and count("refuted") == before[1]
+        # a single get too, and a client that has never seen the keys learns them on its get
+        assert a.c.get_into(keys[0], a.r, SIZE) == SIZE
+        assert count("confirmed") - before[0] == 65
+        b = Side(addr, 32)
+        try:
+            assert b.wrong(keys, 1) == 0 and count("confirmed") - before[0] == 65
+            assert b.wrong(keys, 1) == 0 and count("confirmed") - before[0] == 97
+        finally:
+            b.close()
+        # turned off: no speculation, the same bytes
+        assert off.wrong(keys, 1) == 0 and off.wrong(keys, 1) == 0
+        assert count("confirmed") - before[0] == 97 and len(off.c.locations) == 0
+    finally:
+        a.close()
+        off.close()
+
+
+def test_a_replaced_object_is_never_read_from_its_old_place(pool):
+    # another client upserts every key (new allocations, while the old ones still hold the old
+    # bytes): the stale reads are refuted and each key comes back with its new bytes
+    addr, _ = pool
+    a, b = Side(addr, 32), Side(addr, 32)
+    try:
+        keys = [f"spec-r-{i}" for i in range(32)]
+        a.put(keys, 1)
+        assert a.wrong(keys, 1) == 0
+        for round_ in range(2, 6):
+            b.put(keys, round_, upsert=True)
+            before = count("refuted")
+            assert a.wrong(keys, round_) == 0, f"round {round_}: old bytes returned"
+            assert count("refuted") - before == 32  # every old place was read, none accepted
+            assert a.get(keys) == [SIZE] * 32
+            before = count("confirmed")
+            assert a.wrong(keys, round_) == 0  # relearned: read while the master answers
+            assert count("confirmed") - before == 32
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_removed_key_is_a_miss_not_its_old_bytes(pool):
+    addr, _ = pool
+    a, b = Side(addr, 8), Side(addr, 8)
+    try:
+        keys = [f"spec-m-{i}" for i in range(8)]
+        a.put(keys, 1)
+        assert a.wrong(keys, 1) == 0
+        assert b.c.batch_remove(keys[:4], force=True) == [None] * 4
+        got = a.get(keys)
+        assert all(isinstance(g, ObjectNotFound) for g in got[:4]) and got[4:] == [SIZE] * 4
+        assert all(a.c.locations.get(k) is None for k in keys[:4])  # forgotten: no more reads there
+        assert a.wrong(keys[4:], 1) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_segment_under_a_known_location_fails_over(pool):
+    # two replicas; the client learned one; that segment is killed (kill -9): the speculative
+    # read fails, and the get is served from the other replica the master names
+    addr, segs = pool
+    with spawn_segment(addr, "64MiB") as victim:
+        a = Side(addr, 16)
+        try:
+            keys = [f"spec-k-{i}" for i in range(16)]
+            vname = victim.info["segment"]
+            a.put(keys, 1, replicas=2, prefer=vname)
+            res, _ = a.c._get_replicas(keys, Deadline.after(5))
+            there = {k: rep for k, r in zip(keys, res) for rep in r.replicas if rep.segment == vname}
+            assert len(there) == 16 and all(len(r.replicas) == 2 for r in res)
+            a.c.locations.learn(list(there), list(there.values()), [SIZE] * 16)  # the victim's
+            victim.kill()
+            before = count("refuted")
+            assert a.wrong(keys, 1) == 0
+            assert a.get(keys) == [SIZE] * 16
+            assert count("refuted") - before >= len(there)
+        finally:
+            a.close()
