@@ -12,7 +12,7 @@ from kvplane.common.errors import InvalidArgument
 from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
 from kvplane.conductor.gateway.pool import Backend, parse_vllm_metrics
 from kvplane.conductor.gateway.relay import (BackendGone, error_event, is_data, race,
-                                             sse_events)
+                                             sse_events, stop_tasks)
 from kvplane.conductor.gateway.server import sim_config
 
 pytestmark = pytest.mark.timeout(10)
@@ -121,3 +121,38 @@ async def test_race_grace_lets_a_live_read_finish_after_the_backend_is_gone():
     assert await race(asyncio.sleep(0.01, result="token"), gone, grace=2.0) == "token"
     with pytest.raises(BackendGone):
         await race(asyncio.sleep(30), gone, grace=0.05)
+
+
+async def test_stop_tasks_stops_a_loop_that_lost_a_cancellation():
+    # a loop that swallows the first CancelledError (as Python 3.11's wait_for can) must still
+    # stop; one that never stops is handed back after the timeout instead of hanging shutdown
+    swallowed = []
+
+    async def lossy() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(1)
+
+    release = []
+
+    async def stubborn() -> None:
+        while not release:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+
+    a = asyncio.ensure_future(lossy())
+    await asyncio.sleep(0)
+    assert await stop_tasks([a], timeout=2) == [] and a.cancelled() and swallowed == [1]
+    b = asyncio.ensure_future(stubborn())
+    await asyncio.sleep(0)
+    assert await stop_tasks([b], timeout=0.3) == [b] and not b.done()
+    release.append(1)  # leave nothing behind
+    b.cancel()
+    await asyncio.wait({b}, timeout=2)
+    assert b.done()

@@ -142,6 +142,7 @@ class BackendPool:
         self.backends: dict[str, Backend] = {}
         self._rr = itertools.count()
         self._tasks: set[asyncio.Future[None]] = set()
+        self.watchers: dict[str, asyncio.Future[None]] = {}  # backend id -> its health loop
         self.discovery_errors = 0
         for spec in config.backends:
             self.add(spec)
@@ -257,17 +258,20 @@ class BackendPool:
         2-core test box: with one round for all, a live backend's 1.5 s check (0.5 s per phase)
         held back the next check of a killed one for 1.5 s.
         """
-        watchers: dict[str, asyncio.Future[None]] = {}
+        watchers = self.watchers
         try:
             while True:
                 for b in list(self.backends.values()):
                     if b.id not in watchers:
                         watchers[b.id] = asyncio.ensure_future(self._watch(b))
                 await asyncio.sleep(self.config.health_interval_s)
-        finally:
+        finally:  # not awaited here: the owner stops them (``stop_tasks``: they may need more)
             for t in watchers.values():
                 t.cancel()
-            await asyncio.gather(*watchers.values(), return_exceptions=True)
+
+    def tasks(self) -> list[asyncio.Future[None]]:
+        """The pool's running background tasks (health watchers, checks off the round)."""
+        return [*self.watchers.values(), *self._tasks]
 
     async def _watch(self, b: Backend) -> None:
         """Check ``b`` every ``health_interval_s`` (start to start); a failing backend still in

@@ -1,4 +1,5 @@
-"""Streaming pieces of the proxy: SSE event framing, the error event, racing a read against ejection.
+"""Streaming pieces of the proxy: SSE event framing, the error event, racing a read against ejection,
+stopping background tasks for good.
 
 Pure asyncio plus httpx types; no FastAPI. Must not bind sockets.
 """
@@ -7,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 MAX_EVENT = 8 << 20  # one SSE event larger than this is a broken upstream
@@ -45,6 +47,30 @@ async def race(aw: Awaitable[T], gone: asyncio.Event, grace: float = 0.0) -> T:
         return task.result()
     task.cancel()
     raise BackendGone()
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Future[Any]], timeout: float = 5.0) -> list[asyncio.Future[Any]]:
+    """Cancel ``tasks`` and wait until they end, cancelling again every 0.1 s; returns those
+    still running after ``timeout`` (left to the event loop's own shutdown).
+
+    One cancel is not always enough: Python 3.11's ``asyncio.wait_for`` drops a cancellation
+    that arrives as the awaited call completes, and a health-check loop that lost it kept the
+    router's shutdown waiting forever (seen under load: SIGTERM, then kill -9 after 20 s).
+    """
+    tasks = list(tasks)
+    pending = {t for t in tasks if not t.done()}
+    end = time.monotonic() + timeout
+    while pending:
+        left = end - time.monotonic()
+        if left <= 0:
+            return list(pending)
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(0.1, left))
+    for t in tasks:  # mark their outcome as seen (no "exception was never retrieved")
+        if not t.cancelled():
+            t.exception()
+    return []
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -30,6 +30,7 @@ from kvplane.conductor.gateway.app import create_app
 from kvplane.conductor.gateway.config import GatewayConfig
 from kvplane.conductor.gateway.pool import BackendPool, GatewayPrefixes
 from kvplane.conductor.gateway.proxy import Gateway
+from kvplane.conductor.gateway.relay import stop_tasks
 from kvplane.conductor.ingest import EventIngestor
 from kvplane.conductor.scheduling.config import SimConfig
 from kvplane.conductor.scheduling.policy import POLICIES, SchedulingPolicy, create_policy
@@ -147,9 +148,9 @@ class GatewayServer:
         try:
             yield
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            left = await stop_tasks([*tasks, *pool.tasks()])
+            if left:
+                log.warning("router shutdown: %d background task(s) did not stop", len(left))
             await self.client.aclose()
             if self._meta is not None:
                 self._meta.close()
