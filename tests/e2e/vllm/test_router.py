@@ -262,18 +262,33 @@ def test_kill9_under_load_retries_ejects_and_recovers(servers):
                 except OSError:
                     pass
 
+        answered: list[float] = []  # when the router's event loop answered /backends
+
+        def up() -> bool:
+            b = rows()[vid]
+            answered.append(time.time())
+            return not b["up"]
+
         killed = time.time()
         victim.kill(reap=False)  # from this thread; reaped in another
         reaper, prober = threading.Thread(target=victim.proc.wait, args=(30,)), threading.Thread(target=probe)
         reaper.start()
         prober.start()
-        wait_until(lambda: not rows()[vid]["up"], 10, "ejection")
+        wait_until(up, 10, "ejection")
         ejected = rows()[vid]["ejected_at"]
         prober.join(10)
         # A SIGKILLed vLLM's port went on accepting connections for 0.55-1.63 s on this loaded box
         # (the probe), each check timing out meanwhile: ejected at the latest one check (0.5 s,
-        # +0.5 s slack) after the port refuses
-        assert refused and ejected - refused[0] <= 0.5 + 0.5, (ejected - killed, refused[0] - killed)
+        # +0.5 s slack) after the port refuses. The router's event loop was seen stalled for
+        # 1.3 s right after a kill (no line logged, no request answered: the box's 2 cores were
+        # busy with the dying instance and the live ones): such a stall, measured as the
+        # longest gap between two answers to /backends, is added to the bound.
+        stall = max((b - a for a, b in zip([killed, *answered], answered)), default=0.0)
+        assert refused and ejected - refused[0] <= 0.5 + 0.5 + stall, (
+            f"ejected {ejected - killed:.2f}s after the kill, router stalled up to {stall:.2f}s, "
+            f"refused from "
+            f"{refused[0] - killed if refused else None}s; backends {rows()}; router log:\n"
+            f"{stop_and_read(proc)}")
         reaper.join(60)
         assert victim.proc.poll() is not None
         for t in threads:

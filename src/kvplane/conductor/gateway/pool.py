@@ -207,6 +207,8 @@ class BackendPool:
             return
         b.last_error = error
         b.oks, b.fails = 0, b.fails + 1
+        if b.up:  # what led to an ejection, in the log (a backend out of rotation: quiet)
+            log.info("backend %s failed a check (%d in a row): %s", b.id, b.fails, error)
         if refused:
             self.eject(b, "refused")
         elif b.fails >= self.config.eject_after:
@@ -232,6 +234,7 @@ class BackendPool:
         except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
             if b.seen > started:
                 b.last_error = f"health {type(exc).__name__} while streaming (not counted)"
+                log.info("backend %s: %s", b.id, b.last_error)
                 instruments.UPSTREAM_ERRORS.labels(b.id, "health_timeout_excused").inc()
             else:
                 self.record(b, False, error=f"{type(exc).__name__}: {exc}")
