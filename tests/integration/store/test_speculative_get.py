@@ -5,6 +5,8 @@ distinct per key and per write, so a stale or misplaced read shows up as wrong b
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -102,12 +104,21 @@ def test_a_known_key_is_read_while_the_master_looks_it_up(pool):
         off.close()
 
 
+@contextlib.contextmanager
+def two_sides(addr: str, n: int):
+    """A reader and another client, both closed after."""
+    a, b = Side(addr, n), Side(addr, n)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_replaced_object_is_never_read_from_its_old_place(pool):
     # another client upserts every key (new allocations, while the old ones still hold the old
     # bytes): the stale reads are refuted and each key comes back with its new bytes
-    addr, _ = pool
-    a, b = Side(addr, 32), Side(addr, 32)
-    try:
+    with two_sides(pool[0], 32) as (a, b):
         keys = [f"spec-r-{i}" for i in range(32)]
         a.put(keys, 1)
         assert a.wrong(keys, 1) == 0
@@ -120,15 +131,10 @@ def test_a_replaced_object_is_never_read_from_its_old_place(pool):
             before = count("confirmed")
             assert a.wrong(keys, round_) == 0  # relearned: read while the master answers
             assert count("confirmed") - before == 32
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_removed_key_is_a_miss_not_its_old_bytes(pool):
-    addr, _ = pool
-    a, b = Side(addr, 8), Side(addr, 8)
-    try:
+    with two_sides(pool[0], 8) as (a, b):
         keys = [f"spec-m-{i}" for i in range(8)]
         a.put(keys, 1)
         assert a.wrong(keys, 1) == 0
@@ -137,9 +143,6 @@ def test_a_removed_key_is_a_miss_not_its_old_bytes(pool):
         assert all(isinstance(g, ObjectNotFound) for g in got[:4]) and got[4:] == [SIZE] * 4
         assert all(a.c.locations.get(k) is None for k in keys[:4])  # forgotten: no more reads there
         assert a.wrong(keys[4:], 1) == 0
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_dead_segment_under_a_known_location_fails_over(pool):

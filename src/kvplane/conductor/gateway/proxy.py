@@ -166,9 +166,7 @@ class Gateway:
                 d = self.router.route(req, exclude)
             except Unavailable as exc:
                 if last is not None:  # every backend still in rotation was tried
-                    instruments.FAILED.labels("upstream").inc()
-                    return _json_error(f"upstream failed before the first token: {last}", 502,
-                                       "upstream_error")
+                    break
                 instruments.FAILED.labels("unavailable").inc()
                 return _json_error(str(exc), 503, "unavailable")
             if d.rejected:
@@ -187,14 +185,13 @@ class Gateway:
                 self.router.abandon(req.rid)
                 exclude.append(exc.backend.id)
                 last = exc
-                phase = "prefill" if self.config.pd else "both"
                 if retries == 0:
-                    instruments.FAILED.labels("upstream").inc()
-                    return _json_error(f"upstream failed before the first token: {exc}", 502,
-                                       "upstream_error")
+                    break
                 retries -= 1
-                instruments.RETRIES.labels(phase).inc()
+                instruments.RETRIES.labels("prefill" if self.config.pd else "both").inc()
                 log.info("retrying request %d elsewhere: %s", req.rid, exc)
+        instruments.FAILED.labels("upstream").inc()
+        return _json_error(f"upstream failed before the first token: {last}", 502, "upstream_error")
 
     def _count(self, d: Decision, req: Request, start: float) -> None:
         instruments.ROUTE_SECONDS.observe(time.perf_counter() - start)

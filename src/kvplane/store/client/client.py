@@ -241,11 +241,7 @@ class StoreClient:
                        CodesRep, deadline)
         for i in failed:
             codes[i] = TransferFail.code
-        if self.locations.capacity:  # where the committed ones are (replicas: same host first)
-            done = [i for i in ok if codes[i] == 0 and rep.results[i].replicas]
-            self.locations.learn([keys[i] for i in done],
-                                 [moves.ordered(self, rep.results[i].replicas)[0] for i in done],
-                                 [sizes[i] for i in done])
+        locations.remember(self, keys, rep.results, [i for i in ok if codes[i] == 0], sizes)
         return codes
 
     def batch_get_into(self, keys: list[str], addrs: list[int],

@@ -108,7 +108,7 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     if spec is None:
         results, lease_end = client._get_replicas(keys, deadline)
         got = tiering.read(client, results, addrs, caps, deadline, lease_end)
-        _learn(client, keys, results, got, range(len(keys)))
+        remember(client, keys, results, [i for i, n in enumerate(got) if n >= 0])
         return got
     idx, locs, items = spec
     read: list[list[TransferStatus]] = []
@@ -144,7 +144,7 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     for i, n in zip(rest, tiering.read(client, [results[i] for i in rest], [addrs[i] for i in rest],
                                        [caps[i] for i in rest], deadline, lease_end)):
         got[i] = n
-    _learn(client, keys, results, got, rest)
+    remember(client, keys, results, [i for i in rest if got[i] >= 0])
     return got
 
 
@@ -183,17 +183,14 @@ def _answer_is(results: list[KeyResult]) -> list[Location | None]:
             if not r.code and r.replicas and (rp := r.replicas[0]) else None for r in results]
 
 
-def _learn(client: "StoreClient", keys: list[str], results: list[KeyResult], got: list[int],
-           which: Iterable[int]) -> None:
-    """Remember where the keys of ``which`` that were read are (the replica a read tries first)."""
+def remember(client: "StoreClient", keys: list[str], results: list[KeyResult], which: list[int],
+             sizes: list[int] | None = None) -> None:
+    """Remember where the found keys among ``which`` are: the replica a read tries first (same
+    host first). ``sizes``: the objects' sizes when ``results`` do not carry them (a put's)."""
     if not client.locations.capacity:
         return
-    ks, reps, sizes = [], [], []
-    for i in which:
-        r = results[i]
-        if got[i] >= 0 and not r.code and r.replicas:
-            ks.append(keys[i])
-            reps.append(r.replicas[0] if len(r.replicas) == 1 else moves.ordered(client, r.replicas)[0])
-            sizes.append(r.size)
-    if ks:
-        client.locations.learn(ks, reps, sizes)
+    found = [i for i in which if not results[i].code and results[i].replicas]
+    if found:
+        client.locations.learn([keys[i] for i in found],
+                               [moves.ordered(client, results[i].replicas)[0] for i in found],
+                               [results[i].size if sizes is None else sizes[i] for i in found])
