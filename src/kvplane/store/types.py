@@ -156,10 +156,18 @@ class KeyResult(msgspec.Struct, array_like=True, gc=False):
     disk: list[DiskReplica] = msgspec.field(default_factory=list)  # SSD copies (read-through)
 
 
+Location = tuple[str, int, int, int]  # where a client last read a key: segment, value address,
+# generation, size (``kvplane.store.client.locations``)
+
+
 class KeysReq(msgspec.Struct):
     client_id: str
     keys: list[str]
     suspects: list[str] = msgspec.field(default_factory=list)  # segments a transfer to failed
+    # get_replicas only: per key the location the client read it from meanwhile (None: not
+    # read). A key whose object still has a replica there is answered by its absence from
+    # ``ResultsRep.stale``, with the same lease, instead of by its replicas.
+    expect: list[Location | None] | None = None
 
 
 class PutEndReq(msgspec.Struct):
@@ -210,6 +218,8 @@ class ResultsRep(msgspec.Struct):
     ttl: float = 0.0  # seconds the replicas stay valid from the master's receipt (lease or write window)
     retry_after: float = 0.0  # PutStart: room is being made (offloads to disk); retry the
     # NoAvailableHandle keys after this many seconds, within the call's deadline
+    stale: list[int] | None = None  # get_replicas with ``expect``: the keys (by index) that
+    # ``results`` answer, in order; every other key is where the client expected it
 
 
 class CodesRep(msgspec.Struct):

@@ -275,3 +275,60 @@ def test_reclaim_drops_only_abandoned_puts_and_never_walks_every_object():
     assert set(st.open_puts) == {"young"}
     st.reclaim(1200.0)
     assert "young" not in st.objects and not st.open_puts
+
+
+def _at(r):
+    """A key's first replica as the location a client read it from."""
+    rp = r.replicas[0]
+    return (rp.segment, rp.addr, rp.gen, r.size)
+
+
+def test_a_lookup_with_expected_locations_answers_only_the_keys_that_moved():
+    """confirm_many: a key whose object still has a replica at the location the client read
+    gets the lease and LRU move of a lookup and no answer; a key that is anywhere else (other
+    generation, segment, address, size, gone, unfinished, unknown) gets get_replicas' answer."""
+    def build():
+        st = state(n_segs=3)
+        for k in ("same", "two", "upserted", "removed", "sized", "elsewhere"):
+            put(st, k, 1000, replica_num=2 if k == "two" else 1)
+        return st
+
+    a, b = build(), build()
+    seen = {k: a.get_replicas(k, 1.0) for k in list(a.objects)}
+    b.get_replicas_many(list(a.objects), 1.0)  # the same leases and LRU moves as a's lookups
+    for st in (a, b):
+        st.put_start("upserted", 1000, ReplicateConfig(), 2.0, upsert=True)  # a new allocation
+        st.put_end("upserted", 2.0)
+        st.remove("removed", True, 2.0)
+        st.put_start("open", 500, ReplicateConfig(), 2.0)
+    seg, addr, gen, size = _at(seen["elsewhere"])
+    other = next(s for s in a.segments if s != seg)
+    expect = [_at(seen["same"]), (seg, addr, gen, size), _at(seen["upserted"]),
+              _at(seen["removed"]), _at(seen["sized"])[:3] + (999,),
+              (other, addr, gen, size), (seg, addr + 64, gen, size), None, _at(seen["same"]),
+              (seen["two"].replicas[1].segment, seen["two"].replicas[1].addr,
+               seen["two"].replicas[1].gen, 1000)]
+    keys = ["same", "elsewhere", "upserted", "removed", "sized", "elsewhere", "elsewhere", "sized",
+            "open", "two"]
+    stale, out = a.confirm_many(keys, expect, 5.0)
+    single = [b.get_replicas(k, 5.0) for k in keys]  # key by key, with leases and LRU moves
+    assert stale == [2, 3, 4, 5, 6, 7, 8]
+    assert out == [single[i] for i in stale]
+    assert [r.code for r in out] == [0, ObjectNotFound.code, 0, 0, 0, 0, ReplicaNotReady.code]
+    assert list(a.objects) == list(b.objects)
+    assert {k: o.lease_until for k, o in a.objects.items()} == \
+        {k: o.lease_until for k, o in b.objects.items()}
+    assert a.remove("same", False, 6.0) == ObjectHasLease.code  # the confirmation leased it
+
+
+def test_a_location_reused_by_a_later_put_is_not_confirmed():
+    """The same segment, address and size, taken again by a new put of the key once the old
+    allocation was freed: only the generation tells the two apart."""
+    st = state(n_segs=1)
+    old = put(st, "k", 1000, now=2.0)
+    assert st.remove("k", False, 100.0) == 0  # no lease: the space is free again at once
+    new = put(st, "k", 1000, now=100.0)
+    then = (old.replicas[0].segment, old.replicas[0].addr, old.replicas[0].gen, 1000)
+    assert then[:2] == (new.replicas[0].segment, new.replicas[0].addr)  # the same place
+    stale, out = st.confirm_many(["k", "k"], [then, then[:2] + (new.replicas[0].gen, 1000)], 101.0)
+    assert stale == [0] and out[0].replicas[0].gen == new.replicas[0].gen

@@ -53,8 +53,8 @@ from kvplane.store.client.remount import Holdings
 from kvplane.store.client.staging import Staging
 from kvplane.store.errors import InvalidParams, ObjectExists, TransferFail, key_error
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, ListKeysRep, ListKeysReq, MountRep, MountReq, PingRep, PingReq,
-    PutEndReq, RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
+    CodesRep, KeyResult, KeysReq, ListKeysRep, ListKeysReq, Location, MountRep, MountReq, PingRep,
+    PingReq, PutEndReq, RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
 )
 from kvplane.transfer import EngineConfig, TransferEngine
 
@@ -261,14 +261,25 @@ class StoreClient:
         return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
 
     def _get_replicas(self, keys: list[str], deadline: Deadline,
-                      meanwhile: Callable[[], None] | None = None) -> tuple[list[KeyResult], float]:
+                      meanwhile: Callable[[], None] | None = None,
+                      expect: list[Location | None] | None = None
+                      ) -> tuple[list[KeyResult], float]:
         """The replicas and the local time their read lease ends (the master's TTL, counted
-        from before the request was sent). ``meanwhile`` runs while the master answers."""
+        from before the request was sent). ``meanwhile`` runs while the master answers.
+        ``expect``: per key the location read meanwhile (``KeysReq.expect``); the master
+        confirms those still there, and their results are then None."""
         sent = time.monotonic()
         rep = self._call("get_replicas", KeysReq(self.config.client_id, list(keys),
-                                                 self.suspects.take()), ResultsRep, deadline,
-                         meanwhile)
+                                                 self.suspects.take(), expect),
+                         ResultsRep, deadline, meanwhile)
         results = rep.results
+        if rep.stale is not None:  # the answer names only the keys that are not where expected
+            if len(rep.stale) != len(results):
+                raise Unavailable("the master's answer does not match its list of keys")
+            full: list[KeyResult | None] = [None] * len(keys)
+            for i, r in zip(rep.stale, results):
+                full[i] = r
+            results = full  # type: ignore[assignment]
         if tiering.cold(results):  # on disk only: the owner reads them into memory first
             results = tiering.read_through(self, list(keys), results, deadline)
         return results, sent + (rep.ttl if rep.ttl > 0 else self.config.lease_ttl)
@@ -306,8 +317,30 @@ class StoreClient:
         _raise(self.batch_put_from([key], [addr], [size], config, upsert=True)[0])
 
     def get_batch(self, keys: list[str]) -> list[bytes | KVPlaneError]:
-        """Copying form: per key the bytes, or the exception that key failed with."""
+        """Copying form: per key the bytes, or the exception that key failed with. Keys this
+        client knows the place of are read while the master looks them up, as in
+        :meth:`batch_get_into` (``locations``)."""
+        keys = list(keys)
         deadline = Deadline.after(self.config.timeout)
+        out: list[bytes | KVPlaneError | None] = [None] * len(keys)
+        sizes = locations.sizes(self, keys)
+        if sizes is not None:
+            with ExitStack() as stack:
+                blocks = [stack.enter_context(self.staging.block(n)) for n in sizes]
+                got = locations.get_into(self, keys, [a for a, _ in blocks], sizes, deadline)
+                for i, n, (_, view) in zip(range(len(keys)), got, blocks):
+                    if n >= 0:
+                        out[i] = view[:n].tobytes()
+                    elif n != InvalidParams.code:  # (that one grew: read below at its new size)
+                        out[i] = key_error(n, keys[i])
+        rest = [i for i, o in enumerate(out) if o is None]
+        if rest:
+            for i, o in zip(rest, self._get_copies([keys[i] for i in rest], deadline)):
+                out[i] = o
+        return out  # type: ignore[return-value]
+
+    def _get_copies(self, keys: list[str], deadline: Deadline) -> list[bytes | KVPlaneError]:
+        """:meth:`get_batch` by the master's answer: staging sized by it, then the reads."""
         results, lease_end = self._get_replicas(keys, deadline)
         hits = [i for i, r in enumerate(results) if r.code == 0]
         out: list[bytes | KVPlaneError] = [key_error(r.code, k) if r.code else b""
@@ -315,9 +348,10 @@ class StoreClient:
         with ExitStack() as stack:
             blocks = [stack.enter_context(self.staging.block(results[i].size)) for i in hits]
             got = tiering.read(self, [results[i] for i in hits], [a for a, _ in blocks],
-                             [results[i].size for i in hits], deadline, lease_end)
+                               [results[i].size for i in hits], deadline, lease_end)
             for i, n, (_, view) in zip(hits, got, blocks):
                 out[i] = view[:n].tobytes() if n >= 0 else key_error(n, keys[i])
+        locations.remember(self, keys, results, [i for i, n in zip(hits, got) if n >= 0])
         return out
 
     def get(self, key: str) -> bytes:

@@ -17,6 +17,15 @@ master's answer, as without this cache. A read that was not confirmed may have w
 caller's buffer; its key then ends as it would have without the speculation (the master's
 bytes, or the error it reports for that key).
 
+The lookup names the location each key was read from (``KeysReq.expect``). The master applies
+that rule itself and answers only the keys that fail it, so a confirmed key costs no replica
+list on the wire. A confirmed key whose read failed is looked up again. With checksums on,
+every key is answered in full: the answer carries the checksum to verify.
+
+A speculative read gets at most half of the call's time: a segment that stalls leaves the rest
+to read another replica, and one where the read timed out is suspect (``moves.blame``): no
+speculation on it while it is.
+
 The cache is a bounded dict in insertion order (``StoreConfig.location_cache`` keys; 0 turns
 speculation off). Entries come from gets and from this client's committed puts, and go with its
 removes.
@@ -33,7 +42,7 @@ from typing import TYPE_CHECKING
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
 from kvplane.store.client import moves, tiering
-from kvplane.store.types import KeyResult, Replica
+from kvplane.store.types import KeyResult, Location, Replica
 from kvplane.transfer.types import TransferStatus
 
 if TYPE_CHECKING:
@@ -43,11 +52,8 @@ SPECULATED = metrics.Counter(
     "kvplane_store_speculative_reads_total", "Keys a get read from their last known replica while "
     "the master looked them up, by whether the master's answer confirmed the read", ["outcome"])
 _CONFIRMED, _REFUTED = SPECULATED.labels("confirmed"), SPECULATED.labels("refuted")
-_OK = TransferStatus.COMPLETED
+_OK, _TIMEOUT = TransferStatus.COMPLETED, TransferStatus.TIMEOUT
 log = logging.getLogger(__name__)
-
-Location = tuple[str, int, int, int]  # segment, value address, generation, size
-
 
 class Locations:
     """At most ``capacity`` keys' last known replica; the oldest entries go first."""
@@ -114,27 +120,45 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     read: list[list[TransferStatus]] = []
 
     def speculate() -> None:  # sent, unless the master could not be asked at all
-        try:
-            read.append(client.engine.read_many(items, moves.coarse(deadline.remaining())))
+        try:  # at most half the call's time: a stalled segment leaves the rest to fail over
+            read.append(client.engine.read_many(items, moves.coarse(deadline.remaining() / 2)))
         except Exception:  # noqa: BLE001 - a failed speculation is a read to do again
             log.exception("speculative read failed")
 
-    results, lease_end = client._get_replicas(keys, deadline, meanwhile=speculate)
-    status = read[0] if read else [TransferStatus.FAILED] * len(items)
     check = client.config.checksum
-    if len(idx) == len(keys) and not check and status.count(_OK) == len(status) \
-            and _answer_is(results) == locs:  # the usual case: every read confirmed at once
+    expect: list[Location | None] | None = None
+    if not check:  # confirmed keys need no answer (with checksums on it carries the sums)
+        if len(idx) == len(keys):
+            expect = locs  # type: ignore[assignment]
+        else:
+            expect = [None] * len(keys)
+            for i, loc in zip(idx, locs):
+                expect[i] = loc
+    results, lease_end = client._get_replicas(keys, deadline, meanwhile=speculate, expect=expect)
+    status = read[0] if read else [TransferStatus.FAILED] * len(items)
+    if _TIMEOUT in status:  # tried last, and not speculated on, for a while (moves.BAD_FOR)
+        moves.blame(client, {locs[j][0] for j, st in enumerate(status) if st is _TIMEOUT})
+    if len(idx) == len(keys) and status.count(_OK) == len(status) \
+            and results.count(None) == len(keys):  # type: ignore[arg-type] # all confirmed
         _CONFIRMED.inc(len(keys))
         return [loc[3] for loc in locs]
     got = [0] * len(keys)
     done = [False] * len(keys)
     for j, i in enumerate(idx):
         r = results[i]
-        if status[j] is _OK and not r.code and confirmed(locs[j], r.replicas, r.size) \
+        if status[j] is not _OK:
+            continue
+        if r is None or not r.code and confirmed(locs[j], r.replicas, r.size) \
                 and not (check and not moves.verified(client, r, addrs[i])):
-            got[i], done[i] = r.size, True
+            got[i], done[i] = locs[j][3], True
     hits = done.count(True)
     _CONFIRMED.inc(hits)
+    again = [i for i in range(len(keys)) if results[i] is None and not done[i]]
+    if again:  # confirmed in place, but the read failed: their replicas, to read them again
+        more, until = client._get_replicas([keys[i] for i in again], deadline)
+        for i, r in zip(again, more):
+            results[i] = r
+        lease_end = min(lease_end, until)
     if hits < len(idx):
         _REFUTED.inc(len(idx) - hits)
         client.locations.forget([keys[i] for i in idx if not done[i] and results[i].code])
@@ -148,11 +172,22 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     return got
 
 
+def sizes(client: "StoreClient", keys: list[str]) -> list[int] | None:
+    """Each key's size where this client last saw it; None unless it knows every key."""
+    if not client.locations.capacity or not keys:
+        return None
+    locs = list(map(client.locations._map.get, keys))
+    return None if None in locs else [loc[3] for loc in locs]  # type: ignore[index]
+
+
 def _plan(client: "StoreClient", keys: list[str], addrs: list[int], caps: list[int]
           ) -> tuple[list[int], list[Location], list[tuple[int, int, int, int, int]]] | None:
-    """The keys with a known location on an open segment and a buffer big enough: their
-    indexes, locations and ``read_many`` items; None if there is none."""
+    """The keys with a known location on an open segment that no transfer failed on lately,
+    and a buffer big enough: their indexes, locations and ``read_many`` items; None if there
+    is none."""
     find, handles = client.locations._map.get, client._handles
+    if client.suspects.any():
+        handles = {s: h for s, h in handles.items() if not client.suspects.bad(s)}
     locs = list(map(find, keys))
     if None not in locs:  # every key known: on one open segment, buffers big enough?
         seg = locs[0][0]  # type: ignore[index]
@@ -175,12 +210,6 @@ def _plan(client: "StoreClient", keys: list[str], addrs: list[int], caps: list[i
         locs.append(loc)
         items.append((h, addrs[i], loc[1], loc[3], loc[2]))
     return (idx, locs, items) if idx else None
-
-
-def _answer_is(results: list[KeyResult]) -> list[Location | None]:
-    """Each key's first replica in the master's answer as a location (None: a miss)."""
-    return [(rp.segment, rp.addr, rp.gen, r.size)
-            if not r.code and r.replicas and (rp := r.replicas[0]) else None for r in results]
 
 
 def remember(client: "StoreClient", keys: list[str], results: list[KeyResult], which: list[int],

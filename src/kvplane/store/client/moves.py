@@ -133,11 +133,11 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
             out[i] = st == OK
     if out.count(True) == len(out):
         return out
-    _blame(client, failed | {moves[i][1].segment for i in where if not out[i]})
+    blame(client, failed | {moves[i][1].segment for i in where if not out[i]})
     return out
 
 
-def _blame(client: "StoreClient", failed: set[str]) -> None:
+def blame(client: "StoreClient", failed: set[str]) -> None:
     """Segments a transfer failed on: looked up afresh next time (they may have restarted),
     tried last for a while, reported to the master."""
     for seg in failed:
@@ -216,7 +216,7 @@ def _read_plain(client: "StoreClient", results: list[KeyResult], addrs: list[int
     if got.count(OK) == len(got):
         return sizes
     bad = [i for i, st in enumerate(got) if st != OK]
-    _blame(client, {reps[i].segment for i in bad})
+    blame(client, {reps[i].segment for i in bad})
     for i in bad:
         sizes[i] = _failure(False, lease_end)
     return sizes

@@ -67,9 +67,9 @@ class DiskLinks:
 
 
 def cold(results: list[KeyResult]) -> list[int]:
-    """Indices of hits that are on disk only (and not served yet)."""
+    """Indices of hits that are on disk only (and not served yet; None: confirmed in place)."""
     return [i for i, r in enumerate(results)
-            if r.code == 0 and not r.replicas and r.disk and not isinstance(r, Served)]
+            if r is not None and r.code == 0 and not r.replicas and r.disk and not isinstance(r, Served)]
 
 
 def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], sizes: list[int],

@@ -31,7 +31,9 @@ from kvplane.common.errors import KVPlaneError
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
-from kvplane.store.errors import NoAvailableHandle, NotLeader, ObjectNotFound, Recovering
+from kvplane.store.errors import (
+    InvalidParams, NoAvailableHandle, NotLeader, ObjectNotFound, Recovering,
+)
 from kvplane.store.master import admin, status
 from kvplane.store.master.access import Access
 from kvplane.store.master.config import MasterConfig
@@ -304,9 +306,15 @@ class MasterServer:
     def _get_replicas(self, req: KeysReq) -> ResultsRep:
         now = self.clock()
         self.state.suspect(req.suspects, now)
-        results = self.state.get_replicas_many(req.keys, now)
+        stale = None
+        if req.expect is None:
+            results = self.state.get_replicas_many(req.keys, now)
+        elif len(req.expect) != len(req.keys):
+            raise InvalidParams("expect must give one location (or null) per key")
+        else:
+            stale, results = self.state.confirm_many(req.keys, req.expect, now)
         self._gate(now, any(r.code == ObjectNotFound.code for r in results))
-        return ResultsRep(results, self.state.config.lease_ttl)
+        return ResultsRep(results, self.state.config.lease_ttl, stale=stale)
 
     def _exist(self, req: KeysReq) -> CodesRep:
         now = self.clock()

@@ -39,7 +39,9 @@ from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.fences import Quarantine
 from kvplane.store.master.repair import Repairs
 from kvplane.store.master.tiers import DiskTier
-from kvplane.store.types import MAX_KEY, MAX_VALUE, KeyResult, Replica, ReplicateConfig, SegmentInfo
+from kvplane.store.types import (
+    MAX_KEY, MAX_VALUE, KeyResult, Location, Replica, ReplicateConfig, SegmentInfo,
+)
 from kvplane.transfer.fence import EPOCH_SHIFT
 
 Rep = tuple[str, int, int]  # (segment, offset, generation)
@@ -424,6 +426,35 @@ class MasterState:
             out.append(KeyResult(0, [segments[name].replica(off, obj.size, gen, obj.hdr)],
                                  obj.size, obj.version, obj.checksum))
         return out
+
+    def confirm_many(self, keys: list[str], expect: list[Location | None], now: float
+                     ) -> tuple[list[int], list[KeyResult]]:
+        """:meth:`get_replicas_many` for a client that read each key from ``expect`` meanwhile:
+        a key whose complete object still has a replica at that location (segment, value
+        address, generation, size) gets its lease and LRU move and no answer; the others are
+        returned as (their indexes, their :meth:`get_replicas`)."""
+        objects, segments = self.objects, self.segments
+        until = now + self.config.lease_ttl
+        touch = objects.move_to_end
+        stale: list[int] = []
+        out: list[KeyResult] = []
+        for i, (key, loc) in enumerate(zip(keys, expect, strict=True)):
+            obj = objects.get(key)
+            if loc is not None and obj is not None and obj.complete and obj.size == loc[3]:
+                seg, addr, gen = loc[0], loc[1], loc[2]
+                for name, off, g in obj.replicas:
+                    if g == gen and name == seg and segments[name].info.base + off + obj.hdr == addr:
+                        break
+                else:
+                    name = ""
+                if name:
+                    if obj.lease_until < until:
+                        obj.lease_until = until
+                    touch(key)
+                    continue
+            stale.append(i)
+            out.append(self.get_replicas(key, now))
+        return stale, out
 
     def exist(self, key: str, now: float) -> int:
         """1 if a complete object exists (and lease it, as Mooncake's ExistKey does), else 0."""
