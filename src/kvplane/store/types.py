@@ -168,6 +168,9 @@ class KeysReq(msgspec.Struct):
     # read). A key whose object still has a replica there is answered by its absence from
     # ``ResultsRep.stale``, with the same lease, instead of by its replicas.
     expect: list[Location | None] | None = None
+    # get_replicas only: the client takes ``ResultsRep.columns`` when every key has one plain
+    # replica (checksums off: the columns carry none)
+    columns: bool = False
 
 
 class PutEndReq(msgspec.Struct):
@@ -213,6 +216,20 @@ class ListKeysRep(msgspec.Struct):
     more: bool = False
 
 
+class Columns(msgspec.Struct, array_like=True, gc=False):
+    """A lookup's answer when every key was found with one memory replica (and no copy on
+    disk), a list per field: key ``i`` is at ``addr[i]`` (its value's address) in segment
+    ``segments[seg[i]]``, ``size[i]`` bytes, allocation generation ``gen[i]``. Decoding it
+    creates a few lists of ints where a list of ``KeyResult`` makes four objects and three
+    strings per key."""
+
+    segments: list[str]
+    seg: list[int]
+    addr: list[int]
+    size: list[int]
+    gen: list[int]
+
+
 class ResultsRep(msgspec.Struct):
     results: list[KeyResult]
     ttl: float = 0.0  # seconds the replicas stay valid from the master's receipt (lease or write window)
@@ -220,7 +237,17 @@ class ResultsRep(msgspec.Struct):
     # NoAvailableHandle keys after this many seconds, within the call's deadline
     stale: list[int] | None = None  # get_replicas with ``expect``: the keys (by index) that
     # ``results`` answer, in order; every other key is where the client expected it
+    columns: Columns | None = None  # get_replicas with ``columns``: the whole answer, when
+    # every key is plain (``results`` is then empty)
 
 
 class CodesRep(msgspec.Struct):
     codes: list[int]
+
+
+def column_results(cols: Columns) -> list[KeyResult]:
+    """:class:`Columns` as the ``KeyResult`` list of a read (without the replicas' endpoint
+    and host, the object's version and checksum, which a read of one replica does not use)."""
+    names = cols.segments
+    return [KeyResult(0, [Replica(names[s], a, n, "", "", g)], n)
+            for s, a, n, g in zip(cols.seg, cols.addr, cols.size, cols.gen)]

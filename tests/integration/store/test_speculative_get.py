@@ -14,8 +14,9 @@ import pytest
 
 from kvplane.common.deadline import Deadline
 from kvplane.store.client.client import StoreClient
+from kvplane.store.client import moves
 from kvplane.store.client.locations import SPECULATED
-from kvplane.store.errors import ObjectNotFound
+from kvplane.store.errors import InvalidParams, ObjectNotFound
 from kvplane.store.types import ReplicateConfig
 from kvplane.testing.store_procs import spawn_master, spawn_segment
 
@@ -258,3 +259,43 @@ def test_the_copying_get_speculates_too_and_reads_a_grown_object_at_its_new_size
             assert c.c.get_batch([]) == []
         finally:
             c.close()
+
+
+def test_a_first_get_takes_the_masters_answer_in_columns(pool, monkeypatch):
+    # a client that does not know the keys (cache off) asks for the answer as lists of ints;
+    # keys on two segments, then a miss in the batch (a full answer), then a small buffer
+    addr, segs = pool
+    names = [s.info["segment"] for s in segs]
+    with two_sides(addr, 32) as (a, b):
+        keys = [f"cols-{i}" for i in range(32)]
+        a.put(keys[:16], 1, prefer=names[0])
+        a.put(keys[16:], 1, prefer=names[1])
+        off = Side(addr, 32, location_cache=0)
+        try:
+            rep, _ = off.c._lookup(keys, Deadline.after(5), columns=True)
+            assert rep.results == [] and sorted(rep.columns.segments) == sorted(names)
+            fast = []
+            real = moves.read_columns
+            monkeypatch.setattr(moves, "read_columns",
+                                lambda *a, **k: fast.append(real(*a, **k)) or fast[-1])
+            assert off.wrong(keys, 1) == 0  # segments not open yet: read key by key
+            assert off.wrong(keys, 1) == 0 and off.get(keys) == [SIZE] * 32
+            assert fast[0] is None and fast[1:] == [[SIZE] * 32] * 2  # then in one pass
+            assert off.c.get_batch(keys) == [value(k, 1).tobytes() for k in keys]  # copying
+            assert fast[3:] == [[SIZE] * 32]
+            rep, _ = off.c._lookup([*keys, "cols-none"], Deadline.after(5), columns=True)
+            assert rep.columns is None and len(rep.results) == 33
+            got = off.get([*keys[:31], "cols-none"])
+            assert got[:31] == [SIZE] * 31 and isinstance(got[31], ObjectNotFound)
+            got = off.c.batch_get_into(keys[:2], [off.r, off.r + SIZE], [SIZE, SIZE - 1])
+            assert got[0] == SIZE and isinstance(got[1], InvalidParams)
+            # a client with the cache learns the places from such an answer
+            assert b.wrong(keys, 1) == 0  # (opens the segments)
+            b.c.locations.clear()
+            n = len(fast)
+            assert b.wrong(keys, 1) == 0 and fast[n:] == [[SIZE] * 32]
+            assert len(b.c.locations) == 32
+            before = count("confirmed")
+            assert b.wrong(keys, 1) == 0 and count("confirmed") - before == 32
+        finally:
+            off.close()

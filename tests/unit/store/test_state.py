@@ -332,3 +332,37 @@ def test_a_location_reused_by_a_later_put_is_not_confirmed():
     assert then[:2] == (new.replicas[0].segment, new.replicas[0].addr)  # the same place
     stale, out = st.confirm_many(["k", "k"], [then, then[:2] + (new.replicas[0].gen, 1000)], 101.0)
     assert stale == [0] and out[0].replicas[0].gen == new.replicas[0].gen
+
+
+def test_a_lookup_in_columns_is_the_lookup_of_each_key_when_every_key_is_plain():
+    """columns_many: the same leases, LRU moves and places as get_replicas_many, a list per
+    field; None (and nothing different from get_replicas_many after it) when any key is a
+    miss, unfinished, has two replicas or a copy on disk."""
+    def build():
+        st = state(n_segs=3)
+        for i in range(6):
+            put(st, f"k{i}", 1000 + i)
+        put(st, "two", 500, replica_num=2)
+        st.put_start("open", 500, ReplicateConfig(), 0.0)
+        return st
+
+    keys = ["k3", "k0", "k5", "k1", "k0"]
+    a, b = build(), build()
+    cols = a.columns_many(keys, 5.0)
+    many = b.get_replicas_many(keys, 5.0)
+    got = [(cols.segments[s], ad, n, g) for s, ad, n, g in zip(cols.seg, cols.addr, cols.size, cols.gen)]
+    assert got == [(r.replicas[0].segment, r.replicas[0].addr, r.size, r.replicas[0].gen) for r in many]
+    assert len(set(cols.segments)) == len(cols.segments) and len(cols.segments) > 1
+    assert list(a.objects) == list(b.objects)
+    assert {k: o.lease_until for k, o in a.objects.items()} == \
+        {k: o.lease_until for k, o in b.objects.items()}
+    for odd in ("missing", "open", "two", "k4"):
+        a, b = build(), build()
+        for st in (a, b):
+            st.objects["k4"].disk = {"s9": "/ssd/k4"}  # a copy on disk too
+        assert a.columns_many(["k1", odd, "k2"], 5.0) is None
+        a.get_replicas_many(["k1", odd, "k2"], 5.0)
+        b.get_replicas_many(["k1", odd, "k2"], 5.0)
+        assert list(a.objects) == list(b.objects)
+        assert {k: o.lease_until for k, o in a.objects.items()} == \
+            {k: o.lease_until for k, o in b.objects.items()}

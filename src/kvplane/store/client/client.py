@@ -55,6 +55,7 @@ from kvplane.store.errors import InvalidParams, ObjectExists, TransferFail, key_
 from kvplane.store.types import (
     CodesRep, KeyResult, KeysReq, ListKeysRep, ListKeysReq, Location, MountRep, MountReq, PingRep,
     PingReq, PutEndReq, RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
+    column_results,
 )
 from kvplane.transfer import EngineConfig, TransferEngine
 
@@ -260,20 +261,26 @@ class StoreClient:
                                  Deadline.after(self.config.timeout))
         return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
 
-    def _get_replicas(self, keys: list[str], deadline: Deadline,
-                      meanwhile: Callable[[], None] | None = None,
-                      expect: list[Location | None] | None = None
-                      ) -> tuple[list[KeyResult], float]:
-        """The replicas and the local time their read lease ends (the master's TTL, counted
-        from before the request was sent). ``meanwhile`` runs while the master answers.
-        ``expect``: per key the location read meanwhile (``KeysReq.expect``); the master
-        confirms those still there, and their results are then None."""
+    def _lookup(self, keys: list[str], deadline: Deadline,
+                meanwhile: Callable[[], None] | None = None,
+                expect: list[Location | None] | None = None,
+                columns: bool = False) -> tuple[ResultsRep, float]:
+        """The master's answer to a lookup of ``keys`` and the local time its read lease ends
+        (the master's TTL, counted from before the request was sent). ``meanwhile`` runs
+        while the master answers; ``expect`` and ``columns``: see ``KeysReq``."""
         sent = time.monotonic()
         rep = self._call("get_replicas", KeysReq(self.config.client_id, list(keys),
-                                                 self.suspects.take(), expect),
+                                                 self.suspects.take(), expect, columns),
                          ResultsRep, deadline, meanwhile)
+        return rep, sent + (rep.ttl if rep.ttl > 0 else self.config.lease_ttl)
+
+    def _results(self, keys: list[str], rep: ResultsRep, deadline: Deadline) -> list[KeyResult]:
+        """Per key the result in ``rep`` (None for a key confirmed where it was expected), with
+        the objects that are on disk only served first."""
         results = rep.results
-        if rep.stale is not None:  # the answer names only the keys that are not where expected
+        if rep.columns is not None:
+            results = column_results(rep.columns)
+        elif rep.stale is not None:  # the answer names only the keys that are not where expected
             if len(rep.stale) != len(results):
                 raise Unavailable("the master's answer does not match its list of keys")
             full: list[KeyResult | None] = [None] * len(keys)
@@ -282,7 +289,16 @@ class StoreClient:
             results = full  # type: ignore[assignment]
         if tiering.cold(results):  # on disk only: the owner reads them into memory first
             results = tiering.read_through(self, list(keys), results, deadline)
-        return results, sent + (rep.ttl if rep.ttl > 0 else self.config.lease_ttl)
+        return results
+
+    def _get_replicas(self, keys: list[str], deadline: Deadline,
+                      meanwhile: Callable[[], None] | None = None,
+                      expect: list[Location | None] | None = None
+                      ) -> tuple[list[KeyResult], float]:
+        """The replicas and the local time their read lease ends (:meth:`_lookup`); with
+        ``expect``, None for the keys the master confirmed."""
+        rep, lease_end = self._lookup(keys, deadline, meanwhile, expect)
+        return self._results(keys, rep, deadline), lease_end
 
     # -- the rest of the API --------------------------------------------------------------------------
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
@@ -341,7 +357,17 @@ class StoreClient:
 
     def _get_copies(self, keys: list[str], deadline: Deadline) -> list[bytes | KVPlaneError]:
         """:meth:`get_batch` by the master's answer: staging sized by it, then the reads."""
-        results, lease_end = self._get_replicas(keys, deadline)
+        rep, lease_end = self._lookup(keys, deadline, columns=not self.config.checksum)
+        cols = rep.columns
+        if cols is not None:
+            with ExitStack() as stack:
+                blocks = [stack.enter_context(self.staging.block(n)) for n in cols.size]
+                got = locations.read_columns(self, keys, cols, [a for a, _ in blocks], cols.size,
+                                             deadline, lease_end)
+                if got is not None:
+                    return [view[:n].tobytes() if n >= 0 else key_error(n, k)
+                            for k, n, (_, view) in zip(keys, got, blocks)]
+        results = self._results(keys, rep, deadline)
         hits = [i for i, r in enumerate(results) if r.code == 0]
         out: list[bytes | KVPlaneError] = [key_error(r.code, k) if r.code else b""
                                            for k, r in zip(keys, results)]

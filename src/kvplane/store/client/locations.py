@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
 from kvplane.store.client import moves, tiering
-from kvplane.store.types import KeyResult, Location, Replica
+from kvplane.store.types import Columns, KeyResult, Location, Replica
 from kvplane.transfer.types import TransferStatus
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ SPECULATED = metrics.Counter(
 _CONFIRMED, _REFUTED = SPECULATED.labels("confirmed"), SPECULATED.labels("refuted")
 _OK, _TIMEOUT = TransferStatus.COMPLETED, TransferStatus.TIMEOUT
 log = logging.getLogger(__name__)
+
 
 class Locations:
     """At most ``capacity`` keys' last known replica; the oldest entries go first."""
@@ -73,10 +74,13 @@ class Locations:
 
     def learn(self, keys: Iterable[str], replicas: Iterable[Replica], sizes: Iterable[int]) -> None:
         """Remember that each key's object (of that size) is at that replica."""
+        self.put(keys, [(r.segment, r.addr, r.gen, n) for r, n in zip(replicas, sizes)])
+
+    def put(self, keys: Iterable[str], locs: list[Location]) -> None:
+        """Remember each key's location."""
         m = self._map
         with self._lock:
-            for k, r, n in zip(keys, replicas, sizes):
-                m[k] = (r.segment, r.addr, r.gen, n)
+            m.update(zip(keys, locs))
             over = len(m) - self.capacity
             if over > 0:
                 for k in list(itertools.islice(m, over)):
@@ -112,7 +116,13 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     those the master's answer does not confirm, are read from that answer."""
     spec = _plan(client, keys, addrs, caps) if client.locations.capacity else None
     if spec is None:
-        results, lease_end = client._get_replicas(keys, deadline)
+        plain = not client.config.checksum  # (the columns carry no checksums)
+        rep, lease_end = client._lookup(keys, deadline, columns=plain)
+        if rep.columns is not None:
+            got = read_columns(client, keys, rep.columns, addrs, caps, deadline, lease_end)
+            if got is not None:
+                return got
+        results = client._results(keys, rep, deadline)
         got = tiering.read(client, results, addrs, caps, deadline, lease_end)
         remember(client, keys, results, [i for i, n in enumerate(got) if n >= 0])
         return got
@@ -169,6 +179,18 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
                                        [caps[i] for i in rest], deadline, lease_end)):
         got[i] = n
     remember(client, keys, results, [i for i in rest if got[i] >= 0])
+    return got
+
+
+def read_columns(client: "StoreClient", keys: list[str], cols: Columns, addrs: list[int],
+                 caps: list[int], deadline: Deadline, lease_end: float) -> list[int] | None:
+    """``moves.read_columns``, remembering where the keys read are."""
+    got = moves.read_columns(client, cols, addrs, caps, deadline, lease_end)
+    if got is not None and client.locations.capacity:
+        names = cols.segments
+        client.locations.put([k for k, n in zip(keys, got) if n >= 0],
+                             [(names[s], a, g, n) for s, a, g, n in
+                              zip(cols.seg, cols.addr, cols.gen, got) if n >= 0])
     return got
 
 

@@ -31,7 +31,7 @@ from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.checksum import digest
 from kvplane.store.errors import ChecksumMismatch, InvalidParams, LeaseExpired, TransferFail
-from kvplane.store.types import KeyResult, Replica
+from kvplane.store.types import Columns, KeyResult, Replica
 from kvplane.transfer import OpCode, TransferRequest, TransferStatus
 
 if TYPE_CHECKING:
@@ -220,6 +220,36 @@ def _read_plain(client: "StoreClient", results: list[KeyResult], addrs: list[int
     for i in bad:
         sizes[i] = _failure(False, lease_end)
     return sizes
+
+
+def read_columns(client: "StoreClient", cols: Columns, addrs: list[int], caps: list[int],
+                 deadline: Deadline, lease_end: float) -> list[int] | None:
+    """:func:`_read_plain` of a :class:`Columns` answer, with no ``KeyResult`` made. None when
+    a segment is not open yet, a buffer is too small or the lease is over (``read`` of
+    ``column_results`` then does it key by key)."""
+    handles = client._handles
+    hs = [handles.get(name) for name in cols.segments]
+    sizes = cols.size
+    if None in hs or max(map(operator.sub, sizes, caps)) > 0:
+        return None
+    lease = Deadline(min(deadline.at, lease_end))
+    if lease.remaining() <= 0:
+        return None
+    if len(hs) == 1:
+        h = hs[0]
+        items = [(h, a, r, n, g) for a, r, n, g in zip(addrs, cols.addr, sizes, cols.gen)]
+    else:
+        items = [(hs[s], a, r, n, g) for s, a, r, n, g in zip(cols.seg, addrs, cols.addr, sizes,
+                                                                 cols.gen)]
+    got = client.engine.read_many(items, coarse(lease.remaining()))  # type: ignore[arg-type]
+    out = list(sizes)
+    if got.count(OK) == len(got):
+        return out
+    bad = [i for i, st in enumerate(got) if st != OK]
+    blame(client, {cols.segments[cols.seg[i]] for i in bad})
+    for i in bad:
+        out[i] = _failure(False, lease_end)
+    return out
 
 
 def _failure(corrupt: bool, lease_end: float) -> int:

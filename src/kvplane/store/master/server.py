@@ -307,6 +307,10 @@ class MasterServer:
         now = self.clock()
         self.state.suspect(req.suspects, now)
         stale = None
+        if req.columns and req.expect is None:
+            cols = self.state.columns_many(req.keys, now)
+            if cols is not None:  # every key found: nothing for the recovery gate
+                return ResultsRep([], self.state.config.lease_ttl, columns=cols)
         if req.expect is None:
             results = self.state.get_replicas_many(req.keys, now)
         elif len(req.expect) != len(req.keys):

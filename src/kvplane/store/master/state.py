@@ -40,7 +40,7 @@ from kvplane.store.master.fences import Quarantine
 from kvplane.store.master.repair import Repairs
 from kvplane.store.master.tiers import DiskTier
 from kvplane.store.types import (
-    MAX_KEY, MAX_VALUE, KeyResult, Location, Replica, ReplicateConfig, SegmentInfo,
+    MAX_KEY, MAX_VALUE, Columns, KeyResult, Location, Replica, ReplicateConfig, SegmentInfo,
 )
 from kvplane.transfer.fence import EPOCH_SHIFT
 
@@ -426,6 +426,36 @@ class MasterState:
             out.append(KeyResult(0, [segments[name].replica(off, obj.size, gen, obj.hdr)],
                                  obj.size, obj.version, obj.checksum))
         return out
+
+    def columns_many(self, keys: list[str], now: float) -> Columns | None:
+        """:meth:`get_replicas_many` as :class:`Columns`, with the same leases and LRU moves,
+        when every key is a complete object with one replica and no copy on disk; else None
+        (the leases and moves already given are those :meth:`get_replicas_many` gives
+        again)."""
+        objects, segments = self.objects, self.segments
+        until = now + self.config.lease_ttl
+        touch = objects.move_to_end
+        names: dict[str, int] = {}
+        seg: list[int] = []
+        addr: list[int] = []
+        size: list[int] = []
+        gen: list[int] = []
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or not obj.complete or obj.disk or len(obj.replicas) != 1:
+                return None
+            if obj.lease_until < until:
+                obj.lease_until = until
+            touch(key)
+            name, off, g = obj.replicas[0]
+            j = names.get(name)
+            if j is None:
+                j = names[name] = len(names)
+            seg.append(j)
+            addr.append(segments[name].info.base + off + obj.hdr)
+            size.append(obj.size)
+            gen.append(g)
+        return Columns(list(names), seg, addr, size, gen)
 
     def confirm_many(self, keys: list[str], expect: list[Location | None], now: float
                      ) -> tuple[list[int], list[KeyResult]]:
