@@ -174,6 +174,16 @@ def test_a_removed_key_is_a_miss_not_its_old_bytes(pool):
         assert a.wrong(keys[4:], 1) == 0
 
 
+@contextlib.contextmanager
+def pool_with_victim():
+    """A master with two segments, the second one to kill or stop: a pool of its own, since a
+    segment killed or stopped stays mounted for a while and would get other tests' replicas."""
+    with spawn_master() as m:
+        addr = m.info["master"]
+        with spawn_segment(addr, "64MiB"), spawn_segment(addr, "64MiB") as victim:
+            yield addr, victim
+
+
 def learned_on(a: Side, victim, prefix: str) -> list[str]:
     """16 keys put with two replicas, one on ``victim``; ``a`` is taught the victim's ones."""
     keys = [f"{prefix}-{i}" for i in range(16)]
@@ -186,11 +196,10 @@ def learned_on(a: Side, victim, prefix: str) -> list[str]:
     return keys
 
 
-def test_a_dead_segment_under_a_known_location_fails_over(pool):
+def test_a_dead_segment_under_a_known_location_fails_over():
     # two replicas; the client learned one; that segment is killed (kill -9): the speculative
     # read fails, and the get is served from the other replica the master names
-    addr, segs = pool
-    with spawn_segment(addr, "64MiB") as victim:
+    with pool_with_victim() as (addr, victim):
         a = Side(addr, 16)
         try:
             keys = learned_on(a, victim, "spec-k")
@@ -203,13 +212,12 @@ def test_a_dead_segment_under_a_known_location_fails_over(pool):
             a.close()
 
 
-def test_a_stalled_segment_under_known_locations_costs_one_get_not_every_get(pool):
+def test_a_stalled_segment_under_known_locations_costs_one_get_not_every_get():
     # two replicas; the client learned the ones on a segment that then stops (SIGSTOP: its
     # connections stay open and answer nothing). The first get's speculative read gives up at
     # half the call's time and the key is read from the other replica; the segment is then
     # suspect, so later gets do not speculate on it. Before, every get waited out the stall.
-    addr, _ = pool
-    with spawn_segment(addr, "64MiB") as victim:
+    with pool_with_victim() as (addr, victim):
         a = Side(addr, 16, timeout=2.0)
         try:
             keys = learned_on(a, victim, "spec-s")
