@@ -267,8 +267,10 @@ class StoreClient:
                 columns: bool = False) -> tuple[ResultsRep, float]:
         """The master's answer to a lookup of ``keys`` and the local time its read lease ends
         (the master's TTL, counted from before the request was sent). ``meanwhile`` runs
-        while the master answers; ``expect`` and ``columns``: see ``KeysReq``."""
+        while the master answers; ``expect`` and ``columns``: see ``KeysReq`` (no columns with
+        checksums on)."""
         sent = time.monotonic()
+        columns = columns and not self.config.checksum  # (the columns carry no checksums)
         rep = self._call("get_replicas", KeysReq(self.config.client_id, list(keys),
                                                  self.suspects.take(), expect, columns),
                          ResultsRep, deadline, meanwhile)
@@ -341,14 +343,13 @@ class StoreClient:
         out: list[bytes | KVPlaneError | None] = [None] * len(keys)
         sizes = locations.sizes(self, keys)
         if sizes is not None:
-            with ExitStack() as stack:
-                blocks = [stack.enter_context(self.staging.block(n)) for n in sizes]
-                got = locations.get_into(self, keys, [a for a, _ in blocks], sizes, deadline)
-                for i, n, (_, view) in zip(range(len(keys)), got, blocks):
-                    if n >= 0:
-                        out[i] = view[:n].tobytes()
-                    elif n != InvalidParams.code:  # (that one grew: read below at its new size)
-                        out[i] = key_error(n, keys[i])
+            got = self._staged(sizes, lambda addrs: locations.get_into(self, keys, addrs, sizes,
+                                                                       deadline))
+            for i, v in enumerate(got):  # type: ignore[arg-type]
+                if isinstance(v, bytes):
+                    out[i] = v
+                elif v != InvalidParams.code:  # (that one grew: read below at its new size)
+                    out[i] = key_error(v, keys[i])
         rest = [i for i, o in enumerate(out) if o is None]
         if rest:
             for i, o in zip(rest, self._get_copies([keys[i] for i in rest], deadline)):
@@ -357,28 +358,36 @@ class StoreClient:
 
     def _get_copies(self, keys: list[str], deadline: Deadline) -> list[bytes | KVPlaneError]:
         """:meth:`get_batch` by the master's answer: staging sized by it, then the reads."""
-        rep, lease_end = self._lookup(keys, deadline, columns=not self.config.checksum)
+        rep, lease_end = self._lookup(keys, deadline, columns=True)
         cols = rep.columns
         if cols is not None:
-            with ExitStack() as stack:
-                blocks = [stack.enter_context(self.staging.block(n)) for n in cols.size]
-                got = locations.read_columns(self, keys, cols, [a for a, _ in blocks], cols.size,
-                                             deadline, lease_end)
-                if got is not None:
-                    return [view[:n].tobytes() if n >= 0 else key_error(n, k)
-                            for k, n, (_, view) in zip(keys, got, blocks)]
+            got = self._staged(cols.size, lambda addrs: locations.read_columns(
+                self, keys, cols, addrs, cols.size, deadline, lease_end))
+            if got is not None:
+                return [v if isinstance(v, bytes) else key_error(v, k) for k, v in zip(keys, got)]
         results = self._results(keys, rep, deadline)
         hits = [i for i, r in enumerate(results) if r.code == 0]
         out: list[bytes | KVPlaneError] = [key_error(r.code, k) if r.code else b""
                                            for k, r in zip(keys, results)]
-        with ExitStack() as stack:
-            blocks = [stack.enter_context(self.staging.block(results[i].size)) for i in hits]
-            got = tiering.read(self, [results[i] for i in hits], [a for a, _ in blocks],
-                               [results[i].size for i in hits], deadline, lease_end)
-            for i, n, (_, view) in zip(hits, got, blocks):
-                out[i] = view[:n].tobytes() if n >= 0 else key_error(n, keys[i])
-        locations.remember(self, keys, results, [i for i, n in zip(hits, got) if n >= 0])
+        got = self._staged([results[i].size for i in hits], lambda addrs: tiering.read(
+            self, [results[i] for i in hits], addrs, [results[i].size for i in hits], deadline,
+            lease_end))
+        for i, v in zip(hits, got):  # type: ignore[arg-type]
+            out[i] = v if isinstance(v, bytes) else key_error(v, keys[i])
+        locations.remember(self, keys, results, [i for i, v in zip(hits, got)  # type: ignore[arg-type]
+                                                 if isinstance(v, bytes)])
         return out
+
+    def _staged(self, sizes: list[int], read: Callable[[list[int]], list[int] | None]
+                ) -> list[bytes | int] | None:
+        """``read`` into staging blocks of ``sizes``: per key its bytes, or the error code
+        ``read`` gave it; None if ``read`` did."""
+        with ExitStack() as stack:
+            blocks = [stack.enter_context(self.staging.block(n)) for n in sizes]
+            got = read([a for a, _ in blocks])
+            if got is None:
+                return None
+            return [view[:n].tobytes() if n >= 0 else n for n, (_, view) in zip(got, blocks)]
 
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key``.

@@ -116,8 +116,7 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     those the master's answer does not confirm, are read from that answer."""
     spec = _plan(client, keys, addrs, caps) if client.locations.capacity else None
     if spec is None:
-        plain = not client.config.checksum  # (the columns carry no checksums)
-        rep, lease_end = client._lookup(keys, deadline, columns=plain)
+        rep, lease_end = client._lookup(keys, deadline, columns=True)
         if rep.columns is not None:
             got = read_columns(client, keys, rep.columns, addrs, caps, deadline, lease_end)
             if got is not None:

@@ -212,14 +212,7 @@ def _read_plain(client: "StoreClient", results: list[KeyResult], addrs: list[int
     if lease.remaining() <= 0:
         return None
     items = [(h, a, rep.addr, n, rep.gen) for h, a, rep, n in zip(hs, addrs, reps, sizes)]
-    got = client.engine.read_many(items, coarse(lease.remaining()))
-    if got.count(OK) == len(got):
-        return sizes
-    bad = [i for i, st in enumerate(got) if st != OK]
-    blame(client, {reps[i].segment for i in bad})
-    for i in bad:
-        sizes[i] = _failure(False, lease_end)
-    return sizes
+    return _one_pass(client, items, sizes, lease, lease_end, lambda i: reps[i].segment)
 
 
 def read_columns(client: "StoreClient", cols: Columns, addrs: list[int], caps: list[int],
@@ -241,12 +234,21 @@ def read_columns(client: "StoreClient", cols: Columns, addrs: list[int], caps: l
     else:
         items = [(hs[s], a, r, n, g) for s, a, r, n, g in zip(cols.seg, addrs, cols.addr, sizes,
                                                                  cols.gen)]
-    got = client.engine.read_many(items, coarse(lease.remaining()))  # type: ignore[arg-type]
+    return _one_pass(client, items, sizes, lease, lease_end,  # type: ignore[arg-type]
+                     lambda i: cols.segments[cols.seg[i]])
+
+
+def _one_pass(client: "StoreClient", items: list[tuple[int, int, int, int, int]],
+              sizes: list[int], lease: Deadline, lease_end: float,
+              segment_of: Callable[[int], str]) -> list[int]:
+    """One ``read_many`` of one item per key: per key its size, or the failure of a key whose
+    read failed (nothing to fail over to; its segment, ``segment_of(i)``, is blamed)."""
+    got = client.engine.read_many(items, coarse(lease.remaining()))
     out = list(sizes)
     if got.count(OK) == len(got):
         return out
     bad = [i for i, st in enumerate(got) if st != OK]
-    blame(client, {cols.segments[cols.seg[i]] for i in bad})
+    blame(client, {segment_of(i) for i in bad})
     for i in bad:
         out[i] = _failure(False, lease_end)
     return out

@@ -307,16 +307,15 @@ class MasterServer:
         now = self.clock()
         self.state.suspect(req.suspects, now)
         stale = None
-        if req.columns and req.expect is None:
-            cols = self.state.columns_many(req.keys, now)
+        if req.expect is not None:
+            if len(req.expect) != len(req.keys):
+                raise InvalidParams("expect must give one location (or null) per key")
+            stale, results = self.state.confirm_many(req.keys, req.expect, now)
+        else:
+            cols = self.state.columns_many(req.keys, now) if req.columns else None
             if cols is not None:  # every key found: nothing for the recovery gate
                 return ResultsRep([], self.state.config.lease_ttl, columns=cols)
-        if req.expect is None:
             results = self.state.get_replicas_many(req.keys, now)
-        elif len(req.expect) != len(req.keys):
-            raise InvalidParams("expect must give one location (or null) per key")
-        else:
-            stale, results = self.state.confirm_many(req.keys, req.expect, now)
         self._gate(now, any(r.code == ObjectNotFound.code for r in results))
         return ResultsRep(results, self.state.config.lease_ttl, stale=stale)
 

@@ -470,18 +470,13 @@ class MasterState:
         out: list[KeyResult] = []
         for i, (key, loc) in enumerate(zip(keys, expect, strict=True)):
             obj = objects.get(key)
-            if loc is not None and obj is not None and obj.complete and obj.size == loc[3]:
-                seg, addr, gen = loc[0], loc[1], loc[2]
-                for name, off, g in obj.replicas:
-                    if g == gen and name == seg and segments[name].info.base + off + obj.hdr == addr:
-                        break
-                else:
-                    name = ""
-                if name:
-                    if obj.lease_until < until:
-                        obj.lease_until = until
-                    touch(key)
-                    continue
+            if loc is not None and obj is not None and obj.complete and obj.size == loc[3] and any(
+                    g == loc[2] and name == loc[0] and segments[name].info.base + off + obj.hdr == loc[1]
+                    for name, off, g in obj.replicas):
+                if obj.lease_until < until:
+                    obj.lease_until = until
+                touch(key)
+                continue
             stale.append(i)
             out.append(self.get_replicas(key, now))
         return stale, out
