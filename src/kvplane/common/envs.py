@@ -68,6 +68,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_SEGMENT_POPULATE", parse_bool, True, "Mooncake facade: fault a contributed segment's pages in at setup (0: on first use)"),
         EnvVar("KVPLANE_STORE_CHECKSUM", parse_bool, False, "store clients checksum every put (xxh3-64) and check it on every get"),
         EnvVar("KVPLANE_STORE_LOCATION_CACHE", int, 65536, "keys whose replica a store client remembers, to read them while the master looks them up (0: off)"),
+        EnvVar("KVPLANE_STORE_HELD_READS", parse_bool, True, "store gets of keys a lookup confirmed less than half a read lease ago read them without asking the master (0: off)"),
         EnvVar("KVPLANE_CLUSTER_ID", str, "", "HA store cluster id when an etcd:// master address names none (default kvplane)"),
         EnvVar("KVPLANE_MAX_CONNECTIONS", int, 512, "most inbound data connections one engine serves"),
         EnvVar("KVPLANE_P2P_TRACKER", str, "http://127.0.0.1:8080", "URL of the P2P tracker (the `kvplane metadata` server)"),

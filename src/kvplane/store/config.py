@@ -43,6 +43,10 @@ class StoreConfig:
             trip of wall time instead of two. The bytes count only if the master's answer names
             the same allocation (segment, address, generation); else the key is read again.
             0 turns it off (``KVPLANE_STORE_LOCATION_CACHE``).
+        held_reads: a get of keys whose places a lookup confirmed less than half a read lease
+            ago reads them without asking the master again (one round trip; upserts and forced
+            removes retire the old places first: ``store/client/locations.py``). Needs the
+            location cache; off with ``KVPLANE_STORE_HELD_READS=0``.
         client_id: unique id of this client (fresh by default).
         disk_dir: directory of this node's SSD tier ("" : none; needs a segment).
         disk_size: bytes the SSD tier may hold (its quota).
@@ -66,6 +70,7 @@ class StoreConfig:
     lease_ttl: float = 10.0
     checksum: bool = False
     location_cache: int = 65536
+    held_reads: bool = True
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     disk_dir: str = ""
     disk_size: int = 0
@@ -85,7 +90,9 @@ class StoreConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreConfig":
         """Defaults (the token from KVPLANE_TOKEN or the token file), then
-        KVPLANE_STORE_CHECKSUM and KVPLANE_STORE_LOCATION_CACHE, then explicit ``overrides``."""
+        KVPLANE_STORE_CHECKSUM, KVPLANE_STORE_LOCATION_CACHE and KVPLANE_STORE_HELD_READS,
+        then explicit ``overrides``."""
         base = cls(checksum=envs.get("KVPLANE_STORE_CHECKSUM"),
-                   location_cache=envs.get("KVPLANE_STORE_LOCATION_CACHE"))
+                   location_cache=envs.get("KVPLANE_STORE_LOCATION_CACHE"),
+                   held_reads=envs.get("KVPLANE_STORE_HELD_READS"))
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})

@@ -103,6 +103,7 @@ class PingReq(msgspec.Struct):
     fenced: list[int] = msgspec.field(default_factory=list)  # generations this client's segments fenced
     suspects: list[str] = msgspec.field(default_factory=list)  # segments a transfer to failed
     forgot: list[int] = msgspec.field(default_factory=list)  # generations whose headers went
+    retired: list[tuple[str, int]] = msgspec.field(default_factory=list)  # see PutStartReq
 
 
 class RepairTask(msgspec.Struct, array_like=True):
@@ -142,6 +143,9 @@ class PutStartReq(msgspec.Struct):
     ttl: float = 0.0  # seconds this client may go on writing (its call deadline); 0: the default
     checksums: list[int] = msgspec.field(default_factory=list)  # of each value (the headers carry it)
     nonce: int = 0  # this call's id: a retry with the same nonce resumes its puts
+    # (segment, generation) this client had refused there (``Retire``) since it last said:
+    # that space may go to new objects before its lease ends (``Quarantine.ack``)
+    retired: list[tuple[str, int]] = msgspec.field(default_factory=list)
 
 
 class KeyResult(msgspec.Struct, array_like=True, gc=False):
@@ -158,6 +162,13 @@ class KeyResult(msgspec.Struct, array_like=True, gc=False):
 
 Location = tuple[str, int, int, int]  # where a client last read a key: segment, value address,
 # generation, size (``kvplane.store.client.locations``)
+
+
+# (key index, segment, generation): a replica of an object that this call replaced or removed
+# while a read lease on it was running. Clients that hold that lease may read the replica
+# without asking the master (``kvplane.store.client.locations``), so the caller has the
+# segment refuse the generation (``TransferEngine.retire``) before its call returns.
+Retire = tuple[int, str, int]
 
 
 class KeysReq(msgspec.Struct):
@@ -239,10 +250,12 @@ class ResultsRep(msgspec.Struct):
     # ``results`` answer, in order; every other key is where the client expected it
     columns: Columns | None = None  # get_replicas with ``columns``: the whole answer, when
     # every key is plain (``results`` is then empty)
+    retire: list[Retire] | None = None  # PutStart: what the caller retires before PutEnd
 
 
 class CodesRep(msgspec.Struct):
     codes: list[int]
+    retire: list[Retire] | None = None  # remove: what the caller retires before it returns
 
 
 def column_results(cols: Columns) -> list[KeyResult]:

@@ -282,6 +282,37 @@ class TransferEngine:
         """Drop cached same-host mappings of segments whose process has exited; returns how many."""
         return sum(t.prune() for t in self.transports.values() if hasattr(t, "prune"))
 
+    def retire(self, handle: int, gens: list[int], timeout: float = 5.0) -> None:
+        """Have the listener of segment ``handle`` refuse READs and WRITEs of ``gens`` from
+        now on (``Fence.retire``); this engine's own segment retires them in place.
+
+        Raises:
+            NotFound: no such handle.
+            Unavailable: the segment's listener could not be reached, or refused.
+        """
+        seg = self.segment(handle)
+        if seg.name == self.name:
+            self.fence.retire(gens)
+            return
+        tcp = self.transports.get("tcp")
+        if tcp is None or seg.desc.port <= 0:
+            raise Unavailable(f"segment {seg.name!r} has no listener to retire generations at")
+        tcp.retire(seg.desc.host, seg.desc.port, gens, timeout)  # type: ignore[attr-defined]
+
+    def via_listener(self, handle: int, remote: int, length: int) -> bool:
+        """True when a READ of ``[remote, remote+length)`` in segment ``handle`` goes through
+        that segment's listener (TCP), which checks generations against its fence table
+        (retired ones included); shared memory and this engine's own memory are copied
+        directly and check only the fence floor."""
+        seg = self._segments.get(handle)
+        tcp = self.transports.get("tcp")
+        if seg is None or tcp is None:
+            return False
+        try:
+            return self._pick(None, Route(seg.desc, seg.region(remote, length), seg.same_host)) is tcp
+        except KVPlaneError:
+            return False
+
     # -- planning --------------------------------------------------------------------------
     def _pick(self, transport: str | None, route: Route) -> Transport:
         """The transport for a request asking for ``transport`` (None: the engine's protocol)."""

@@ -13,7 +13,11 @@ The listener refuses a frame whose generation
   old allocations are gone from the master), or
 * was fenced: the master freed that allocation while a write against it could still be in
   flight (a revoked or abandoned put), and will not reuse the space until this segment has
-  acknowledged the fence (see ``install``).
+  acknowledged the fence (see ``install``), or
+* was retired: a store client replaced or force-removed the object of that allocation while
+  other clients may hold a read lease on it (``retire``; the store's held reads,
+  ``kvplane.store.client.locations``). Retired generations are kept apart from fenced ones, so
+  a flood of them never pushes a fence the master waits for out of the table.
 
 ``install`` acknowledges only generations with no WRITE in progress, so once the master has the
 acknowledgement no byte of a stale frame can land.
@@ -59,6 +63,7 @@ class Fence:
         self.floor = 0  # lowest generation admitted (its epoch is ``epoch``)
         self._word: memoryview | None = None  # shared-memory copy of the floor
         self._fenced: OrderedDict[int, None] = OrderedDict()
+        self._retired: OrderedDict[int, None] = OrderedDict()
         self._writing: Counter[int] = Counter()
         self.refused = 0
 
@@ -70,6 +75,7 @@ class Fence:
         with self._lock:
             if epoch != self.epoch:
                 self._fenced.clear()
+                self._retired.clear()
             self.epoch, self.floor = epoch, floor
             if self._word is not None:
                 self._word[:] = floor.to_bytes(8, "little")
@@ -86,7 +92,7 @@ class Fence:
             return sum(n for g, n in self._writing.items() if not admits(self.floor, g))
 
     def _admit(self, gen: int) -> bool:
-        ok = admits(self.floor, gen) and gen not in self._fenced
+        ok = admits(self.floor, gen) and gen not in self._fenced and gen not in self._retired
         if not ok:
             self.refused += 1
         return ok
@@ -137,6 +143,17 @@ class Fence:
             while len(self._fenced) > self._keep:
                 self._fenced.popitem(last=False)
             return [g for g in gens if not self._writing.get(g)]
+
+    def retire(self, gens: list[int]) -> None:
+        """Refuse READs and WRITEs of ``gens`` from now on (idempotent; 0 is ignored). Frames
+        already admitted finish."""
+        with self._lock:
+            for gen in gens:
+                if gen:
+                    self._retired[gen] = None
+                    self._retired.move_to_end(gen)
+            while len(self._retired) > self._keep:
+                self._retired.popitem(last=False)
 
     def fenced(self, gen: int) -> bool:
         """True when ``gen`` is fenced."""

@@ -18,6 +18,10 @@ WRITEV writes up to ``MAX_READV`` entries in one frame: ``addr`` is the entry co
 each checked and fenced like a WRITE) and then the payloads, in order. The response's ``length``
 is ``N * 4``: N status codes follow (0 written, else the error code of that entry, whose payload
 was received and dropped).
+
+RETIRE refuses reads and writes of up to ``MAX_RETIRE`` allocation generations from then on
+(``Fence.retire``): ``addr`` is the count N and ``length`` is ``N * 8``, followed by N u64
+generations. The response (``length`` 0) comes once they are refused.
 """
 
 from __future__ import annotations
@@ -42,10 +46,13 @@ OP_WRITE = 4
 OP_PING = 5
 OP_READV = 6
 OP_WRITEV = 7
+OP_RETIRE = 8
 OPS = {OP_HELLO: "hello", OP_DESCRIBE: "describe", OP_READ: "read", OP_WRITE: "write", OP_PING: "ping",
-       OP_READV: "readv", OP_WRITEV: "writev"}
+       OP_READV: "readv", OP_WRITEV: "writev", OP_RETIRE: "retire"}
 READV_ENTRY = struct.Struct("<QQQ")  # addr, length, gen (READV and WRITEV)
 MAX_READV = 256  # entries per READV or WRITEV frame (the iovecs stay far below IOV_MAX)
+RETIRE_ENTRY = struct.Struct("<Q")  # a generation (RETIRE)
+MAX_RETIRE = 4096  # generations per RETIRE frame
 
 MAX_TOKEN = 4096
 MAX_ERROR = 4096

@@ -154,6 +154,8 @@ class DataServer:
             self._write(conn, rid, addr, length, gen)
         elif op == protocol.OP_WRITEV:
             self._writev(conn, rid, addr, length)
+        elif op == protocol.OP_RETIRE:
+            self._retire(conn, rid, addr, length)
         elif op == protocol.OP_DESCRIBE:
             body = self._describe()
             protocol.send_all(conn, [protocol.pack_resp(0, rid, len(body)), body])
@@ -284,6 +286,15 @@ class DataServer:
         if last is not None and last.addr <= addr and addr + n <= last.end:
             return last
         return self.memory.find(addr, n)
+
+    def _retire(self, conn: socket.socket, rid: int, count: int, length: int) -> None:
+        """Refuse frames of the generations that follow from now on (see protocol)."""
+        if not 0 < count <= protocol.MAX_RETIRE or length != count * protocol.RETIRE_ENTRY.size:
+            raise _Reject("bad_retire", f"RETIRE of {count} generations in {length} bytes")
+        body = bytearray(length)
+        protocol.recv_exact(conn, memoryview(body))
+        self.fence.retire([g for (g,) in protocol.RETIRE_ENTRY.iter_unpack(body)])
+        conn.sendall(protocol.pack_resp(0, rid, 0))
 
     def _writev(self, conn: socket.socket, rid: int, count: int, length: int) -> None:
         """Many WRITEs in one frame; each entry is checked and fenced on its own (see

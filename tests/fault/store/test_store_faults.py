@@ -48,7 +48,8 @@ def test_kill9_segment_with_one_of_two_replicas_under_read_load():
             before = rpc_count(admin, "get_replicas")
             reader.popen.stdin.write(json.dumps({"op": "read_loop", "keys": keys, "seconds": 4}) + "\n")
             reader.popen.stdin.flush()
-            wait_until(lambda: rpc_count(admin, "get_replicas") > before + 50, 20, "reads under way")
+            # every key's first get is a lookup (later ones may be held reads, with none)
+            wait_until(lambda: rpc_count(admin, "get_replicas") >= before + 40, 20, "reads under way")
             victim.kill()
             res = json.loads(reader.popen.stdout.readline())["result"]
             assert res["ok"] > 100

@@ -45,6 +45,7 @@ class Side:
     """A client with one registered buffer for puts and one for gets."""
 
     def __init__(self, master: str, n: int, **cfg) -> None:
+        cfg.setdefault("held_reads", False)  # speculation here; held reads: test_held_reads.py
         self.c = StoreClient(master=master, protocol="tcp", **cfg)
         self.tx = np.zeros(SIZE * n, np.uint8)
         self.rx = np.zeros(SIZE * n, np.uint8)

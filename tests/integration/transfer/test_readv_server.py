@@ -190,3 +190,37 @@ def test_a_readv_inside_one_region_returns_every_entry_in_order(server):
         assert struct.unpack(f"<{len(entries)}i", recv_n(sock, 4 * len(entries))) == \
             (0,) * len(entries)
         assert recv_n(sock, length) == want
+
+
+def retire(sock: socket.socket, gens: list[int], rid: int = 9) -> None:
+    body = b"".join(protocol.RETIRE_ENTRY.pack(g) for g in gens)
+    sock.sendall(protocol.pack_req(protocol.OP_RETIRE, rid, len(gens), len(body)) + body)
+
+
+def test_a_retired_generation_is_refused_from_the_answer_on(server):
+    """RETIRE (held reads: an upsert or forced remove has the old place refused): once the
+    listener answered it, READs and READVs of those generations fail; others still serve."""
+    srv, data = server
+    old, other = 1 << EPOCH_SHIFT | 11, 1 << EPOCH_SHIFT | 12
+    with connect(srv) as sock:
+        readv(sock, [(BASE, 16, old)], rid=1)
+        assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:] == (0, 1, 16)
+        assert recv_n(sock, 4 + 16)[4:] == bytes(data[:16])
+        retire(sock, [old], rid=2)
+        assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size)) == (protocol.RESP_MAGIC, 0, 2, 0)
+        readv(sock, [(BASE, 16, old), (BASE + 16, 16, other)], rid=3)
+        assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:] == (0, 3, 16)
+        assert struct.unpack("<2i", recv_n(sock, 8)) == (Fenced.code, 0)
+        assert recv_n(sock, 16) == bytes(data[16:32])
+    assert srv.fence.fenced(old) is False  # retired, not fenced: the master's fences stay apart
+
+
+@pytest.mark.parametrize("count,length", [(0, 0), (protocol.MAX_RETIRE + 1, 8 * (protocol.MAX_RETIRE + 1)),
+                                          (2, 8 * 3)])
+def test_a_malformed_retire_closes_the_connection(server, count, length):
+    srv, _ = server
+    before = srv.rejected
+    with connect(srv) as sock:
+        sock.sendall(protocol.pack_req(protocol.OP_RETIRE, 1, count, length))
+        assert sock.recv(64) == b""  # closed without an answer
+    assert srv.rejected == before + 1

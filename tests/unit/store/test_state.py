@@ -110,15 +110,46 @@ def test_force_remove_of_leased_object_defers_its_space():
     assert not st.graveyard and st.used_ratio() == 0.0
 
 
-def test_force_removed_space_is_reused_early_only_when_the_pool_is_full():
+def test_force_removed_space_is_reused_early_only_when_the_pool_is_full_and_it_is_fenced():
+    """Readers holding the lease may read the place without asking the master (held reads):
+    before the lease ends, the space goes to another object only once its segment refuses the
+    old generation, and the caller is told to retire it at once."""
     st = state(n_segs=1, lease_ttl=10.0)
-    put(st, "k", size=HALF)
+    gen = put(st, "k", size=HALF).replicas[0].gen
     st.get_replicas("k", 1.0)
+    st.retiring.clear()
     assert st.remove("k", True, 2.0) == 0
+    assert st.retiring == [("s0", gen, 11.0)]
+    assert st.fences_for("c0") == [gen]  # sent with the owner's heartbeats until acknowledged
     assert st.put_start("a", HALF, ReplicateConfig(), 3.0).code == 0  # free space first
     assert len(st.graveyard) == 1
-    assert st.put_start("b", HALF, ReplicateConfig(), 3.0).code == 0  # pool full: graveyard
-    assert not st.graveyard
+    assert st.put_start("b", HALF, ReplicateConfig(), 3.0).code == NoAvailableHandle.code
+    assert st.ping("c0", 3.5, fenced=[gen]) == "ok"  # the segment refuses the generation now
+    assert st.put_start("b", HALF, ReplicateConfig(), 4.0).code == 0  # pool full: graveyard
+    assert not st.graveyard and st.fences_for("c0") == []
+
+
+def test_space_a_client_retired_may_go_early_when_the_pool_is_full():
+    """The remover had the segment refuse the old generation (``Retire``) and says so with
+    its next PutStart: the space need not wait for the owner's heartbeat."""
+    st = state(n_segs=1, lease_ttl=10.0)
+    gen = put(st, "k", size=HALF).replicas[0].gen
+    st.get_replicas("k", 1.0)
+    assert st.remove("k", True, 2.0) == 0
+    assert st.put_start("a", HALF, ReplicateConfig(), 3.0).code == 0
+    assert st.retired([("s0", gen + 1), ("other", gen)]) == 0  # not what is held
+    assert st.put_start("b", HALF, ReplicateConfig(), 3.0).code == NoAvailableHandle.code
+    assert st.retired([("s0", gen)]) == 1
+    assert st.put_start("b", HALF, ReplicateConfig(), 3.0).code == 0
+
+
+def test_space_held_for_readers_frees_at_lease_end_without_its_fence():
+    st = state(n_segs=1, lease_ttl=10.0)
+    put(st, "k", size=FULL)
+    st.get_replicas("k", 1.0)
+    assert st.remove("k", True, 2.0) == 0
+    st.reclaim(11.5)  # no reader holds the lease any more: the fence is moot
+    assert not st.graveyard and st.used_ratio() == 0.0 and st.fences_for("c0") == []
 
 
 def test_eviction_from_high_watermark_skips_leased_pinned_and_unfinished():

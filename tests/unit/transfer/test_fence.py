@@ -52,3 +52,18 @@ def test_admit_many_decides_each_generation_as_admit_does():
     assert f.refused == before + 4
     assert [f.admit(g) for g in gens] == want
     assert f.admit_many([0, 0]) == [True, True]
+
+
+def test_retired_generations_are_refused_and_kept_apart_from_fences():
+    """A flood of retirements (store clients, held reads) never pushes out a fence the master
+    waits for: both tables are bounded on their own."""
+    f = Fence(keep=2)
+    f.set_epoch(1)
+    f.install([gen(1, 1)])
+    f.retire([gen(1, 5), 0, gen(1, 6), gen(1, 7)])
+    assert f.fenced(gen(1, 1)) and not f.admit(gen(1, 1))  # the master's fence stays
+    assert not f.admit(gen(1, 6)) and not f.begin_write(gen(1, 7))
+    assert f.admit(gen(1, 5))  # the oldest retirement went (bounded)
+    assert f.admit_many([gen(1, 6), gen(1, 8), 0]) == [False, True, True]
+    f.set_epoch(2)  # a new epoch refuses the old generations by their epoch anyway
+    assert f.admit(gen(2, 6))

@@ -85,10 +85,13 @@ class StoreClient:
         self._closed = threading.Event()
         self.remounts = 0
         self.suspects = moves.Suspects()
+        self.retired = moves.Retired()
         self.duty = SegmentDuty(self)
         self.holdings = Holdings(self)
         self.corrupt_reads = 0  # replica reads whose bytes failed the checksum
         self.locations = Locations(cfg.location_cache)  # where recent keys are (speculative gets)
+        self.lease_ttl = cfg.lease_ttl  # the master's read lease, as its last lookup said
+        self._listened: dict[int, bool] = {}  # segment handle -> reads go through its listener
         self.disk_links = tiering.DiskLinks(cfg.token)
         self.disk: DiskDuty | None = None
         try:
@@ -148,9 +151,10 @@ class StoreClient:
     def _ping(self, acks: list[int], forgot: list[int]) -> tuple[list[int], list[int]]:
         """One heartbeat; returns fence and forget acknowledgements to send at once."""
         rep = self.rpc.call("ping", PingReq(self.config.client_id, acks, self.suspects.take(),
-                                            forgot), PingRep,
+                                            forgot, self.retired.take()), PingRep,
                             timeout=min(self.config.timeout, 5.0))
         if rep.status == "need_remount":
+            self.locations.drop_holds()  # a master that lost its leases: hold nothing of old
             self.mount()
             self.engine.publish()
             self.remounts += 1
@@ -220,13 +224,15 @@ class StoreClient:
         sent = time.monotonic()
         rep = tiering.put_start(self, keys, sizes, cfg, upsert, sums, deadline)
         codes = [r.code for r in rep.results]
-        ok = [i for i, c in enumerate(codes) if c == 0]
+        unretired = moves.retire(self, rep.retire, deadline) if rep.retire else set()
+        ok = [i for i, c in enumerate(codes) if c == 0 and i not in unretired]
         reserve = min(WRITE_RESERVE * self.config.timeout, 1.0)
         window = sent + rep.ttl if rep.ttl > 0 else deadline.at  # copies must start inside it
         with self.staging.block(moves.put_staging(rep.results, ok, sizes) or 1) as (hbase, hv):
             writes = moves.put_moves(rep.results, ok, addrs, sizes, hbase, hv,
                                      self.engine.memory.view)
             failed = moves.write(self, writes, Deadline(min(deadline.at - reserve, window)))
+        failed |= {i for i in unretired if codes[i] == 0}  # not made safe: not committed
         ends = [(keys[i], rep.results[i].version, sums[i], i) for i in ok if i not in failed]
         revokes = [(keys[i], rep.results[i].version) for i in sorted(failed)]
         if ends:
@@ -274,7 +280,9 @@ class StoreClient:
         rep = self._call("get_replicas", KeysReq(self.config.client_id, list(keys),
                                                  self.suspects.take(), expect, columns),
                          ResultsRep, deadline, meanwhile)
-        return rep, sent + (rep.ttl if rep.ttl > 0 else self.config.lease_ttl)
+        if rep.ttl > 0:
+            self.lease_ttl = rep.ttl
+        return rep, sent + self.lease_ttl
 
     def _results(self, keys: list[str], rep: ResultsRep, deadline: Deadline) -> list[KeyResult]:
         """Per key the result in ``rep`` (None for a key confirmed where it was expected), with
@@ -375,7 +383,7 @@ class StoreClient:
         for i, v in zip(hits, got):  # type: ignore[arg-type]
             out[i] = v if isinstance(v, bytes) else key_error(v, keys[i])
         locations.remember(self, keys, results, [i for i, v in zip(hits, got)  # type: ignore[arg-type]
-                                                 if isinstance(v, bytes)])
+                                                 if isinstance(v, bytes)], until=lease_end)
         return out
 
     def _staged(self, sizes: list[int], read: Callable[[list[int]], list[int] | None]
@@ -417,9 +425,12 @@ class StoreClient:
     def batch_remove(self, keys: list[str], force: bool = False) -> list[KVPlaneError | None]:
         """Remove objects; per key None or the exception (ObjectNotFound, ObjectHasLease...)."""
         self.locations.forget(keys)
-        codes = self.rpc.call("remove", RemoveReq(self.config.client_id, list(keys), force),
-                              CodesRep).codes
-        return [key_error(c, k) if c else None for k, c in zip(keys, codes)]
+        deadline = Deadline.after(self.config.timeout)
+        rep = self._call("remove", RemoveReq(self.config.client_id, list(keys), force), CodesRep,
+                         deadline)
+        if rep.retire:  # forced while leased: readers holding the lease must stop now
+            moves.retire(self, rep.retire, deadline)  # (what fails goes by heartbeat)
+        return [key_error(c, k) if c else None for k, c in zip(keys, rep.codes)]
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove ``key``; ``force`` ignores read leases."""

@@ -29,6 +29,33 @@ speculation on it while it is.
 The cache is a bounded dict in insertion order (``StoreConfig.location_cache`` keys; 0 turns
 speculation off). Entries come from gets and from this client's committed puts, and go with its
 removes.
+
+**Held reads.** A lookup grants a read lease (the master's ``lease_ttl``, 10 s). While it runs
+the master neither evicts the object nor removes it without ``force``, nor hands its space to
+another object (``fences.Quarantine``), so the place holds the key's value. A key whose place
+this client learned or had confirmed by such a lookup is *held* until the lease ends (counted
+from before the lookup was sent). A get of keys that are all held, with more than half of
+their lease left, reads them without asking the master at all: one round trip. The lease is
+refreshed (and the LRU told) by the next get past the half, which goes the speculative way.
+
+What could change the value under a running lease is covered so that no held read returns it
+once that change has returned:
+
+* an upsert that replaces a leased object, or a forced remove of one: the master names the old
+  replicas (``types.Retire``) and the caller has their segments refuse the old generation
+  (``TransferEngine.retire``) before its call returns; an upsert that cannot reach a segment
+  fails for that key. The master also fences the generation through the owner's heartbeat,
+  and hands the space out before the lease ends only once that fence is acknowledged;
+* ``remove_all``/``remove_by_regex`` with ``force``: by that heartbeat fence only, so for up to a
+  heartbeat after they return a held read may still return the removed value;
+* a segment that dies or remounts, a master restart or a leader change: the segment refuses
+  generations of an older epoch once it has remounted, and this client drops every hold when
+  its heartbeat is told to remount or its link follows a new leader.
+
+Held reads go only where the segment's listener checks generations (TCP): shared memory and
+this client's own segment are copied without a listener, so those keys take the speculative
+way. A held read that fails or is refused is looked up (the key's place is forgotten). With
+checksums on there are no held reads (the master's answer carries the checksum to verify).
 """
 
 from __future__ import annotations
@@ -36,6 +63,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -52,19 +80,28 @@ SPECULATED = metrics.Counter(
     "kvplane_store_speculative_reads_total", "Keys a get read from their last known replica while "
     "the master looked them up, by whether the master's answer confirmed the read", ["outcome"])
 _CONFIRMED, _REFUTED = SPECULATED.labels("confirmed"), SPECULATED.labels("refuted")
+HELD = metrics.Counter(
+    "kvplane_store_held_reads_total", "Keys a get read from their known replica under a read "
+    "lease this client holds, without a lookup, by outcome (refused: the segment no longer "
+    "serves that allocation, or the read failed; the key was then looked up)", ["outcome"])
+_HELD_OK, _HELD_REFUSED = HELD.labels("read"), HELD.labels("refused")
 _OK, _TIMEOUT = TransferStatus.COMPLETED, TransferStatus.TIMEOUT
 log = logging.getLogger(__name__)
 
 
 class Locations:
-    """At most ``capacity`` keys' last known replica; the oldest entries go first."""
+    """At most ``capacity`` keys' last known replica; the oldest entries go first. A key may
+    also be *held*: the local time its read lease ends, when this client learned its place
+    from a lookup that granted that lease (``hold``)."""
 
-    __slots__ = ("capacity", "_map", "_lock")
+    __slots__ = ("capacity", "_map", "_held", "_lock", "failovers")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._map: dict[str, Location] = {}
+        self._held: dict[str, float] = {}  # key -> local time its lease ends
         self._lock = threading.Lock()  # mutations (a lookup is one dict operation)
+        self.failovers = 0  # the master link's leader changes when the holds were granted
 
     def __len__(self) -> int:
         return len(self._map)
@@ -72,29 +109,62 @@ class Locations:
     def get(self, key: str) -> Location | None:
         return self._map.get(key)
 
-    def learn(self, keys: Iterable[str], replicas: Iterable[Replica], sizes: Iterable[int]) -> None:
+    def learn(self, keys: Iterable[str], replicas: Iterable[Replica], sizes: Iterable[int],
+              until: float | None = None) -> None:
         """Remember that each key's object (of that size) is at that replica."""
-        self.put(keys, [(r.segment, r.addr, r.gen, n) for r, n in zip(replicas, sizes)])
+        self.put(keys, [(r.segment, r.addr, r.gen, n) for r, n in zip(replicas, sizes)], until)
 
-    def put(self, keys: Iterable[str], locs: list[Location]) -> None:
-        """Remember each key's location."""
-        m = self._map
+    def put(self, keys: Iterable[str], locs: list[Location], until: float | None = None) -> None:
+        """Remember each key's location; ``until``: the local time the read lease of the
+        lookup that named it ends (None: no lease, e.g. this client's own put)."""
+        m, held = self._map, self._held
+        keys = list(keys)
         with self._lock:
             m.update(zip(keys, locs))
+            if until is not None:
+                held.update(dict.fromkeys(keys, until))
+            elif held:
+                for k in keys:
+                    held.pop(k, None)
             over = len(m) - self.capacity
             if over > 0:
                 for k in list(itertools.islice(m, over)):
                     del m[k]
+                    held.pop(k, None)
+
+    def hold(self, keys: Iterable[str], until: float) -> None:
+        """A lookup that granted a lease until ``until`` confirmed the keys' known places."""
+        with self._lock:
+            self._held.update(dict.fromkeys(keys, until))
+
+    def held_until(self, keys: list[str], fresh: float) -> float | None:
+        """The earliest lease end of ``keys`` when every one is held for at least ``fresh``
+        more seconds, else None."""
+        held = self._held
+        if not held:
+            return None
+        ends = list(map(held.get, keys))
+        if None in ends:
+            return None
+        until = min(ends)  # type: ignore[type-var]
+        return until if until - time.monotonic() > fresh else None
+
+    def drop_holds(self) -> None:
+        """Forget every hold (the master restarted or the leader changed)."""
+        with self._lock:
+            self._held.clear()
 
     def forget(self, keys: Iterable[str]) -> None:
-        m = self._map
+        m, held = self._map, self._held
         with self._lock:
             for k in keys:
                 m.pop(k, None)
+                held.pop(k, None)
 
     def clear(self) -> None:
         with self._lock:
             self._map.clear()
+            self._held.clear()
 
 
 def confirmed(loc: Location, replicas: list[Replica], size: int) -> bool:
@@ -115,6 +185,11 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     known location are read while the master is asked (module docstring); the others, and
     those the master's answer does not confirm, are read from that answer."""
     spec = _plan(client, keys, addrs, caps) if client.locations.capacity else None
+    if spec is not None and len(spec[0]) == len(keys) and client.config.held_reads \
+            and not client.config.checksum:
+        got = _held_read(client, keys, spec[1], spec[2], deadline)
+        if got is not None:
+            return got
     if spec is None:
         rep, lease_end = client._lookup(keys, deadline, columns=True)
         if rep.columns is not None:
@@ -123,7 +198,8 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
                 return got
         results = client._results(keys, rep, deadline)
         got = tiering.read(client, results, addrs, caps, deadline, lease_end)
-        remember(client, keys, results, [i for i, n in enumerate(got) if n >= 0])
+        remember(client, keys, results, [i for i, n in enumerate(got) if n >= 0],
+                 until=lease_end)
         return got
     idx, locs, items = spec
     read: list[list[TransferStatus]] = []
@@ -150,6 +226,7 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     if len(idx) == len(keys) and status.count(_OK) == len(status) \
             and results.count(None) == len(keys):  # type: ignore[arg-type] # all confirmed
         _CONFIRMED.inc(len(keys))
+        client.locations.hold(keys, lease_end)
         return [loc[3] for loc in locs]
     got = [0] * len(keys)
     done = [False] * len(keys)
@@ -162,6 +239,8 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
             got[i], done[i] = locs[j][3], True
     hits = done.count(True)
     _CONFIRMED.inc(hits)
+    if hits:
+        client.locations.hold([keys[i] for i in idx if done[i]], lease_end)
     again = [i for i in range(len(keys)) if results[i] is None and not done[i]]
     if again:  # confirmed in place, but the read failed: their replicas, to read them again
         more, until = client._get_replicas([keys[i] for i in again], deadline)
@@ -177,8 +256,50 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     for i, n in zip(rest, tiering.read(client, [results[i] for i in rest], [addrs[i] for i in rest],
                                        [caps[i] for i in rest], deadline, lease_end)):
         got[i] = n
-    remember(client, keys, results, [i for i in rest if got[i] >= 0])
+    remember(client, keys, results, [i for i in rest if got[i] >= 0], until=lease_end)
     return got
+
+
+def _held_read(client: "StoreClient", keys: list[str], locs: list[Location],
+               items: list[tuple[int, int, int, int, int]], deadline: Deadline) -> list[int] | None:
+    """Read every key from its held place without a lookup (module docstring); None when
+    not every key is held with more than half its lease left, or not every place is served by
+    a listener. Keys whose read fails or is refused are looked up and read again."""
+    where = client.locations
+    if client.rpc.failovers != where.failovers:  # a new leader: holds of the old one go
+        where.drop_holds()
+        where.failovers = client.rpc.failovers
+        return None
+    until = where.held_until(keys, client.lease_ttl / 2)
+    if until is None:
+        return None
+    listened = client._listened
+    for h in {it[0] for it in items}:
+        ok = listened.get(h)
+        if ok is None:
+            it = next(it for it in items if it[0] == h)
+            ok = listened[h] = client.engine.via_listener(h, it[2], it[3])
+        if not ok:
+            return None
+    left = min(deadline.remaining() / 2, until - time.monotonic())
+    if left <= 0:
+        return None
+    status = client.engine.read_many(items, moves.coarse(left))
+    if status.count(_OK) == len(status):
+        _HELD_OK.inc(len(keys))
+        return [loc[3] for loc in locs]
+    bad = [i for i, st in enumerate(status) if st is not _OK]
+    _HELD_OK.inc(len(keys) - len(bad))
+    _HELD_REFUSED.inc(len(bad))
+    if _TIMEOUT in status:
+        moves.blame(client, {locs[i][0] for i in bad if status[i] is _TIMEOUT})
+    where.forget([keys[i] for i in bad])  # looked up afresh, without speculating
+    out = [loc[3] for loc in locs]
+    again = get_into(client, [keys[i] for i in bad], [items[i][1] for i in bad],
+                     [items[i][3] for i in bad], deadline)
+    for i, n in zip(bad, again):
+        out[i] = n
+    return out
 
 
 def read_columns(client: "StoreClient", keys: list[str], cols: Columns, addrs: list[int],
@@ -189,7 +310,7 @@ def read_columns(client: "StoreClient", keys: list[str], cols: Columns, addrs: l
         names = cols.segments
         client.locations.put([k for k, n in zip(keys, got) if n >= 0],
                              [(names[s], a, g, n) for s, a, g, n in
-                              zip(cols.seg, cols.addr, cols.gen, got) if n >= 0])
+                              zip(cols.seg, cols.addr, cols.gen, got) if n >= 0], lease_end)
     return got
 
 
@@ -234,13 +355,15 @@ def _plan(client: "StoreClient", keys: list[str], addrs: list[int], caps: list[i
 
 
 def remember(client: "StoreClient", keys: list[str], results: list[KeyResult], which: list[int],
-             sizes: list[int] | None = None) -> None:
+             sizes: list[int] | None = None, until: float | None = None) -> None:
     """Remember where the found keys among ``which`` are: the replica a read tries first (same
-    host first). ``sizes``: the objects' sizes when ``results`` do not carry them (a put's)."""
+    host first). ``sizes``: the objects' sizes when ``results`` do not carry them (a put's);
+    ``until``: the local end of the read lease the lookup granted (None: none, a put)."""
     if not client.locations.capacity:
         return
     found = [i for i in which if not results[i].code and results[i].replicas]
     if found:
         client.locations.learn([keys[i] for i in found],
                                [moves.ordered(client, results[i].replicas)[0] for i in found],
-                               [results[i].size if sizes is None else sizes[i] for i in found])
+                               [results[i].size if sizes is None else sizes[i] for i in found],
+                               until)

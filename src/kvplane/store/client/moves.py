@@ -17,6 +17,7 @@ Imports the transfer engine and store types; never binds sockets itself.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import threading
@@ -31,15 +32,36 @@ from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.checksum import digest
 from kvplane.store.errors import ChecksumMismatch, InvalidParams, LeaseExpired, TransferFail
-from kvplane.store.types import Columns, KeyResult, Replica
+from kvplane.store.types import Columns, KeyResult, Replica, Retire
 from kvplane.transfer import OpCode, TransferRequest, TransferStatus
 
 if TYPE_CHECKING:
     from kvplane.store.client.client import StoreClient
 
+log = logging.getLogger(__name__)
 OK = TransferStatus.COMPLETED
 BAD_FOR = 5.0  # seconds a failed segment is tried last by this client
 Move = tuple[int, Replica, OpCode, int, int]  # (key index, replica, op, local address, size)
+
+
+class Retired:
+    """(segment, generation) pairs this client had refused at their segments, to tell the
+    master with its next PutStart or heartbeat (``PutStartReq.retired``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[str, int]] = []
+
+    def add(self, pairs: list[tuple[str, int]]) -> None:
+        with self._lock:
+            self._pairs += pairs
+
+    def take(self) -> list[tuple[str, int]]:
+        if not self._pairs:
+            return []
+        with self._lock:
+            out, self._pairs = self._pairs, []
+        return out
 
 
 class Suspects:
@@ -144,6 +166,34 @@ def blame(client: "StoreClient", failed: set[str]) -> None:
         client._handles.pop(seg, None)
     if failed:
         client.suspects.add(failed)
+
+
+def retire(client: "StoreClient", retire: list[Retire], deadline: Deadline) -> set[int]:
+    """Have each segment refuse the generations of the replicas this call replaced or removed
+    under a read lease (``types.Retire``): once this returns, no client's held read of them
+    succeeds. Returns the key indexes where a segment could not be told (that segment is
+    blamed); the master still fences those generations through the owner's heartbeat."""
+    by_seg: dict[str, list[tuple[int, int]]] = {}
+    for i, seg, gen in retire:
+        by_seg.setdefault(seg, []).append((i, gen))
+    failed: set[int] = set()
+    bad: set[str] = set()
+    # at most half the call's time: a stalled segment leaves the rest to the call
+    limit = Deadline(time.monotonic() + deadline.remaining() / 2)
+    for seg, entries in by_seg.items():
+        try:
+            h = client._handle(seg, limit)
+            client.engine.retire(h, [g for _, g in entries],
+                                 timeout=max(limit.remaining(), 1e-3))
+            client.retired.add([(seg, g) for _, g in entries])
+        except KVPlaneError as exc:
+            log.warning("could not retire %d generation(s) at segment %s: %s",
+                        len(entries), seg, exc)
+            failed.update(i for i, _ in entries)
+            bad.add(seg)
+    if bad:
+        blame(client, bad)
+    return failed
 
 
 def write(client: "StoreClient", moves: list[Move], deadline: Deadline) -> set[int]:

@@ -10,8 +10,11 @@ Space leaves the quarantine (back to its segment's allocator) only when both hol
   ``kvplane.transfer.fence``), so a WRITE queued in a stalled segment can never land on reused
   space. A finished put needs no fence: every one of its writes was acknowledged before PutEnd.
 
-Entries without a pending fence are the old "graveyard" of force-removed objects under a read
-lease; only those may be released early when the pool is full (``release_leased``).
+Space of a complete object dropped under a read lease (replaced, force-removed, or its replica
+dropped) is held for its readers until the lease ends. Its generation is fenced too: a client
+may read a place it holds a lease on without asking the master again (the store's held reads),
+so the space may be handed out before the lease ends (``release_leased``, when the pool is
+full) only once the segment refuses that generation.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ class Held:
     size: int
     free_after: float
     gen: int = 0  # nonzero: waiting for the segment to acknowledge fencing this generation
-    readers_only: bool = False  # held for read leases only (may go early when the pool is full)
+    # held for read leases only: free at ``free_after`` even if the fence is still pending, and
+    # earlier when the pool is full once the fence is acknowledged
+    readers_only: bool = False
 
 
 class Quarantine:
@@ -69,14 +74,25 @@ class Quarantine:
 
     def due(self, now: float) -> list[tuple[str, int]]:
         """Remove and return the allocations free to reuse at ``now``."""
-        out = [k for k, h in self._held.items() if not h.gen and h.free_after <= now]
+        out = [k for k, h in self._held.items()
+               if (not h.gen or h.readers_only) and h.free_after <= now]
         for k in out:
-            del self._held[k]
+            h = self._held.pop(k)
+            if h.gen:  # held for readers whose leases are all over: its fence is moot
+                self._unfence(h.segment, h.gen)
         return out
 
+    def _unfence(self, segment: str, gen: int) -> None:
+        pending = self._fencing.get(segment)
+        if pending is not None:
+            pending.pop(gen, None)
+            if not pending:
+                del self._fencing[segment]
+
     def release_leased(self) -> list[tuple[str, int]]:
-        """Remove and return every entry held only for readers (never write windows or fences)."""
-        out = [k for k, h in self._held.items() if h.readers_only]
+        """Remove and return every entry held only for readers whose segment has fenced its
+        generation (never write windows, nor entries whose fence is pending)."""
+        out = [k for k, h in self._held.items() if h.readers_only and not h.gen]
         for k in out:
             del self._held[k]
         return out

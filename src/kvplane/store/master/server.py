@@ -254,6 +254,8 @@ class MasterServer:
         st = self.state
         st.suspect(req.suspects, now)
         status = st.ping(req.client_id, now, req.fenced, req.forgot)
+        if req.retired:
+            st.retired(req.retired)
         return PingRep(status, st.view_version, st.fences_for(req.client_id),
                        st.repairs.take(req.client_id), st.forgets_for(req.client_id))
 
@@ -278,9 +280,18 @@ class MasterServer:
         local = self._local(req.client_id) if req.config.prefer_alloc_in_same_node else frozenset()
         window = self.state.write_window(req.ttl)
         sums = req.checksums or [0] * len(req.keys)
-        out = ResultsRep([self.state.put_start(k, n, req.config, now, req.upsert, local,
-                                               req.client_id, window, c, req.nonce)
-                          for k, n, c in zip(req.keys, req.sizes, sums, strict=True)], window)
+        if req.retired:  # before placing: that space may serve this very call
+            self.state.retired(req.retired)
+        retiring = self.state.retiring
+        retiring.clear()
+        results, retire = [], []
+        for i, (k, n, c) in enumerate(zip(req.keys, req.sizes, sums, strict=True)):
+            results.append(self.state.put_start(k, n, req.config, now, req.upsert, local,
+                                                req.client_id, window, c, req.nonce))
+            if retiring:  # an upsert replaced a leased object
+                retire += [(i, seg, gen) for seg, gen, _ in retiring]
+                retiring.clear()
+        out = ResultsRep(results, window, retire=retire or None)
         for k, r in zip(req.keys, out.results):
             if r.code == 0:
                 self.state.objects[k].owner = req.client_id  # Mooncake's metadata.client_id
@@ -336,9 +347,16 @@ class MasterServer:
 
     def _remove(self, req: RemoveReq) -> CodesRep:
         now = self.clock()
-        codes = [self.state.remove(k, req.force, now) for k in req.keys]
+        retiring = self.state.retiring
+        retiring.clear()
+        codes, retire = [], []
+        for i, k in enumerate(req.keys):
+            codes.append(self.state.remove(k, req.force, now))
+            if retiring:  # forced while leased
+                retire += [(i, seg, gen) for seg, gen, _ in retiring]
+                retiring.clear()
         self._gate(now, ObjectNotFound.code in codes)
-        return CodesRep(codes)
+        return CodesRep(codes, retire or None)
 
     def _remove_regex(self, req: RegexReq) -> int:
         self._gate(self.clock(), True)

@@ -122,6 +122,9 @@ class MasterState:
         self.evicted = 0
         self.alloc_failures = 0
         self.changes: list[tuple[str, str]] = []  # ("stored"|"removed", key), drained by the server
+        # (segment, generation, lease end) of leased objects dropped since the server last
+        # took them: the caller retires them at their segments (held reads, ``_drop``)
+        self.retiring: list[tuple[str, int, float]] = []
 
     # -- clients and segments ----------------------------------------------------------------
     def mount(self, client_id: str, segs: list[SegmentInfo], now: float,
@@ -256,6 +259,16 @@ class MasterState:
                     now - seg.suspect_since >= self.config.suspect_min:
                 seg.suspect_since = None
         return "ok"
+
+    def retired(self, pairs: list[tuple[str, int]]) -> int:
+        """A client had these (segment, generation) refused at their segments (``Retire``):
+        their space, held for readers, may go early when the pool is full. Returns how many
+        holds that cleared. (A client with the pool token could write that space directly, so
+        believing it grants nothing new.)"""
+        by_seg: dict[str, list[int]] = {}
+        for seg, gen in pairs:
+            by_seg.setdefault(seg, []).append(gen)
+        return sum(self.graveyard.ack(seg, gens) for seg, gens in by_seg.items())
 
     def forgets_for(self, client_id: str) -> list[tuple[int, int]]:
         """(generation, header address) of freed allocations whose headers the segments of
@@ -518,6 +531,7 @@ class MasterState:
     # -- background passes (the server calls these on a timer) -----------------------------------
     def reclaim(self, now: float) -> int:
         """Free quarantined space that is due and puts abandoned past the release timeout."""
+        self.retiring.clear()  # no caller to hand them to (their fences go by heartbeat)
         due = self.graveyard.due(now)
         for seg, off in due:
             if seg in self.segments:
@@ -612,7 +626,7 @@ class MasterState:
                 continue
             self.adoption.forget(self.segments[seg], off, gen)
             if obj.lease_until > now:
-                self.graveyard.hold(seg, off, obj.hdr + obj.size, obj.lease_until, readers_only=True)
+                self._hold_for_readers(seg, off, gen, obj)
             else:
                 self.segments[seg].alloc.free(off)
         return len(gone)
@@ -634,10 +648,17 @@ class MasterState:
             if not obj.complete:
                 self.graveyard.hold(seg, off, obj.hdr + obj.size, max(obj.window_until, now), gen)
             elif obj.lease_until > now:
-                self.graveyard.hold(seg, off, obj.hdr + obj.size, obj.lease_until,
-                                    readers_only=True)
+                self._hold_for_readers(seg, off, gen, obj)
             else:
                 self.segments[seg].alloc.free(off)
+
+    def _hold_for_readers(self, seg: str, off: int, gen: int, obj: Obj) -> None:
+        """Hold the space of a complete object's replica until its read lease ends. Clients
+        holding that lease may read there without asking again (held reads), so its
+        generation is also fenced at the segment (the heartbeat path: early reuse waits for
+        it) and queued in ``retiring`` for the caller to retire at once."""
+        self.graveyard.hold(seg, off, obj.hdr + obj.size, obj.lease_until, gen, readers_only=True)
+        self.retiring.append((seg, gen, obj.lease_until))
 
     def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]) -> list[str]:
         names = [n for n, s in self.segments.items() if s.suspect_since is None and not s.adopting]

@@ -564,6 +564,27 @@ class TcpTransport(Transport):
         self._release(conn)
         return body
 
+    def retire(self, host: str, port: int, gens: list[int], timeout: float) -> None:
+        """Have the listener at ``host:port`` refuse frames of ``gens`` (``OP_RETIRE``).
+
+        Raises:
+            Unavailable: the peer could not be reached or did not answer within ``timeout``.
+        """
+        deadline = Deadline.after(timeout)
+        for k in range(0, len(gens), protocol.MAX_RETIRE):
+            part = gens[k:k + protocol.MAX_RETIRE]
+            conn = self._acquire((host, port), deadline)
+            try:
+                conn.call(protocol.OP_RETIRE, len(part), b"".join(
+                    protocol.RETIRE_ENTRY.pack(g) for g in part), max(deadline.remaining(), 1e-3))
+            except (OSError, ProtocolError) as exc:
+                conn.close()
+                raise Unavailable(f"retire at {host}:{port} failed: {exc}") from exc
+            except KVPlaneError as exc:  # refused: the connection itself is fine
+                self._release(conn)
+                raise Unavailable(f"retire at {host}:{port} refused: {exc}") from exc
+            self._release(conn)
+
     def close(self) -> None:
         self._closed = True
         with self._lock:
