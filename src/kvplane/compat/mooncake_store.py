@@ -329,7 +329,12 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read ``key`` into registered memory; the bytes read or a negative code."""
-        return self.batch_get_into([key], [buffer_ptr], [size])[0]
+        if self._c is None:
+            return INVALID_PARAMS
+        try:
+            return self._c.get_into(key, int(buffer_ptr), int(size))  # type: ignore[no-any-return]
+        except KVPlaneError as exc:  # a miss is no warning: the batch form logs none either
+            return code_of(exc)
 
     def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int],
                        sizes: Sequence[int]) -> list[int]:

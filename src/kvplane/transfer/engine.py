@@ -479,6 +479,27 @@ class TransferEngine:
         """
         return self._many(OpCode.READ, reads, timeout)
 
+    def read_one(self, handle: int, local: int, remote: int, length: int, gen: int = 0,
+                 timeout: float | None = None) -> TransferStatus:
+        """One READ, ending as :meth:`read_many` of that one item would (its status, the same
+        counters), with the least Python: a plain READ frame when TCP serves it."""
+        seg = self._segments.get(handle)
+        tcp = self.transports.get("tcp")
+        if seg is not None and tcp is not None and length > 0:
+            try:
+                route = Route(seg.desc, seg.region(remote, length), seg.same_host)
+                view = self.memory.view(local, length) if self._pick(None, route) is tcp else None
+            except KVPlaneError:
+                view = None
+            if view is not None:
+                deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
+                st = tcp.read_one((seg.desc.host, seg.desc.port), view, remote, gen,  # type: ignore[attr-defined]
+                                  deadline)
+                _count({(OpCode.READ, st): 1},
+                       {OpCode.READ: length if st == TransferStatus.COMPLETED else 0})
+                return st
+        return self.read_many([(handle, local, remote, length, gen)], timeout)[0]
+
     def write_many(self, writes: list[tuple[int, int, int, int, int]],
                    timeout: float | None = None) -> list[TransferStatus]:
         """WRITEs only, each ``(handle, local, remote, length, gen)``: as :meth:`read_many`,

@@ -157,6 +157,33 @@ def test_an_upsert_by_another_client_is_never_read_from_the_old_place(pool):
         b.close()
 
 
+def test_a_single_get_into_is_held_and_never_reads_an_upserted_place(pool):
+    """``get_into`` of one key has its own held path (``locations.held_one``)."""
+    addr, _ = pool
+    a, b = Side(addr, 1), Side(addr, 1)
+    try:
+        key = "held-one"
+        assert a.put([key], 0) == [None]
+        assert b.wrong([key], 0) == (0, [SIZE])  # learned and held (batch path)
+        lookups, before = b.lookups, held("read")
+        wrong = 0
+        for rnd in range(1, 21):
+            b.rx[:] = 0
+            assert b.c.get_into(key, b.r, SIZE) == SIZE  # held: no lookup
+            assert a.put([key], rnd, upsert=True) == [None]
+            b.rx[:] = 0
+            assert b.c.get_into(key, b.r, SIZE) == SIZE  # refused, looked up, read anew
+            wrong += not np.array_equal(b.rx, value(key, rnd))
+        assert wrong == 0
+        assert b.lookups - lookups == 20  # one per upsert, none for the held gets
+        assert held("read") - before >= 20
+        assert isinstance(pytest.raises(ObjectNotFound, b.c.get_into, "held-none", b.r, SIZE).value,
+                          ObjectNotFound)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_forced_remove_is_a_miss_for_a_client_holding_the_key(pool):
     addr, _ = pool
     a, b = Side(addr, 8), Side(addr, 8)

@@ -317,7 +317,14 @@ class StoreClient:
 
     def get_into(self, key: str, addr: int, size: int) -> int:
         """Read ``key`` into a registered buffer; returns the bytes read."""
-        return _value(self.batch_get_into([key], [addr], [size])[0])
+        addr, size = int(addr), int(size)
+        deadline = Deadline.after(self.config.timeout)
+        if self.locations.capacity:
+            n = locations.held_one(self, key, addr, size, deadline)
+            if n is not None:
+                return n
+        n = locations.get_into(self, [key], [addr], [size], deadline)[0]
+        return n if n >= 0 else _value(key_error(n, key))
 
     def put_batch(self, keys: list[str], values: list[bytes], config: ReplicateConfig | None = None,
                   upsert: bool = False) -> list[KVPlaneError | None]:

@@ -446,6 +446,36 @@ class TcpTransport(Transport):
         """
         self._attempts(jobs, deadline, True)
 
+    def read_one(self, peer: tuple[str, int], view: memoryview, remote: int, gen: int,
+                 deadline: Deadline) -> TransferStatus:
+        """One READ of ``len(view)`` bytes at ``remote`` into ``view``, as :meth:`read_scatter`
+        runs a one-entry job (a broken connection retried on a fresh one, ``ctx.retries``
+        times), without the job's bookkeeping: COMPLETED, FAILED or TIMEOUT."""
+        for _ in range(self.ctx.retries + 1):
+            try:
+                conn = self._acquire(peer, deadline)
+            except KVPlaneError as exc:
+                timed_out = isinstance(exc, Timeout) or deadline.expired()
+                return TransferStatus.TIMEOUT if timed_out else TransferStatus.FAILED
+            try:
+                conn.set_timeout(deadline)
+                rid = conn.next_id()
+                conn.sock.sendall(protocol.pack_req(protocol.OP_READ, rid, remote, len(view), gen))
+                codes, _ = conn.receive_one(rid, view)
+            except TimeoutError:
+                conn.close()
+                return TransferStatus.TIMEOUT
+            except (OSError, Unavailable, ProtocolError):
+                conn.close()
+                self.drop_peer(peer)
+                if deadline.expired():
+                    return TransferStatus.TIMEOUT
+                metrics.TRANSFER_RETRIES.labels(self.name).inc()
+                continue
+            self._release(conn)
+            return TransferStatus.FAILED if codes[0] else TransferStatus.COMPLETED
+        return TransferStatus.FAILED
+
     def write_gather(self, jobs: list["PeerJob"], deadline: Deadline) -> None:
         """Run WRITE-only jobs (one per peer; ``views`` are the sources) as
         :meth:`read_scatter` runs reads: WRITEV frames (header, entry table and payloads in
