@@ -38,3 +38,30 @@ def test_only_the_same_segment_address_and_generation_confirm_a_read(other, ok):
     assert confirmed(loc, [rep(seg="s9"), other], 100) is ok  # any of the replicas
     assert not confirmed(loc, [rep()], 101)  # another size: another object
     assert not confirmed(loc, [], 100)  # a miss
+
+
+def test_holds_follow_the_place_they_were_granted_for():
+    """A hold is the read lease of the place a lookup named: a newer place (this client's own
+    put meanwhile) is not held by an older lookup, and a put, a forget or the bound drop it."""
+    locs = Locations(3)
+    far = 1e18  # a lease end far in the future (monotonic seconds)
+
+    def at(addr):
+        return ("s1", addr, 7, 100)
+
+    locs.learn(["a", "b"], [rep(addr=1), rep(addr=2)], [100, 100], until=far)
+    assert locs.held_until(["a", "b"], [at(1), at(2)], 1.0) == far
+    assert locs.held_until(["a"], [at(9)], 1.0) is None  # held, but for another place
+    locs.learn(["b"], [rep(addr=3)], [100])  # this client's own put: a new place, no lease
+    assert locs.held_until(["b"], [at(3)], 1.0) is None
+    locs.hold(["a", "b"], [at(1), at(2)], far)  # a late lookup confirmed the old place of b
+    assert locs.held_until(["a"], [at(1)], 1.0) == far
+    assert locs.held_until(["b"], [at(3)], 1.0) is None and locs.held("b") is None
+    assert locs.held_until(["a", "b"], [at(1), at(3)], 1.0) is None  # every key must be held
+    locs.learn(["c", "d"], [rep(addr=4), rep(addr=5)], [100, 100], until=far)  # "a" goes
+    assert locs.get("a") is None and locs.held("a") is None
+    locs.forget(["c"])
+    assert locs.held("c") is None and locs.held("d") == (at(5), far)
+    assert locs.held_until(["d"], [at(5)], 2e18) is None  # not fresh enough
+    locs.drop_holds()
+    assert locs.held("d") is None and locs.get("d") is not None

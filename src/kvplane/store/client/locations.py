@@ -91,15 +91,16 @@ log = logging.getLogger(__name__)
 
 class Locations:
     """At most ``capacity`` keys' last known replica; the oldest entries go first. A key may
-    also be *held*: the local time its read lease ends, when this client learned its place
-    from a lookup that granted that lease (``hold``)."""
+    also be *held*: the place a lookup named or confirmed, with the local time that lookup's
+    read lease ends. A hold is of that place only: a newer place of the key (this client's own
+    put) is not held by it."""
 
     __slots__ = ("capacity", "_map", "_held", "_lock", "failovers")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._map: dict[str, Location] = {}
-        self._held: dict[str, float] = {}  # key -> local time its lease ends
+        self._held: dict[str, tuple[Location, float]] = {}  # key -> (place, its lease end)
         self._lock = threading.Lock()  # mutations (a lookup is one dict operation)
         self.failovers = 0  # the master link's leader changes when the holds were granted
 
@@ -122,7 +123,7 @@ class Locations:
         with self._lock:
             m.update(zip(keys, locs))
             if until is not None:
-                held.update(dict.fromkeys(keys, until))
+                held.update(zip(keys, [(loc, until) for loc in locs]))
             elif held:
                 for k in keys:
                     held.pop(k, None)
@@ -132,21 +133,32 @@ class Locations:
                     del m[k]
                     held.pop(k, None)
 
-    def hold(self, keys: Iterable[str], until: float) -> None:
-        """A lookup that granted a lease until ``until`` confirmed the keys' known places."""
+    def hold(self, keys: Iterable[str], locs: Iterable[Location], until: float) -> None:
+        """A lookup that granted a lease until ``until`` confirmed that each key is at that
+        place: held, unless the key has moved on since (or was forgotten)."""
+        m, held = self._map, self._held
         with self._lock:
-            self._held.update(dict.fromkeys(keys, until))
+            for k, loc in zip(keys, locs):
+                if m.get(k) == loc:
+                    held[k] = (loc, until)
 
-    def held_until(self, keys: list[str], fresh: float) -> float | None:
-        """The earliest lease end of ``keys`` when every one is held for at least ``fresh``
-        more seconds, else None."""
+    def held(self, key: str) -> tuple[Location, float] | None:
+        """The place ``key`` is held at and the local time its lease ends, or None."""
+        return self._held.get(key)
+
+    def held_until(self, keys: list[str], locs: list[Location], fresh: float) -> float | None:
+        """The earliest lease end of ``keys`` when every one is held at its place in ``locs``
+        for at least ``fresh`` more seconds, else None."""
         held = self._held
         if not held:
             return None
-        ends = list(map(held.get, keys))
-        if None in ends:
-            return None
-        until = min(ends)  # type: ignore[type-var]
+        until = float("inf")
+        for k, loc in zip(keys, locs):
+            h = held.get(k)
+            if h is None or h[0] != loc:
+                return None
+            if h[1] < until:
+                until = h[1]
         return until if until - time.monotonic() > fresh else None
 
     def drop_holds(self) -> None:
@@ -226,7 +238,7 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     if len(idx) == len(keys) and status.count(_OK) == len(status) \
             and results.count(None) == len(keys):  # type: ignore[arg-type] # all confirmed
         _CONFIRMED.inc(len(keys))
-        client.locations.hold(keys, lease_end)
+        client.locations.hold(keys, locs, lease_end)
         return [loc[3] for loc in locs]
     got = [0] * len(keys)
     done = [False] * len(keys)
@@ -240,7 +252,8 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     hits = done.count(True)
     _CONFIRMED.inc(hits)
     if hits:
-        client.locations.hold([keys[i] for i in idx if done[i]], lease_end)
+        client.locations.hold([keys[i] for i in idx if done[i]],
+                              [loc for j, loc in enumerate(locs) if done[idx[j]]], lease_end)
     again = [i for i in range(len(keys)) if results[i] is None and not done[i]]
     if again:  # confirmed in place, but the read failed: their replicas, to read them again
         more, until = client._get_replicas([keys[i] for i in again], deadline)
@@ -270,7 +283,7 @@ def _held_read(client: "StoreClient", keys: list[str], locs: list[Location],
         where.drop_holds()
         where.failovers = client.rpc.failovers
         return None
-    until = where.held_until(keys, client.lease_ttl / 2)
+    until = where.held_until(keys, locs, client.lease_ttl / 2)
     if until is None:
         return None
     listened = client._listened
@@ -307,12 +320,12 @@ def held_one(client: "StoreClient", key: str, addr: int, cap: int, deadline: Dea
     with more than half its lease left, not served by a listener, or the read failed or was
     refused: its place is then forgotten). The caller then gets it the usual way."""
     where = client.locations
-    until = where._held.get(key)
-    if until is None or client.config.checksum or not client.config.held_reads \
+    h = where._held.get(key)
+    if h is None or client.config.checksum or not client.config.held_reads \
             or client.rpc.failovers != where.failovers:
         return None
-    loc = where._map.get(key)
-    if loc is None or loc[3] > cap:
+    loc, until = h
+    if loc[3] > cap:
         return None
     seg = loc[0]
     h = client._handles.get(seg)
