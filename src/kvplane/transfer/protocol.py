@@ -70,7 +70,21 @@ def pack_resp(status: int, rid: int, length: int) -> bytes:
 
 def send_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
     """Send every buffer with ``sendmsg`` (no joining copies), handling partial sends."""
+    try:
+        sent = sock.sendmsg(bufs)
+    except BlockingIOError as exc:
+        raise TimeoutError("send timed out") from exc
+    if sent == sum(map(len, bufs)):  # the usual case: all of it at once
+        return
     views = [memoryview(b) for b in bufs]
+    while sent:  # drop what went, then send the rest
+        head = views[0]
+        if sent >= len(head):
+            sent -= len(head)
+            views.pop(0)
+        else:
+            views[0] = head[sent:]
+            sent = 0
     while views:
         try:
             sent = sock.sendmsg(views)

@@ -263,7 +263,7 @@ class StoreClient:
             raise InvalidParams("keys, buffers and sizes differ in length")
         if not keys:
             return []
-        got = locations.get_into(self, list(keys), [int(a) for a in addrs], [int(s) for s in sizes],
+        got = locations.get_into(self, list(keys), list(map(int, addrs)), list(map(int, sizes)),
                                  Deadline.after(self.config.timeout))
         return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
 
