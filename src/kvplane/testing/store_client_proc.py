@@ -24,6 +24,12 @@ from kvplane.store.config import StoreConfig
 from kvplane.store.types import ReplicateConfig
 
 
+def round_value(key: str, round_: int, size: int) -> np.ndarray:
+    """Random bytes, distinct per key and per write round (a stale read shows as wrong bytes)."""
+    seed = (hash(key) & 0xFFFF_FFFF) ^ (round_ * 7919)
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
 def value_of(key: str, size: int) -> np.ndarray:
     """The bytes stored under ``key`` in these tests."""
     seed = zlib.crc32(key.encode())

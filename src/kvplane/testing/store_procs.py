@@ -49,3 +49,11 @@ def tenant_pool(service_token: str, tenants: dict[str, str],
         with StoreClient(master=addr, token=service_token, global_segment_size=8 << 20,
                          peer_tokens=tuple(tenants.values())) as seg:
             yield m, addr, seg
+
+
+@contextlib.contextmanager
+def segment_pool(segments: int = 2, size: str = "64MiB") -> Iterator[tuple[str, list[Proc]]]:
+    """A master with ``segments`` segment processes; yields (master address, segments)."""
+    with spawn_master() as m, contextlib.ExitStack() as stack:
+        addr = m.info["master"]
+        yield addr, [stack.enter_context(spawn_segment(addr, size)) for _ in range(segments)]

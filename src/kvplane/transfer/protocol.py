@@ -70,27 +70,12 @@ def pack_resp(status: int, rid: int, length: int) -> bytes:
 
 def send_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
     """Send every buffer with ``sendmsg`` (no joining copies), handling partial sends."""
-    try:
-        sent = sock.sendmsg(bufs)
-    except BlockingIOError as exc:
-        raise TimeoutError("send timed out") from exc
+    sent = _sendmsg(sock, bufs)
     if sent == sum(map(len, bufs)):  # the usual case: all of it at once
         return
     views = [memoryview(b) for b in bufs]
-    while sent:  # drop what went, then send the rest
-        head = views[0]
-        if sent >= len(head):
-            sent -= len(head)
-            views.pop(0)
-        else:
-            views[0] = head[sent:]
-            sent = 0
-    while views:
-        try:
-            sent = sock.sendmsg(views)
-        except BlockingIOError as exc:
-            raise TimeoutError("send timed out") from exc
-        while sent:
+    while True:
+        while sent:  # drop what went
             head = views[0]
             if sent >= len(head):
                 sent -= len(head)
@@ -98,8 +83,18 @@ def send_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
             else:
                 views[0] = head[sent:]
                 sent = 0
-        if views and len(views[0]) == 0:
+        while views and len(views[0]) == 0:
             views.pop(0)
+        if not views:
+            return
+        sent = _sendmsg(sock, views)
+
+
+def _sendmsg(sock: socket.socket, bufs: list[bytes | memoryview] | list[memoryview]) -> int:
+    try:
+        return sock.sendmsg(bufs)
+    except BlockingIOError as exc:
+        raise TimeoutError("send timed out") from exc
 
 
 def recv_scatter(sock: socket.socket, views: list[memoryview]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,7 +20,9 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.client.locations import HELD, SPECULATED
 from kvplane.store.errors import ObjectHasLease, ObjectNotFound, TransferFail
 from kvplane.store.types import ReplicateConfig
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from kvplane.testing.services import wait_until
+from kvplane.testing.store_client_proc import round_value
+from kvplane.testing.store_procs import segment_pool, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SIZE = 4096
@@ -30,25 +33,34 @@ def held(outcome: str) -> float:
 
 
 def value(key: str, round_: int) -> np.ndarray:
-    seed = (hash(key) & 0xFFFF_FFFF) ^ (round_ * 7919)
-    return np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+    return round_value(key, round_, SIZE)
 
 
 @pytest.fixture(scope="module")
 def pool():
-    with spawn_master() as m:
-        addr = m.info["master"]
-        with spawn_segment(addr, "64MiB") as s1, spawn_segment(addr, "64MiB") as s2:
-            yield addr, [s1, s2]
+    with segment_pool() as got:
+        yield got
 
 
 @contextlib.contextmanager
 def pool_of_two():
-    """A pool for one test (one that kills, stops or blames a segment)."""
-    with spawn_master() as m:
-        addr = m.info["master"]
-        with spawn_segment(addr, "32MiB") as s1, spawn_segment(addr, "32MiB") as s2:
-            yield addr, {s1.info["segment"]: s1, s2.info["segment"]: s2}
+    """A pool for one test (one that kills, stops or blames a segment), segments by name."""
+    with segment_pool(2, "32MiB") as (addr, segs):
+        yield addr, {s.info["segment"]: s for s in segs}
+
+
+@contextlib.contextmanager
+def sides(addr: str, n: int, reader_protocol: str = "tcp", **cfg) -> Iterator[tuple["Side", "Side"]]:
+    """A writer and a reader (``b``), closed on the way out."""
+    a = Side(addr, n, **cfg)
+    try:
+        b = Side(addr, n, protocol=reader_protocol, **cfg)
+        try:
+            yield a, b
+        finally:
+            b.close()
+    finally:
+        a.close()
 
 
 class Side:
@@ -95,8 +107,7 @@ class Side:
 
 def test_a_held_key_is_read_without_asking_the_master(pool):
     addr, _ = pool
-    a, b = Side(addr, 32), Side(addr, 32)
-    try:
+    with sides(addr, 32) as (a, b):
         keys = [f"held-plain-{i}" for i in range(32)]
         assert a.put(keys, 1) == [None] * 32
         assert b.wrong(keys, 1) == (0, [SIZE] * 32)  # learned, with the lookup's lease
@@ -111,35 +122,29 @@ def test_a_held_key_is_read_without_asking_the_master(pool):
         assert a.wrong(keys, 1) == (0, [SIZE] * 32) and a.lookups == 1
         # while b holds a lease, a plain remove is refused, as for any reader's lease
         assert a.c.batch_remove(keys[:1])[0].code == ObjectHasLease.code
-    finally:
-        a.close()
-        b.close()
 
 
 def test_past_half_the_lease_a_get_asks_the_master_again():
     with spawn_master("--lease-ttl", "1.0") as m, spawn_segment(m.info["master"], "32MiB"):
-        a, b = Side(m.info["master"], 4), Side(m.info["master"], 4)
-        try:
+        with sides(m.info["master"], 4) as (a, b):
             keys = [f"held-refresh-{i}" for i in range(4)]
             assert a.put(keys, 1) == [None] * 4
             assert b.wrong(keys, 1) == (0, [SIZE] * 4) and b.lookups == 1
             assert b.wrong(keys, 1) == (0, [SIZE] * 4) and b.lookups == 1  # held
-            time.sleep(0.6)  # past half of the 1 s lease (a lease, not a readiness wait)
+            # the hold is no longer fresh once half of the 1 s lease has gone
+            wait_until(lambda: b.c.locations.held(keys[0])[1] - time.monotonic()
+                       <= b.c.lease_ttl / 2, 5, "half of the lease")
             confirmed = SPECULATED.labels("confirmed")._value.get()
             assert b.wrong(keys, 1) == (0, [SIZE] * 4) and b.lookups == 2  # refreshed...
             assert SPECULATED.labels("confirmed")._value.get() - confirmed == 4
             assert b.wrong(keys, 1) == (0, [SIZE] * 4) and b.lookups == 2  # ...and held again
-        finally:
-            a.close()
-            b.close()
 
 
 def test_an_upsert_by_another_client_is_never_read_from_the_old_place(pool):
     """Rounds of upserts by a while b holds the keys: after each upsert returns, b's gets
     return the new value, never the old one."""
     addr, _ = pool
-    a, b = Side(addr, 32), Side(addr, 32)
-    try:
+    with sides(addr, 32) as (a, b):
         keys = [f"held-upsert-{i}" for i in range(32)]
         assert a.put(keys, 0) == [None] * 32
         assert b.wrong(keys, 0) == (0, [SIZE] * 32)
@@ -152,16 +157,12 @@ def test_an_upsert_by_another_client_is_never_read_from_the_old_place(pool):
             assert got == [SIZE] * 32
         assert wrong == 0
         assert held("refused") - refused == 8 * 32  # every old place was refused, then looked up
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_single_get_into_is_held_and_never_reads_an_upserted_place(pool):
     """``get_into`` of one key has its own held path (``locations.held_one``)."""
     addr, _ = pool
-    a, b = Side(addr, 1), Side(addr, 1)
-    try:
+    with sides(addr, 1) as (a, b):
         key = "held-one"
         assert a.put([key], 0) == [None]
         assert b.wrong([key], 0) == (0, [SIZE])  # learned and held (batch path)
@@ -177,17 +178,13 @@ def test_a_single_get_into_is_held_and_never_reads_an_upserted_place(pool):
         assert wrong == 0
         assert b.lookups - lookups == 20  # one per upsert, none for the held gets
         assert held("read") - before >= 20
-        assert isinstance(pytest.raises(ObjectNotFound, b.c.get_into, "held-none", b.r, SIZE).value,
-                          ObjectNotFound)
-    finally:
-        a.close()
-        b.close()
+        with pytest.raises(ObjectNotFound):
+            b.c.get_into("held-none", b.r, SIZE)
 
 
 def test_a_forced_remove_is_a_miss_for_a_client_holding_the_key(pool):
     addr, _ = pool
-    a, b = Side(addr, 8), Side(addr, 8)
-    try:
+    with sides(addr, 8) as (a, b):
         keys = [f"held-remove-{i}" for i in range(8)]
         assert a.put(keys, 1) == [None] * 8
         assert b.wrong(keys, 1) == (0, [SIZE] * 8)
@@ -195,9 +192,6 @@ def test_a_forced_remove_is_a_miss_for_a_client_holding_the_key(pool):
         assert a.c.batch_remove(keys, force=True) == [None] * 8
         got = b.get(keys)
         assert [type(g) for g in got] == [ObjectNotFound] * 8
-    finally:
-        a.close()
-        b.close()
 
 
 def test_an_upsert_that_cannot_retire_the_old_place_fails_and_the_heartbeat_fence_follows():
@@ -210,8 +204,7 @@ def test_an_upsert_that_cannot_retire_the_old_place_fails_and_the_heartbeat_fenc
 
 
 def unretired(addr: str) -> None:
-    a, b = Side(addr, 4), Side(addr, 4)
-    try:
+    with sides(addr, 4) as (a, b):
         keys = [f"held-unretired-{i}" for i in range(4)]
         assert a.put(keys, 1) == [None] * 4
         assert b.wrong(keys, 1) == (0, [SIZE] * 4)
@@ -222,58 +215,48 @@ def unretired(addr: str) -> None:
         a.c.engine.retire = unreachable  # type: ignore[method-assign]
         got = a.put(keys, 2, upsert=True)
         assert [type(g) for g in got] == [TransferFail] * 4
-        end = time.monotonic() + 10
-        while True:
+
+        def fenced() -> bool:
             bad, got = b.wrong(keys, 1)  # the held value, or a miss: never other bytes
             assert bad == 0
-            if all(isinstance(g, ObjectNotFound) for g in got):
-                break
             assert all(g == SIZE or isinstance(g, ObjectNotFound) for g in got)
-            assert time.monotonic() < end, "the heartbeat fence never reached the segment"
-            time.sleep(0.05)
-    finally:
-        a.close()
-        b.close()
+            return all(isinstance(g, ObjectNotFound) for g in got)
+
+        wait_until(fenced, 10, "the heartbeat fence at the segment")
 
 
 def test_same_host_shared_memory_reads_are_not_held(pool):
     """Shared memory has no listener to refuse a retired place: those keys speculate."""
     addr, _ = pool
-    a, b = Side(addr, 4), Side(addr, 4, protocol="auto")
-    try:
+    with sides(addr, 4, reader_protocol="auto") as (a, b):
         keys = [f"held-shm-{i}" for i in range(4)]
         assert a.put(keys, 1) == [None] * 4
         before = held("read")
         for _ in range(3):
             assert b.wrong(keys, 1) == (0, [SIZE] * 4)
         assert b.lookups == 3 and held("read") == before
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_held_place_on_a_dead_or_stalled_segment_is_read_from_the_other_replica(fault):
     with pool_of_two() as (addr, segs):
-        a, b = Side(addr, 16, timeout=2.0), Side(addr, 16, timeout=2.0)
-        victim = None
-        try:
-            keys = [f"held-{fault}-{i}" for i in range(16)]
-            assert a.put(keys, 1, replicas=2) == [None] * 16
-            assert b.wrong(keys, 1) == (0, [SIZE] * 16)
-            there = b.c.locations.get(keys[0])[0]  # b holds each key at one of its two places
-            keys = [k for k in keys if b.c.locations.get(k)[0] == there]
-            assert b.wrong(keys, 1) == (0, [SIZE] * len(keys)) and b.lookups == 1  # held
-            victim = segs[there]
-            if fault == "kill":
-                victim.kill()  # kill -9
-            else:
-                victim.signal(signal.SIGSTOP)
-            t = time.monotonic()
-            assert b.wrong(keys, 1) == (0, [SIZE] * len(keys))
-            assert time.monotonic() - t < 1.9  # within the call's 2 s, held read included
-        finally:
-            if victim is not None and fault == "stop":
-                victim.signal(signal.SIGCONT)
-            a.close()
-            b.close()
+        with sides(addr, 16, timeout=2.0) as (a, b):
+            victim = None
+            try:
+                keys = [f"held-{fault}-{i}" for i in range(16)]
+                assert a.put(keys, 1, replicas=2) == [None] * 16
+                assert b.wrong(keys, 1) == (0, [SIZE] * 16)
+                there = b.c.locations.get(keys[0])[0]  # b holds each key at one of its two places
+                keys = [k for k in keys if b.c.locations.get(k)[0] == there]
+                assert b.wrong(keys, 1) == (0, [SIZE] * len(keys)) and b.lookups == 1  # held
+                victim = segs[there]
+                if fault == "kill":
+                    victim.kill()  # kill -9
+                else:
+                    victim.signal(signal.SIGSTOP)
+                t = time.monotonic()
+                assert b.wrong(keys, 1) == (0, [SIZE] * len(keys))
+                assert time.monotonic() - t < 1.9  # within the call's 2 s, held read included
+            finally:
+                if victim is not None and fault == "stop":
+                    victim.signal(signal.SIGCONT)

@@ -18,7 +18,8 @@ from kvplane.store.client import moves
 from kvplane.store.client.locations import SPECULATED
 from kvplane.store.errors import InvalidParams, ObjectNotFound
 from kvplane.store.types import ReplicateConfig
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from kvplane.testing.store_client_proc import round_value
+from kvplane.testing.store_procs import segment_pool, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SIZE = 4096
@@ -29,16 +30,13 @@ def count(outcome: str) -> float:
 
 
 def value(key: str, round_: int) -> np.ndarray:
-    seed = (hash(key) & 0xFFFF_FFFF) ^ (round_ * 7919)
-    return np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+    return round_value(key, round_, SIZE)
 
 
 @pytest.fixture(scope="module")
 def pool():
-    with spawn_master() as m:
-        addr = m.info["master"]
-        with spawn_segment(addr, "64MiB") as s1, spawn_segment(addr, "64MiB") as s2:
-            yield addr, [s1, s2]
+    with segment_pool() as got:
+        yield got
 
 
 class Side:

@@ -68,13 +68,16 @@ def test_each_entry_is_checked_and_fenced_on_its_own(server):
         assert recv_n(sock, 8 + 8)[8:] == bytes(data[:8])
 
 
-@pytest.mark.parametrize("count,length", [(0, 0), (protocol.MAX_READV + 1, 24 * (protocol.MAX_READV + 1)),
-                                          (2, 24 * 3)])
-def test_a_malformed_readv_closes_the_connection(server, count, length):
+@pytest.mark.parametrize("op,count,length", [
+    (protocol.OP_READV, 0, 0), (protocol.OP_READV, protocol.MAX_READV + 1, 24 * (protocol.MAX_READV + 1)),
+    (protocol.OP_READV, 2, 24 * 3),
+    (protocol.OP_RETIRE, 0, 0), (protocol.OP_RETIRE, protocol.MAX_RETIRE + 1, 8 * (protocol.MAX_RETIRE + 1)),
+    (protocol.OP_RETIRE, 2, 8 * 3)])
+def test_a_malformed_readv_or_retire_closes_the_connection(server, op, count, length):
     srv, _ = server
     before = srv.rejected
     with connect(srv) as sock:
-        sock.sendall(protocol.pack_req(protocol.OP_READV, 1, count, length))
+        sock.sendall(protocol.pack_req(op, 1, count, length))
         assert sock.recv(64) == b""  # closed without an answer
     assert srv.rejected == before + 1
 
@@ -213,14 +216,3 @@ def test_a_retired_generation_is_refused_from_the_answer_on(server):
         assert struct.unpack("<2i", recv_n(sock, 8)) == (Fenced.code, 0)
         assert recv_n(sock, 16) == bytes(data[16:32])
     assert srv.fence.fenced(old) is False  # retired, not fenced: the master's fences stay apart
-
-
-@pytest.mark.parametrize("count,length", [(0, 0), (protocol.MAX_RETIRE + 1, 8 * (protocol.MAX_RETIRE + 1)),
-                                          (2, 8 * 3)])
-def test_a_malformed_retire_closes_the_connection(server, count, length):
-    srv, _ = server
-    before = srv.rejected
-    with connect(srv) as sock:
-        sock.sendall(protocol.pack_req(protocol.OP_RETIRE, 1, count, length))
-        assert sock.recv(64) == b""  # closed without an answer
-    assert srv.rejected == before + 1

@@ -44,7 +44,7 @@ from kvplane.store.master import tier_rpc
 from kvplane.store.master.tier_rpc import TierRpc
 from kvplane.store.types import (
     AdoptReq, CodesRep, KeysReq, ListKeysRep, ListKeysReq, MountRep, MountReq, PingRep, PingReq,
-    PutEndReq, PutStartReq, RegexReq, RemoveReq, RepairDoneReq, ResultsRep,
+    PutEndReq, PutStartReq, RegexReq, RemoveReq, RepairDoneReq, ResultsRep, Retire,
 )
 
 log = logging.getLogger(__name__)
@@ -282,15 +282,11 @@ class MasterServer:
         sums = req.checksums or [0] * len(req.keys)
         if req.retired:  # before placing: that space may serve this very call
             self.state.retired(req.retired)
-        retiring = self.state.retiring
-        retiring.clear()
-        results, retire = [], []
-        for i, (k, n, c) in enumerate(zip(req.keys, req.sizes, sums, strict=True)):
-            results.append(self.state.put_start(k, n, req.config, now, req.upsert, local,
-                                                req.client_id, window, c, req.nonce))
-            if retiring:  # an upsert replaced a leased object
-                retire += [(i, seg, gen) for seg, gen, _ in retiring]
-                retiring.clear()
+        rows = list(zip(req.keys, req.sizes, sums, strict=True))
+        results, retire = self._retiring(
+            lambda i: self.state.put_start(rows[i][0], rows[i][1], req.config, now, req.upsert,
+                                           local, req.client_id, window, rows[i][2], req.nonce),
+            len(rows))  # an upsert that replaced a leased object retires it
         out = ResultsRep(results, window, retire=retire or None)
         for k, r in zip(req.keys, out.results):
             if r.code == 0:
@@ -298,6 +294,19 @@ class MasterServer:
         if self.state.tiers.offloads and any(r.code == NoAvailableHandle.code for r in out.results):
             out.retry_after = RETRY_AFTER  # offloads under way will make room
         return out
+
+    def _retiring(self, op: Callable[[int], Any], n: int) -> tuple[list[Any], list[Retire]]:
+        """``op(i)`` for each key index, and the replicas each one dropped under a read lease
+        (``MasterState.retiring``) as ``Retire`` entries for the caller."""
+        retiring = self.state.retiring
+        retiring.clear()
+        out, retire = [], []
+        for i in range(n):
+            out.append(op(i))
+            if retiring:
+                retire += [(i, seg, gen) for seg, gen, _ in retiring]
+                retiring.clear()
+        return out, retire
 
     def _put_end(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
@@ -347,14 +356,8 @@ class MasterServer:
 
     def _remove(self, req: RemoveReq) -> CodesRep:
         now = self.clock()
-        retiring = self.state.retiring
-        retiring.clear()
-        codes, retire = [], []
-        for i, k in enumerate(req.keys):
-            codes.append(self.state.remove(k, req.force, now))
-            if retiring:  # forced while leased
-                retire += [(i, seg, gen) for seg, gen, _ in retiring]
-                retiring.clear()
+        codes, retire = self._retiring(lambda i: self.state.remove(req.keys[i], req.force, now),
+                                       len(req.keys))  # forced while leased: retired
         self._gate(now, ObjectNotFound.code in codes)
         return CodesRep(codes, retire or None)
 
