@@ -29,11 +29,11 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvplane.common import wire
+from kvplane.common import envs, wire
 from kvplane.common.auth import ADMIN, Authenticator, Principal, token_authenticator
 from kvplane.common.guard import REJECTED, Limits, PeerLog
 from kvplane.common.listener import Listener
-from kvplane.common.sockets import recv_exact, recv_spin, set_io_timeout
+from kvplane.common.sockets import SPIN_SECONDS, poll_spin, recv_exact, set_io_timeout
 from kvplane.common.errors import (
     InvalidArgument, KVPlaneError, ProtocolError, Timeout, Unauthorized, Unavailable, from_code,
 )
@@ -47,11 +47,21 @@ _LEN = struct.Struct("<I")
 _CHUNK = 1 << 20
 
 
-def _recv_frame(sock: socket.socket, limit: int, spin: bool = True) -> bytearray:
+def _recv_frame(sock: socket.socket, limit: int, spin: float = SPIN_SECONDS,
+                spinner: threading.Lock | None = None) -> bytearray:
+    """One length-prefixed frame. Its head is first busy-polled for ``spin`` seconds (with
+    ``spinner``: only if that lock is free, held while polling, never while blocked)."""
     head = memoryview(bytearray(4))
-    got = recv_spin(sock, head) if spin else 0
-    if spin and got == 0:
-        raise Unavailable("connection closed")
+    got = 0
+    if spin > 0 and (spinner is None or spinner.acquire(blocking=False)):
+        try:
+            got = poll_spin(sock, head, spin)
+        finally:
+            if spinner is not None:
+                spinner.release()
+        if got == 0:
+            raise Unavailable("connection closed")
+        got = max(got, 0)
     recv_exact(sock, head[got:])
     (n,) = _LEN.unpack(head)
     if n > limit:
@@ -214,6 +224,12 @@ class RpcServer:
                                   limits=limits)
         self.host, self.port = self._listener.host, self._listener.port
         self.admission = self._listener.admission
+        # A peer that sent its next request within ``spin`` seconds of the last answer (a
+        # client in a tight loop: a put's PutEnd follows its write) is busy-polled that long
+        # for the next one, one connection at a time (``_spinner``): waking a sleeping thread
+        # costs 40-60 us on a VM, as much as the call (docs/benchmarks.md, "Eighth round").
+        self._spin = envs.get("KVPLANE_RPC_SPIN")
+        self._spinner = threading.Lock()  # held by the one connection busy-polling, if any
 
     def add(self, method: str, handler: Handler, request_type: type[Any]) -> None:
         """Register ``handler(request) -> reply`` for ``method``."""
@@ -229,9 +245,11 @@ class RpcServer:
             if not self._handshake(conn, session):
                 return
             set_io_timeout(conn, self._listener.limits.idle_timeout or 1e9)
+            quick, done_at, spin = False, 0.0, self._spin
             while not self._listener.closed.is_set():
-                try:
-                    data = _recv_frame(conn, self._max, spin=False)
+                try:  # a peer in a tight loop is busy-polled (``_spin``), one at a time
+                    data = _recv_frame(conn, self._max, spin if quick else 0.0, self._spinner)
+                    quick = time.perf_counter() - done_at < spin
                 except ProtocolError as exc:
                     self._reject(conn, "malformed", str(exc))
                     return
@@ -240,6 +258,7 @@ class RpcServer:
                     return
                 if not self._answer(conn, session, data):
                     return
+                done_at = time.perf_counter()
         except (OSError, KVPlaneError):
             pass
 

@@ -50,6 +50,18 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 SPIN_SECONDS = 200e-6  # busy-poll this long for a reply before sleeping in the kernel
 
 
+def poll_spin(sock: socket.socket, view: memoryview, spin: float) -> int:
+    """Busy-poll ``sock`` for up to ``spin`` seconds without blocking; returns the bytes
+    received into ``view`` (0 = EOF), or -1 if nothing arrived."""
+    end = time.perf_counter() + spin
+    while True:
+        try:
+            return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            if time.perf_counter() > end:
+                return -1
+
+
 def recv_spin(sock: socket.socket, view: memoryview, spin: float = SPIN_SECONDS) -> int:
     """Receive into ``view`` with a short busy-poll first; returns bytes received (0 = EOF).
 
@@ -58,13 +70,9 @@ def recv_spin(sock: socket.socket, view: memoryview, spin: float = SPIN_SECONDS)
     taken without sleeping; after that the call blocks as usual (kernel timeout applies).
     """
     if spin > 0:
-        end = time.perf_counter() + spin
-        while True:
-            try:
-                return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                if time.perf_counter() > end:
-                    break
+        got = poll_spin(sock, view, spin)
+        if got >= 0:
+            return got
     try:
         return sock.recv_into(view)
     except BlockingIOError as exc:

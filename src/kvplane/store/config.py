@@ -47,6 +47,10 @@ class StoreConfig:
             ago reads them without asking the master again (one round trip; upserts and forced
             removes retire the old places first: ``store/client/locations.py``). Needs the
             location cache; off with ``KVPLANE_STORE_HELD_READS=0``.
+        spares: a put of one object of at most 1 MiB asks the master, with its PutEnd, to
+            place the next one now; a following put of the same shape writes there and
+            commits with one PutEnd (two round trips instead of three:
+            ``store/client/spares.py``). Off with ``KVPLANE_STORE_SPARES=0``.
         client_id: unique id of this client (fresh by default).
         disk_dir: directory of this node's SSD tier ("" : none; needs a segment).
         disk_size: bytes the SSD tier may hold (its quota).
@@ -71,6 +75,7 @@ class StoreConfig:
     checksum: bool = False
     location_cache: int = 65536
     held_reads: bool = True
+    spares: bool = True
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     disk_dir: str = ""
     disk_size: int = 0
@@ -90,9 +95,10 @@ class StoreConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> "StoreConfig":
         """Defaults (the token from KVPLANE_TOKEN or the token file), then
-        KVPLANE_STORE_CHECKSUM, KVPLANE_STORE_LOCATION_CACHE and KVPLANE_STORE_HELD_READS,
-        then explicit ``overrides``."""
+        KVPLANE_STORE_CHECKSUM, KVPLANE_STORE_LOCATION_CACHE, KVPLANE_STORE_HELD_READS and
+        KVPLANE_STORE_SPARES, then explicit ``overrides``."""
         base = cls(checksum=envs.get("KVPLANE_STORE_CHECKSUM"),
                    location_cache=envs.get("KVPLANE_STORE_LOCATION_CACHE"),
-                   held_reads=envs.get("KVPLANE_STORE_HELD_READS"))
+                   held_reads=envs.get("KVPLANE_STORE_HELD_READS"),
+                   spares=envs.get("KVPLANE_STORE_SPARES"))
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})

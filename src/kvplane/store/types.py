@@ -146,6 +146,7 @@ class PutStartReq(msgspec.Struct):
     # (segment, generation) this client had refused there (``Retire``) since it last said:
     # that space may go to new objects before its lease ends (``Quarantine.ack``)
     retired: list[tuple[str, int]] = msgspec.field(default_factory=list)
+    returns: list[tuple[str, int, bool]] = msgspec.field(default_factory=list)  # as PutEndReq's
 
 
 class KeyResult(msgspec.Struct, array_like=True, gc=False):
@@ -184,15 +185,48 @@ class KeysReq(msgspec.Struct):
     columns: bool = False
 
 
+class SpareAsk(msgspec.Struct, array_like=True):
+    """A PutEnd's ask for a spare: an allocation, made now, for this client's next put of one
+    ``size``-byte object whose header is ``hdr`` bytes, placed by ``config``."""
+
+    size: int
+    hdr: int
+    config: ReplicateConfig
+
+
+class Spare(msgspec.Struct, array_like=True):
+    """An allocation granted ahead for a client's next put (``kvplane.store.client.spares``).
+
+    The client writes the header (which it builds, keyed by ``secret``) and the value into
+    ``result``'s replicas, then commits them under the put's key with one PutEnd (``renames``):
+    a put of two round trips instead of three. Until then it is an unfinished put under
+    ``name``, a name no user key can have, fenced and freed as any other.
+    """
+
+    name: str
+    result: KeyResult  # code 0, the replicas, size and version (the generation to write)
+    window: float  # seconds from the request in which the client may begin writing
+    secret: bytes  # keys the inventory headers' tags (``inventory.secret_of``)
+
+
 class PutEndReq(msgspec.Struct):
     """PutEnd / PutRevoke: each key with the version PutStart gave it (and, for PutEnd, the
-    checksum of its bytes)."""
+    checksum of its bytes).
+
+    PutEnd only: ``renames``, per key, the name of the spare whose replicas it was written
+    into (the spare becomes that key); ``spare``, allocate the next spare and send it back
+    (``CodesRep.spare``); ``returns``, spares (name, version, written into) the client gives
+    back: one never written is freed at once, one written into (a failed write) is revoked.
+    """
 
     client_id: str
     keys: list[str]
     versions: list[int]
     checksums: list[int] = msgspec.field(default_factory=list)
     suspects: list[str] = msgspec.field(default_factory=list)
+    renames: list[str] = msgspec.field(default_factory=list)
+    spare: SpareAsk | None = None
+    returns: list[tuple[str, int, bool]] = msgspec.field(default_factory=list)
 
 
 class RemoveReq(msgspec.Struct):
@@ -256,6 +290,7 @@ class ResultsRep(msgspec.Struct):
 class CodesRep(msgspec.Struct):
     codes: list[int]
     retire: list[Retire] | None = None  # remove: what the caller retires before it returns
+    spare: Spare | None = None  # PutEnd: the spare asked for (None: none could be made)
 
 
 def column_results(cols: Columns) -> list[KeyResult]:

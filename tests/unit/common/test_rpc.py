@@ -84,3 +84,50 @@ def test_meanwhile_runs_once_between_the_request_and_its_reply():
     with RpcClient(f"127.0.0.1:{port}", timeout=0.3) as c, pytest.raises(Unavailable):
         c.call("double", Req(1), int, meanwhile=lambda: runs.append(2))
     assert runs == [1]
+
+
+def test_poll_spin_takes_what_is_there_gives_up_after_its_time_and_sees_eof():
+    from kvplane.common.sockets import poll_spin
+
+    a, b = socket.socketpair()
+    with a, b:
+        buf = memoryview(bytearray(8))
+        assert poll_spin(a, buf, 1e-3) == -1  # nothing came: no block, no bytes
+        b.sendall(b"abc")
+        assert poll_spin(a, buf, 1.0) == 3 and bytes(buf[:3]) == b"abc"
+        b.close()
+        assert poll_spin(a, buf, 1.0) == 0  # end of stream
+
+
+def test_a_frame_is_busy_polled_only_with_the_spinner_free(monkeypatch):
+    import threading
+
+    from kvplane.common import rpc
+
+    polls = []
+    real = rpc.poll_spin
+    monkeypatch.setattr(rpc, "poll_spin", lambda *a: polls.append(1) or real(*a))
+    spinner = threading.Lock()
+    a, b = socket.socketpair()
+    with a, b:
+        for _ in range(2):
+            b.sendall(struct.pack("<I", 2) + b"hi")
+        spinner.acquire()  # another connection is polling: this one waits in the kernel
+        assert rpc._recv_frame(a, 1 << 10, 1e-3, spinner) == b"hi" and polls == []
+        spinner.release()
+        assert rpc._recv_frame(a, 1 << 10, 1e-3, spinner) == b"hi" and polls == [1]
+        assert not spinner.locked()  # never held past the poll
+
+
+def test_a_server_in_a_tight_loop_answers_and_holds_no_spinner_while_idle():
+    from kvplane.testing.services import wait_until
+
+    with make_server() as srv, RpcClient(f"127.0.0.1:{srv.port}") as c1, \
+            RpcClient(f"127.0.0.1:{srv.port}") as c2:
+        assert srv._spin > 0  # the default busy-polls
+        for i in range(300):  # two clients in tight loops, interleaved
+            assert c1.call("double", Req(i), int) == 2 * i
+            assert c2.call("double", Req(i + 1), int) == 2 * i + 2
+        # once both go quiet, the thread that polled gives the spinner up and blocks
+        wait_until(lambda: not srv._spinner.locked(), 5, "the spinner is released when idle")
+        assert c1.call("double", Req(5), int) == 10  # and a call after the pause is served

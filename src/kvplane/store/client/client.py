@@ -47,7 +47,7 @@ from kvplane.store.disk.node import DiskDuty
 from kvplane.store.client import moves
 from kvplane.store.client.duty import SegmentDuty
 from kvplane.store.client.link import MasterLink
-from kvplane.store.client import locations, tiering
+from kvplane.store.client import locations, spares, tiering
 from kvplane.store.client.locations import Locations
 from kvplane.store.client.remount import Holdings
 from kvplane.store.client.staging import Staging
@@ -90,6 +90,7 @@ class StoreClient:
         self.holdings = Holdings(self)
         self.corrupt_reads = 0  # replica reads whose bytes failed the checksum
         self.locations = Locations(cfg.location_cache)  # where recent keys are (speculative gets)
+        self.spares = spares.Spares(cfg.spares)  # space placed one put ahead (two-hop puts)
         self.lease_ttl = cfg.lease_ttl  # the master's read lease, as its last lookup said
         self._listened: dict[int, bool] = {}  # segment handle -> reads go through its listener
         self.disk_links = tiering.DiskLinks(cfg.token)
@@ -155,6 +156,7 @@ class StoreClient:
                             timeout=min(self.config.timeout, 5.0))
         if rep.status == "need_remount":
             self.locations.drop_holds()  # a master that lost its leases: hold nothing of old
+            self.spares.close()  # nor its spares
             self.mount()
             self.engine.publish()
             self.remounts += 1
@@ -221,30 +223,40 @@ class StoreClient:
         # an object after a failover only if its bytes still match (checking it on gets is
         # what ``config.checksum`` turns on)
         sums = [digest(self.engine.memory.view(a, n)) for a, n in zip(addrs, sizes)]
+        reserve = min(WRITE_RESERVE * self.config.timeout, 1.0)
+        shape = spares.ask(keys, sizes, cfg, upsert) if self.spares.enabled else None
+        if shape is not None:  # write into the spare the last PutEnd placed, then commit
+            code = spares.put(self, keys[0], addrs[0], sizes[0], cfg, sums[0], shape, deadline,
+                              reserve)
+            if code is not None:
+                return [code]
         sent = time.monotonic()
         rep = tiering.put_start(self, keys, sizes, cfg, upsert, sums, deadline)
         codes = [r.code for r in rep.results]
         unretired = moves.retire(self, rep.retire, deadline) if rep.retire else set()
         ok = [i for i, c in enumerate(codes) if c == 0 and i not in unretired]
-        reserve = min(WRITE_RESERVE * self.config.timeout, 1.0)
         window = sent + rep.ttl if rep.ttl > 0 else deadline.at  # copies must start inside it
-        with self.staging.block(moves.put_staging(rep.results, ok, sizes) or 1) as (hbase, hv):
-            writes = moves.put_moves(rep.results, ok, addrs, sizes, hbase, hv,
-                                     self.engine.memory.view)
-            failed = moves.write(self, writes, Deadline(min(deadline.at - reserve, window)))
+        failed = moves.put_write(self, rep.results, ok, addrs, sizes,
+                                 Deadline(min(deadline.at - reserve, window)))
         failed |= {i for i in unretired if codes[i] == 0}  # not made safe: not committed
         ends = [(keys[i], rep.results[i].version, sums[i], i) for i in ok if i not in failed]
         revokes = [(keys[i], rep.results[i].version) for i in sorted(failed)]
         if ends:
-            got = self._call("put_end", PutEndReq(
+            sent = time.monotonic()
+            end = self._call("put_end", PutEndReq(
                 self.config.client_id, [e[0] for e in ends], [e[1] for e in ends],
-                [e[2] for e in ends], self.suspects.take()), CodesRep, deadline).codes
+                [e[2] for e in ends], self.suspects.take(), spare=shape,
+                returns=self.spares.returns()), CodesRep, deadline)
+            if shape is not None:
+                self.spares.offer(end.spare, shape, sent)
+            got = end.codes
             for (_, _, _, i), code in zip(ends, got):
                 if code:  # not committed (pre-empted, or lost with its segment): not a success
                     codes[i] = TransferFail.code
         if revokes:
             self._call("put_revoke", PutEndReq(self.config.client_id, [k for k, _ in revokes],
-                                               [v for _, v in revokes], [], self.suspects.take()),
+                                               [v for _, v in revokes], [], self.suspects.take(),
+                                               returns=self.spares.returns()),
                        CodesRep, deadline)
         for i in failed:
             codes[i] = TransferFail.code
@@ -504,6 +516,13 @@ class StoreClient:
         if self.disk is not None:
             self.disk.close()
         self.disk_links.close()
+        given = self.spares.close()
+        if given:  # space placed for puts that will not come
+            try:
+                self.rpc.call("put_end", PutEndReq(self.config.client_id, [], [], returns=given),
+                              CodesRep, timeout=2.0)
+            except KVPlaneError as exc:
+                log.debug("giving spares back on close failed: %s", exc)
         if self._segments:
             try:
                 self.rpc.call("unmount", MountReq(self.config.client_id, self._segments), int,

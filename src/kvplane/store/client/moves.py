@@ -202,6 +202,15 @@ def write(client: "StoreClient", moves: list[Move], deadline: Deadline) -> set[i
     return {m[0] for m, ok in zip(moves, done) if not ok}
 
 
+def put_write(client: "StoreClient", results: list[KeyResult], ok: list[int], addrs: list[int],
+              sizes: list[int], deadline: Deadline) -> set[int]:
+    """Write the keys ``ok`` of a put, each header in front of its value in every replica
+    (``put_moves``, staged in the client's registered memory); returns the indexes that failed."""
+    with client.staging.block(put_staging(results, ok, sizes) or 1) as (hbase, hv):
+        writes = put_moves(results, ok, addrs, sizes, hbase, hv, client.engine.memory.view)
+        return write(client, writes, deadline)
+
+
 def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps: list[int],
          deadline: Deadline, lease_end: float) -> list[int]:
     """Read each key from its replicas with failover; per key the size read or an error code."""

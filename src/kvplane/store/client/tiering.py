@@ -166,7 +166,8 @@ def put_start(client: "StoreClient", keys: list[str], sizes: list[int], cfg: Rep
     """PutStart, retrying keys the master could not place yet while offloads make room."""
     rep = client._call("put_start", PutStartReq(
         client.config.client_id, keys, sizes, cfg, upsert, deadline.remaining(), sums,
-        secrets.randbits(63) | 1, client.retired.take()), ResultsRep, deadline)
+        secrets.randbits(63) | 1, client.retired.take(), client.spares.returns()), ResultsRep,
+        deadline)
     while rep.retry_after > 0:
         full = [i for i, r in enumerate(rep.results) if r.code == NoAvailableHandle.code]
         if not full or deadline.remaining() <= rep.retry_after + 0.5:

@@ -116,6 +116,18 @@ def keys_of(objects: Any, tenant: str) -> Iterator[tuple[str, str]]:
     return ((k, k[len(prefix):]) for k in list(objects) if k.startswith(prefix))
 
 
+def is_service() -> bool:
+    """Whether the RPC being served comes from a default-tenant caller (the service token or
+    the admin's)."""
+    return current_principal().tenant == DEFAULT_TENANT
+
+
+def require_service(what: str) -> None:
+    """Refuse ``what`` to a tenant (Unauthorized)."""
+    if not is_service():
+        raise Unauthorized(f"{what} is for callers with the service token")
+
+
 class Access:
     """Wraps master handlers with tenant scoping and ownership checks (see module docstring).
 

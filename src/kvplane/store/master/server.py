@@ -35,7 +35,8 @@ from kvplane.store.errors import (
     InvalidParams, NoAvailableHandle, NotLeader, ObjectNotFound, Recovering,
 )
 from kvplane.store.master import admin, status
-from kvplane.store.master.access import Access
+from kvplane.store.master.access import Access, is_service, require_service
+from kvplane.store.master import spares
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
 from kvplane.store.master.replica_rpc import ReplicaRpc
@@ -44,7 +45,7 @@ from kvplane.store.master import tier_rpc
 from kvplane.store.master.tier_rpc import TierRpc
 from kvplane.store.types import (
     AdoptReq, CodesRep, KeysReq, ListKeysRep, ListKeysReq, MountRep, MountReq, PingRep, PingReq,
-    PutEndReq, PutStartReq, RegexReq, RemoveReq, RepairDoneReq, ResultsRep, Retire,
+    PutEndReq, PutStartReq, RegexReq, RemoveReq, RepairDoneReq, ResultsRep, Retire, Spare,
 )
 
 log = logging.getLogger(__name__)
@@ -282,6 +283,7 @@ class MasterServer:
         sums = req.checksums or [0] * len(req.keys)
         if req.retired:  # before placing: that space may serve this very call
             self.state.retired(req.retired)
+        self._give_back(req.client_id, req.returns, now)  # so may that of spares given back
         rows = list(zip(req.keys, req.sizes, sums, strict=True))
         results, retire = self._retiring(
             lambda i: self.state.put_start(rows[i][0], rows[i][1], req.config, now, req.upsert,
@@ -312,14 +314,40 @@ class MasterServer:
         now = self.clock()
         self.state.suspect(req.suspects, now)
         sums = req.checksums or [0] * len(req.keys)
-        codes = [self.state.put_end(k, now, v, c)
-                 for k, v, c in zip(req.keys, req.versions, sums, strict=True)]
-        self._gate(now, ObjectNotFound.code in codes)
-        return CodesRep(codes)
+        rows = zip(req.keys, req.versions, sums, strict=True)
+        if req.renames:  # written into spares: each spare becomes its key
+            require_service("a commit of spares")
+            codes = [spares.commit(self.state, req.client_id, n, k, v, c, now)
+                     for n, (k, v, c) in zip(req.renames, rows, strict=True)]
+            for k, code in zip(req.keys, codes):
+                if code == 0:
+                    self.state.objects[k].owner = req.client_id
+        else:
+            codes = [self.state.put_end(k, now, v, c) for k, v, c in rows]
+            self._gate(now, ObjectNotFound.code in codes)
+        self._give_back(req.client_id, req.returns, now)
+        out = CodesRep(codes)
+        if req.spare is not None and is_service() and not self.state.recovering(now):
+            local = (self._local(req.client_id) if req.spare.config.prefer_alloc_in_same_node
+                     else frozenset())
+            window = self.state.write_window(0.0)
+            got = spares.grant(self.state, req.client_id, req.spare, now, local, window)
+            if got is not None:
+                out.spare = Spare(got[0], got[1], window, self._secret)
+        return out
+
+    def _give_back(self, client_id: str, returns: list[tuple[str, int, bool]],
+                   now: float) -> None:
+        """Spares a client gives back with a put call (not the put's own keys)."""
+        if returns:
+            require_service("a return of spares")
+            for name, version, written in returns:
+                spares.give_back(self.state, client_id, name, version, written, now)
 
     def _put_revoke(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
         self.state.suspect(req.suspects, now)
+        self._give_back(req.client_id, req.returns, now)
         return CodesRep([self.state.put_revoke(k, now, v)
                          for k, v in zip(req.keys, req.versions, strict=True)])
 

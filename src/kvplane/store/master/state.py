@@ -677,8 +677,8 @@ class MasterState:
         return [n for n in pref + rest if not (n in seen or seen.add(n))]  # type: ignore[func-returns-value]
 
     def _place(self, size: int, cfg: ReplicateConfig, now: float,
-               local: frozenset[str]) -> list[Rep]:
-        for attempt in range(3):
+               local: frozenset[str], evict: bool = True) -> list[Rep]:
+        for attempt in range(3 if evict else 1):
             got: list[Rep] = []
             gen = self._gen()  # one generation per put: replicas sit on distinct segments
             for name in self._candidates(cfg, local):
@@ -689,6 +689,8 @@ class MasterState:
                         break
             if got:  # best effort: at least one replica
                 return got
+            if not evict:
+                break
             self.alloc_failures += 1
             leased = self.graveyard.release_leased() if attempt == 0 else []
             if leased:

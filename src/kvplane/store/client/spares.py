@@ -1,0 +1,127 @@
+"""A put in two round trips: the write, then a PutEnd that commits a spare under the put's key.
+
+The master places an object one put ahead when a PutEnd asks (``kvplane.store.master.spares``
+has the rules). A put of one object that fits the spare this client holds (same size, same
+header length, same config), begun well inside the spare's write window, builds its own
+inventory header (keyed by the secret the spare came with), writes header and value into the
+spare's replicas, and commits them with one PutEnd, which asks for the next spare. Anything
+else, a spare whose write fails, and a commit that finds its spare gone (a master restart or
+a leader change, a segment lost), goes the usual way: PutStart, write, PutEnd. Off with ``KVPLANE_STORE_SPARES=0``.
+
+What the two ways share: the checksum in the header, the write window, the fence on the
+segment (the spare's generation), and that the object is readable only once the master's
+commit says so.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from kvplane.common.deadline import Deadline
+from kvplane.store import inventory
+from kvplane.store.client import locations, moves
+from kvplane.store.errors import ObjectNotFound
+from kvplane.store.types import CodesRep, KeyResult, PutEndReq, ReplicateConfig, Spare, SpareAsk
+
+if TYPE_CHECKING:
+    from kvplane.store.client.client import StoreClient
+
+MAX_SPARE = 1 << 20  # bytes of value (as the master's limit): larger puts gain nothing from it
+MIN_WINDOW = 0.5  # seconds of the spare's write window a put needs left to begin in it
+
+
+def ask(keys: list[str], sizes: list[int], cfg: ReplicateConfig, upsert: bool) -> SpareAsk | None:
+    """The spare a put of ``keys`` would use and ask for next (one small object, no upsert)."""
+    if len(keys) != 1 or upsert or not 0 < sizes[0] <= MAX_SPARE:
+        return None
+    return SpareAsk(sizes[0], inventory.header_len(keys[0]), cfg)
+
+
+class Spares:
+    """The spare this client holds (at most one), and those it gives back with its next PutEnd."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._held: tuple[Spare, SpareAsk, float] | None = None  # spare, its shape, window end
+        self._returns: list[tuple[str, int, bool]] = []  # name, version, written into
+        self.used = 0  # puts that went through a spare (tests and benchmarks read it)
+
+    def take(self, shape: SpareAsk, now: float) -> tuple[Spare, float] | None:
+        """The held spare and its window's local end, if it fits ``shape`` with time to begin
+        writing; a spare of another shape or past its window is given back."""
+        with self._lock:
+            held = self._held
+            if held is None:
+                return None
+            self._held = None
+            spare, have, end = held
+            if have == shape and end - now > MIN_WINDOW:
+                return spare, end
+            self._returns.append((spare.name, spare.result.version, False))
+            return None
+
+    def offer(self, spare: Spare | None, shape: SpareAsk, sent: float) -> None:
+        """Hold the spare a PutEnd sent back (its window counted from before the request)."""
+        if spare is None or spare.result.code or not spare.result.replicas:
+            return
+        with self._lock:
+            if self._held is not None:  # another thread's: keep the newer, give back the other
+                old = self._held[0]
+                self._returns.append((old.name, old.result.version, False))
+            self._held = (spare, shape, sent + spare.window)
+
+    def give_back(self, spare: Spare) -> None:
+        """A spare whose write failed (its space waits for the segment's fence)."""
+        with self._lock:
+            self._returns.append((spare.name, spare.result.version, True))
+
+    def returns(self) -> list[tuple[str, int, bool]]:
+        """The spares to give back with the next PutEnd (taken: send them)."""
+        with self._lock:
+            out, self._returns = self._returns, []
+            return out
+
+    def close(self) -> list[tuple[str, int, bool]]:
+        """Everything this client still has: to give back as it closes (or to forget, when
+        the master that made them is gone)."""
+        with self._lock:
+            out = self._returns
+            if self._held is not None:
+                out.append((self._held[0].name, self._held[0].result.version, False))
+            self._held, self._returns = None, []
+            return out
+
+
+def put(client: "StoreClient", key: str, addr: int, size: int, cfg: ReplicateConfig,
+        checksum: int, shape: SpareAsk, deadline: Deadline, reserve: float) -> int | None:
+    """Put one object through the held spare: its code (0, ObjectExists...), or None when no
+    spare fits, its write failed or the master no longer had it (the caller puts the usual
+    way, within the same deadline)."""
+    held = client.spares.take(shape, time.monotonic())
+    if held is None:
+        return None
+    spare, window_end = held
+    r = spare.result
+    header = inventory.pack(spare.secret, key, r.version, r.version, size, checksum,
+                            cfg.replica_num, inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0)
+    res = [KeyResult(0, r.replicas, size, r.version, checksum, header)]
+    failed = moves.put_write(client, res, [0], [addr], [size],
+                             Deadline(min(deadline.at - reserve, window_end)))
+    if failed:  # refused (a segment that remounted with a new master fences the spare's
+        client.spares.give_back(spare)  # generation) or failed: the usual way decides
+        return None
+    sent = time.monotonic()
+    rep = client._call("put_end", PutEndReq(
+        client.config.client_id, [key], [r.version], [checksum], client.suspects.take(),
+        [spare.name], shape, client.spares.returns()), CodesRep, deadline)
+    client.spares.offer(rep.spare, shape, sent)
+    code = rep.codes[0]
+    if code == ObjectNotFound.code:  # the spare was gone (a new master, a lost segment)
+        return None
+    client.spares.used += 1
+    if code == 0:
+        locations.remember(client, [key], res, [0], [size])
+    return code

@@ -1,0 +1,130 @@
+"""Spares: an allocation made one put ahead, so that a client's next put takes two round trips.
+
+A put is PutStart (the master places it), the write, and PutEnd (the master commits it). A
+client that puts one object after another asks, with each PutEnd, for a *spare*: the master
+places the next object now (same size, same header length, same config) as an unfinished put
+under a name no user key can have (``name_of``). The client's next put of a fitting object
+writes its header and value into the spare and commits it under its own key with its PutEnd
+(``commit``), which asks for the next spare: write and PutEnd, no PutStart.
+
+What does not change: the space is placed, fenced, quarantined and freed by the same rules as
+any unfinished put's (its writer's death, its segment's loss, the release timeout), the writer
+must begin its copies inside the spare's write window, and the object is readable only once the
+commit says so. A commit under a key that exists or is being written drops the spare (its
+record is forgotten at the segment) and answers ObjectExists, as PutStart would have.
+
+Pure: operates on a ``MasterState`` (the server holds its lock), no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvplane.common.errors import KVPlaneError
+from kvplane.store import inventory
+from kvplane.store.errors import InvalidParams, ObjectExists, ObjectNotFound
+from kvplane.store.types import KeyResult, SpareAsk
+
+if TYPE_CHECKING:
+    from kvplane.store.master.state import MasterState
+
+PREFIX = "\x00\x00spare\x00"  # NUL: never a user key; the empty tenant: never a tenant's key
+MAX_SPARE = 1 << 20  # bytes of value: larger puts gain nothing from one round trip less
+_MIN_HDR = inventory.header_len(b"k")
+_MAX_HDR = inventory.header_len(b"k" * 4096)
+
+
+def name_of(client_id: str, version: int) -> str:
+    """The internal key of the spare made for ``client_id`` with ``version``."""
+    return f"{PREFIX}{client_id}\x00{version}"
+
+
+def grant(state: "MasterState", client_id: str, ask: SpareAsk, now: float,
+          local: frozenset[str], window: float) -> tuple[str, KeyResult] | None:
+    """Place a spare for ``client_id``'s next put (``ask``); None when it cannot be placed
+    without evicting or without taking the pool past its eviction watermark, or is out of
+    range (the key table full, a config PutStart would refuse)."""
+    from kvplane.store.master.state import Obj
+
+    cfg = ask.config
+    if not (0 < ask.size <= MAX_SPARE and _MIN_HDR <= ask.hdr <= _MAX_HDR
+            and ask.hdr % inventory.ALIGN == 0 and cfg.replica_num >= 1):
+        return None
+    if len(state.objects) >= state.config.max_keys:
+        return None
+    cap = sum(s.alloc.capacity for s in state.segments.values())
+    want = (ask.hdr + ask.size) * cfg.replica_num
+    if not cap or state.used_ratio() + want / cap > state.config.high_watermark:
+        return None  # a spare never makes the master evict: only space the pool does not need
+    try:
+        pin = state._soft_pin_ttl(cfg)
+        replicas = state._place(ask.hdr + ask.size, cfg, now, local, evict=False)
+    except KVPlaneError:
+        return None
+    version = replicas[0][2]
+    obj = Obj(ask.size, tuple(replicas), False, now, hard_pin=cfg.with_hard_pin,
+              version=version, want=cfg.replica_num, writer=client_id,
+              window_until=now + state.write_window(window), hdr=ask.hdr,
+              flags=inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0, soft_pin_ttl=pin)
+    name = name_of(client_id, version)
+    state.objects[name] = obj
+    state.open_puts[name] = obj
+    return name, KeyResult(0, obj.replicas_of(state.segments), ask.size, version)
+
+
+def _mine(state: "MasterState", client_id: str, name: str, version: int):  # type: ignore[no-untyped-def]
+    obj = state.objects.get(name)
+    if (not name.startswith(PREFIX) or obj is None or obj.complete or obj.writer != client_id
+            or obj.version != version):
+        return None
+    return obj
+
+
+def commit(state: "MasterState", client_id: str, name: str, key: str, version: int,
+           checksum: int, now: float) -> int:
+    """Make spare ``name`` (written by ``client_id`` with ``version``) the object ``key``:
+    0, or ObjectNotFound (no such spare: pre-empted, dropped with its segment, or a master
+    that never made it), ObjectExists, InvalidKey or InvalidParams (the spare is dropped)."""
+    obj = _mine(state, client_id, name, version)
+    if obj is None:
+        return ObjectNotFound.code
+    try:
+        state._check_key(key)
+        if inventory.header_len(key) != obj.hdr:
+            raise InvalidParams("the key's header does not fit the spare")
+        old = state.objects.get(key)
+        if old is not None:
+            if old.complete:
+                raise ObjectExists(f"{key!r} exists")
+            if now - old.started < state.config.put_discard_timeout:
+                raise ObjectExists(f"{key!r} is being written")
+            state._drop(key, old, now)
+    except KVPlaneError as exc:  # its record names a key that stays as it was: drop it, its
+        obj.window_until = now  # writer's copies over (only frames may be in flight: fenced)
+        state._drop(name, obj, now)
+        return exc.code
+    del state.objects[name]
+    state.open_puts.pop(name, None)
+    state.objects[key] = obj
+    state.open_puts[key] = obj
+    return state.put_end(key, now, version, checksum)
+
+
+def give_back(state: "MasterState", client_id: str, name: str, version: int, written: bool,
+              now: float) -> int:
+    """``client_id`` gives its spare ``name`` back (0, or ObjectNotFound). One it ``written``
+    into (a write that failed) is revoked: its space waits for the segment's fence. One it never
+    wrote is freed at once: its writer is the only one who could have written there, and it
+    says it did not (the same trust as a retirement report; such a client can already write
+    registered memory with generation 0)."""
+    obj = _mine(state, client_id, name, version)
+    if obj is None:
+        return ObjectNotFound.code
+    if written:
+        return state.put_revoke(name, now, version)
+    del state.objects[name]
+    state.open_puts.pop(name, None)
+    for seg, off, _gen in obj.replicas:
+        if seg in state.segments:
+            state.segments[seg].alloc.free(off)
+    return 0

@@ -1,0 +1,145 @@
+"""Two-round-trip puts (``store/client/spares.py``): after its first put, a client's puts of one
+small object write into space the master placed with the previous PutEnd and commit with one
+PutEnd. Master and segments are processes; clients are in this process, over TCP. Every value
+is distinct per key and per write, so a misplaced write or a stale read shows up as wrong bytes."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import httpx
+import numpy as np
+import pytest
+
+from kvplane.store.client.client import StoreClient
+from kvplane.testing.auth import headers
+from kvplane.testing.services import wait_until
+from kvplane.testing.store_client_proc import round_value
+from kvplane.testing.store_procs import segment_pool, spawn_master, spawn_segment, tenant_pool
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+SIZE = 4096
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with segment_pool() as got:
+        yield got
+
+
+@contextlib.contextmanager
+def counted(client: StoreClient):
+    """Counts the master RPCs ``client`` makes, by method."""
+    calls: collections.Counter[str] = collections.Counter()
+    real = client.rpc.call
+
+    def call(method, *a, **kw):  # type: ignore[no-untyped-def]
+        calls[method] += 1
+        return real(method, *a, **kw)
+
+    client.rpc.call = call  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        client.rpc.call = real  # type: ignore[method-assign]
+
+
+def put_all(client: StoreClient, keys: list[str], round_: int = 0) -> None:
+    for k in keys:
+        client.put(k, round_value(k, round_, SIZE).tobytes())
+
+
+def wrong_bytes(client: StoreClient, keys: list[str], round_: int = 0) -> int:
+    """Bytes that differ from what round ``round_`` wrote, over every key (a miss counts whole)."""
+    bad = 0
+    for k, got in zip(keys, client.get_batch(keys)):
+        want = round_value(k, round_, SIZE)
+        if isinstance(got, bytes) and len(got) == SIZE:
+            bad += int(np.count_nonzero(np.frombuffer(got, np.uint8) != want))
+        else:
+            bad += SIZE
+    return bad
+
+
+def test_every_put_after_the_first_is_a_write_and_one_put_end(pool):
+    addr, _ = pool
+    keys = [f"two-hop-{i}" for i in range(60)]
+    with StoreClient(master=addr, protocol="tcp") as w, \
+            StoreClient(master=addr, protocol="tcp", checksum=True) as r:
+        with counted(w) as calls:
+            put_all(w, keys)
+        assert calls["put_start"] == 1 and calls["put_end"] == len(keys)
+        assert w.spares.used == len(keys) - 1
+        assert wrong_bytes(r, keys) == 0  # checksummed reads by another client
+
+
+def test_a_spare_put_of_a_key_that_exists_leaves_the_first_value(pool):
+    addr, _ = pool
+    with StoreClient(master=addr, protocol="tcp") as w:
+        put_all(w, ["exists-a", "exists-b"])  # the second put left a spare
+        used = w.spares.used
+        w.put("exists-a", round_value("exists-a", 1, SIZE).tobytes())  # no error: a no-op
+        assert w.spares.used == used + 1
+        with StoreClient(master=addr, protocol="tcp", checksum=True) as r:
+            assert wrong_bytes(r, ["exists-a", "exists-b"], 0) == 0
+        put_all(w, ["exists-c"])  # the spare the refused commit dropped was replaced
+        assert w.spares.used == used + 2
+
+
+def test_other_shapes_go_the_usual_way_and_give_the_spare_back(pool):
+    addr, _ = pool
+    with StoreClient(master=addr, protocol="tcp") as w, counted(w) as calls:
+        w.put("shape-0", b"x" * SIZE)
+        w.put("shape-1", b"y" * (SIZE + 1))  # another size: PutStart again
+        w.put("shape-2", b"z" * (SIZE + 1))  # the spare of that size
+        assert calls["put_start"] == 2 and w.spares.used == 1
+        assert w.get("shape-1") == b"y" * (SIZE + 1) and w.get("shape-2") == b"z" * (SIZE + 1)
+        w.upsert("shape-2", b"u" * (SIZE + 1))  # upserts never use a spare
+        assert calls["put_start"] == 3 and w.get("shape-2") == b"u" * (SIZE + 1)
+
+
+def test_spares_off_makes_every_put_three_round_trips(pool):
+    addr, _ = pool
+    with StoreClient(master=addr, protocol="tcp", spares=False) as w, counted(w) as calls:
+        put_all(w, [f"off-{i}" for i in range(5)])
+        assert calls["put_start"] == 5 and w.spares.used == 0
+
+
+def test_after_a_master_restart_a_put_with_an_old_spare_still_succeeds():
+    m = spawn_master()
+    addr = m.info["master"]
+    port = addr.rsplit(":", 1)[1]
+    seg = spawn_segment(addr, "32MiB")
+    m2 = None
+    try:
+        with StoreClient(master=addr, protocol="tcp", timeout=10.0) as w:
+            put_all(w, ["restart-0", "restart-1"])  # holds a spare of the first master
+            m.kill()
+            m.stop()
+            m2 = spawn_master("--port", port)
+            url = f"http://127.0.0.1:{m2.info['admin_port']}/get_all_segments"
+            wait_until(lambda: seg.info["segment"] in httpx.get(url, headers=headers()).json(), 20,
+                       "the segment remounts with the new master")
+            used = w.spares.used
+            with counted(w) as calls:
+                put_all(w, ["restart-2"])  # the old spare is fenced or unknown: the usual way
+            assert w.spares.used == used and calls["put_start"] == 1
+            with counted(w) as calls:
+                put_all(w, ["restart-3", "restart-4"])  # through spares of the new master
+            assert w.spares.used == used + 2 and calls["put_start"] == 0
+            with StoreClient(master=addr, protocol="tcp", checksum=True) as r:
+                assert wrong_bytes(r, ["restart-2", "restart-3", "restart-4"]) == 0
+    finally:
+        seg.stop()
+        if m2 is not None:
+            m2.stop()
+        m.stop()
+
+
+def test_a_tenant_gets_no_spares_and_its_puts_work():
+    with tenant_pool("svc-token", {"acme": "acme-token"}) as (_, addr, _seg):
+        with StoreClient(master=addr, token="acme-token", protocol="tcp") as t, counted(t) as calls:
+            put_all(t, [f"tenant-{i}" for i in range(4)])
+            assert calls["put_start"] == 4 and t.spares.used == 0
+            assert wrong_bytes(t, [f"tenant-{i}" for i in range(4)]) == 0
