@@ -149,3 +149,26 @@ def test_a_tenant_gets_no_spares_and_its_puts_work():
             put_all(t, [f"tenant-{i}" for i in range(4)])
             assert calls["put_start"] == 4 and t.spares.used == 0
             assert wrong_bytes(t, [f"tenant-{i}" for i in range(4)]) == 0
+
+
+def test_threads_sharing_a_client_never_write_into_one_spare_twice(pool):
+    import threading
+
+    addr, _ = pool
+    keys = [[f"threads-{t}-{i}" for i in range(40)] for t in range(4)]
+    errors: list[BaseException] = []
+    with StoreClient(master=addr, protocol="tcp") as w:
+        def run(mine: list[str]) -> None:
+            try:
+                put_all(w, mine)
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in keys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == [] and w.spares.used > 0
+        with StoreClient(master=addr, protocol="tcp", checksum=True) as r:
+            assert wrong_bytes(r, [k for ks in keys for k in ks]) == 0
