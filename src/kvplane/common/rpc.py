@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvplane.common import envs, wire
+from kvplane.common import wire
 from kvplane.common.auth import ADMIN, Authenticator, Principal, token_authenticator
 from kvplane.common.guard import REJECTED, Limits, PeerLog
 from kvplane.common.listener import Listener
@@ -205,11 +205,16 @@ class RpcServer:
         max_connections: inbound connections beyond this are refused.
         authenticate: token -> principal (None rejects); replaces ``token`` when given.
         limits: pre-authentication limits (default: from the environment).
+        spin: seconds a connection whose peer sent its next request within that long of the
+            last answer (a client in a tight loop) is busy-polled for the next one, one
+            connection at a time; 0 (the default) never. Waking a sleeping thread costs
+            40-60 us on a VM, as much as a small call (docs/benchmarks.md, "Eighth round").
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  max_message: int = wire.MAX_CONTROL_FRAME, max_connections: int = 1024,
-                 authenticate: Authenticator | None = None, limits: Limits | None = None) -> None:
+                 authenticate: Authenticator | None = None, limits: Limits | None = None,
+                 spin: float = 0.0) -> None:
         self._auth = authenticate or token_authenticator(token)
         self._max = max_message
         self._handlers: dict[str, tuple[Handler, type[Any]]] = {}
@@ -224,11 +229,7 @@ class RpcServer:
                                   limits=limits)
         self.host, self.port = self._listener.host, self._listener.port
         self.admission = self._listener.admission
-        # A peer that sent its next request within ``spin`` seconds of the last answer (a
-        # client in a tight loop: a put's PutEnd follows its write) is busy-polled that long
-        # for the next one, one connection at a time (``_spinner``): waking a sleeping thread
-        # costs 40-60 us on a VM, as much as the call (docs/benchmarks.md, "Eighth round").
-        self._spin = envs.get("KVPLANE_RPC_SPIN")
+        self._spin = spin
         self._spinner = threading.Lock()  # held by the one connection busy-polling, if any
 
     def add(self, method: str, handler: Handler, request_type: type[Any]) -> None:

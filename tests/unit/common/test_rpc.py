@@ -122,9 +122,11 @@ def test_a_frame_is_busy_polled_only_with_the_spinner_free(monkeypatch):
 def test_a_server_in_a_tight_loop_answers_and_holds_no_spinner_while_idle():
     from kvplane.testing.services import wait_until
 
-    with make_server() as srv, RpcClient(f"127.0.0.1:{srv.port}") as c1, \
-            RpcClient(f"127.0.0.1:{srv.port}") as c2:
-        assert srv._spin > 0  # the default busy-polls
+    srv = RpcServer(spin=500e-6)
+    srv.add("double", lambda r: r.x * 2, Req)
+    with srv, RpcClient(f"127.0.0.1:{srv.port}") as c1, RpcClient(f"127.0.0.1:{srv.port}") as c2:
+        with make_server() as plain:
+            assert plain._spin == 0  # busy-polling is asked for, never the default
         for i in range(300):  # two clients in tight loops, interleaved
             assert c1.call("double", Req(i), int) == 2 * i
             assert c2.call("double", Req(i + 1), int) == 2 * i + 2

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from kvplane.common import log as klog
-from kvplane.common import metrics
+from kvplane.common import envs, metrics
 from kvplane.common.auth import TokenTable
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.http import ServerThread
@@ -113,7 +113,9 @@ class MasterServer:
         self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
         self.history = status.History()
         self.started = (clock(), time.time())
-        self.rpc = RpcServer(host, port, authenticate=self.auth)
+        # a put's PutEnd comes one write after the last call of its client: poll for it
+        self.rpc = RpcServer(host, port, authenticate=self.auth,
+                             spin=envs.get("KVPLANE_MASTER_SPIN"))
         self.port = self.rpc.port
         for name, fn, typ in (
             ("mount", self._mount, MountReq), ("unmount", self._unmount, MountReq),
