@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvplane.store.client.client import StoreClient
+from kvplane.store.client.spares import PUTS
 from kvplane.testing.auth import headers
 from kvplane.testing.services import wait_until
 from kvplane.testing.store_client_proc import round_value
@@ -20,6 +21,7 @@ from kvplane.testing.store_procs import segment_pool, spawn_master, spawn_segmen
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SIZE = 4096
+COMMITTED, ANEW = PUTS.labels("committed"), PUTS.labels("put_anew")
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +67,14 @@ def wrong_bytes(client: StoreClient, keys: list[str], round_: int = 0) -> int:
 def test_every_put_after_the_first_is_a_write_and_one_put_end(pool):
     addr, _ = pool
     keys = [f"two-hop-{i}" for i in range(60)]
+    committed = COMMITTED._value.get()
     with StoreClient(master=addr, protocol="tcp") as w, \
             StoreClient(master=addr, protocol="tcp", checksum=True) as r:
         with counted(w) as calls:
             put_all(w, keys)
         assert calls["put_start"] == 1 and calls["put_end"] == len(keys)
         assert w.spares.used == len(keys) - 1
+        assert COMMITTED._value.get() == committed + len(keys) - 1  # the metric says so too
         assert wrong_bytes(r, keys) == 0  # checksummed reads by another client
 
 
@@ -114,7 +118,9 @@ def test_a_master_restart_keeps_what_spares_put_and_an_old_spare_still_puts():
     m2 = None
     before = [f"restart-old-{i}" for i in range(10)]
     try:
-        with StoreClient(master=addr, protocol="tcp", timeout=10.0) as w:
+        # no heartbeat during the test: one would tell the client to remount, and a client
+        # that remounts forgets its spares (the put below would not try the old one)
+        with StoreClient(master=addr, protocol="tcp", timeout=10.0, heartbeat_interval=60.0) as w:
             put_all(w, before)  # 9 through spares; holds a spare of the first master
             assert w.spares.used == len(before) - 1
             m.kill()
@@ -127,10 +133,11 @@ def test_a_master_restart_keeps_what_spares_put_and_an_old_spare_still_puts():
                        20, "the segment re-registered every object")
             with StoreClient(master=addr, protocol="tcp", checksum=True) as r:
                 assert wrong_bytes(r, before) == 0
-            used = w.spares.used
+            used, anew = w.spares.used, ANEW._value.get()
             with counted(w) as calls:
                 put_all(w, ["restart-2"])  # the old spare is fenced or unknown: the usual way
             assert w.spares.used == used and calls["put_start"] == 1
+            assert ANEW._value.get() == anew + 1  # it was tried first
             with counted(w) as calls:
                 put_all(w, ["restart-3", "restart-4"])  # through spares of the new master
             assert w.spares.used == used + 2 and calls["put_start"] == 0

@@ -120,8 +120,10 @@ def ordered(client: "StoreClient", replicas: list[Replica]) -> list[Replica]:
     return sorted(replicas, key=lambda r: (client.suspects.bad(r.segment), r.host_id != mine))
 
 
-def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bool]:
-    """Run the moves once, all by ``deadline``; True where each completed."""
+def run(client: "StoreClient", moves: list[Move], deadline: Deadline,
+        blame_failed: bool = True) -> list[bool]:
+    """Run the moves once, all by ``deadline``; True where each completed. The segments of
+    those that failed are blamed (``blame``) unless ``blame_failed`` is False."""
     out = [False] * len(moves)
     if deadline.remaining() <= 0:
         return out
@@ -153,7 +155,7 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline) -> list[bo
                                           for op, (h, a, r, n, g) in zip(ops, todo)], left)
         for i, st in zip(where, got):
             out[i] = st == OK
-    if out.count(True) == len(out):
+    if out.count(True) == len(out) or not blame_failed:
         return out
     blame(client, failed | {moves[i][1].segment for i in where if not out[i]})
     return out
@@ -196,19 +198,20 @@ def retire(client: "StoreClient", retire: list[Retire], deadline: Deadline) -> s
     return failed
 
 
-def write(client: "StoreClient", moves: list[Move], deadline: Deadline) -> set[int]:
+def write(client: "StoreClient", moves: list[Move], deadline: Deadline,
+          blame_failed: bool = True) -> set[int]:
     """Write every replica; returns the key indexes where one failed."""
-    done = run(client, moves, deadline)
+    done = run(client, moves, deadline, blame_failed)
     return {m[0] for m, ok in zip(moves, done) if not ok}
 
 
 def put_write(client: "StoreClient", results: list[KeyResult], ok: list[int], addrs: list[int],
-              sizes: list[int], deadline: Deadline) -> set[int]:
+              sizes: list[int], deadline: Deadline, blame_failed: bool = True) -> set[int]:
     """Write the keys ``ok`` of a put, each header in front of its value in every replica
     (``put_moves``, staged in the client's registered memory); returns the indexes that failed."""
     with client.staging.block(put_staging(results, ok, sizes) or 1) as (hbase, hv):
         writes = put_moves(results, ok, addrs, sizes, hbase, hv, client.engine.memory.view)
-        return write(client, writes, deadline)
+        return write(client, writes, deadline, blame_failed)
 
 
 def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps: list[int],

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
 from kvplane.store import inventory
 from kvplane.store.client import locations, moves
@@ -28,6 +29,11 @@ from kvplane.store.types import CodesRep, KeyResult, PutEndReq, ReplicateConfig,
 if TYPE_CHECKING:
     from kvplane.store.client.client import StoreClient
 
+PUTS = metrics.Counter(
+    "kvplane_store_spare_puts_total", "Puts that wrote into a spare, by outcome (committed: two "
+    "round trips; put_anew: the spare's write failed or the master no longer had it, and the "
+    "put went the usual way)", ["outcome"])
+_COMMITTED, _ANEW = PUTS.labels("committed"), PUTS.labels("put_anew")
 MAX_SPARE = 1 << 20  # bytes of value (as the master's limit): larger puts gain nothing from it
 MIN_WINDOW = 0.5  # seconds of the spare's write window a put needs left to begin in it
 
@@ -108,10 +114,15 @@ def put(client: "StoreClient", key: str, addr: int, size: int, cfg: ReplicateCon
     header = inventory.pack(spare.secret, key, r.version, r.version, size, checksum,
                             cfg.replica_num, inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0)
     res = [KeyResult(0, r.replicas, size, r.version, checksum, header)]
-    failed = moves.put_write(client, res, [0], [addr], [size],
-                             Deadline(min(deadline.at - reserve, window_end)))
-    if failed:  # refused (a segment that remounted with a new master fences the spare's
-        client.spares.give_back(spare)  # generation) or failed: the usual way decides
+    # at most half the call's time, and no blame: a segment that remounted with a new master
+    # refuses the spare's old generation and is healthy; the usual way's own write blames a
+    # segment that is not (and finds it with the other half)
+    now = time.monotonic()
+    failed = moves.put_write(client, res, [0], [addr], [size], Deadline(min(
+        deadline.at - reserve, window_end, now + (deadline.at - now) / 2)), blame_failed=False)
+    if failed:
+        client.spares.give_back(spare)
+        _ANEW.inc()
         return None
     sent = time.monotonic()
     rep = client._call("put_end", PutEndReq(
@@ -120,8 +131,10 @@ def put(client: "StoreClient", key: str, addr: int, size: int, cfg: ReplicateCon
     client.spares.offer(rep.spare, shape, sent)
     code = rep.codes[0]
     if code == ObjectNotFound.code:  # the spare was gone (a new master, a lost segment)
+        _ANEW.inc()
         return None
     client.spares.used += 1
+    _COMMITTED.inc()
     if code == 0:
         locations.remember(client, [key], res, [0], [size])
     return code
