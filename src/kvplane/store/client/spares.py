@@ -66,7 +66,7 @@ class Spares:
             spare, have, end = held
             if have == shape and end - now > MIN_WINDOW:
                 return spare, end
-            self._returns.append((spare.name, spare.result.version, False))
+            self._give(spare, False)
             return None
 
     def offer(self, spare: Spare | None, shape: SpareAsk, sent: float) -> None:
@@ -75,14 +75,13 @@ class Spares:
             return
         with self._lock:
             if self._held is not None:  # another thread's: keep the newer, give back the other
-                old = self._held[0]
-                self._returns.append((old.name, old.result.version, False))
+                self._give(self._held[0], False)
             self._held = (spare, shape, sent + spare.window)
 
     def give_back(self, spare: Spare) -> None:
         """A spare whose write failed (its space waits for the segment's fence)."""
         with self._lock:
-            self._returns.append((spare.name, spare.result.version, True))
+            self._give(spare, True)
 
     def returns(self) -> list[tuple[str, int, bool]]:
         """The spares to give back with the next PutEnd (taken: send them)."""
@@ -94,11 +93,14 @@ class Spares:
         """Everything this client still has: to give back as it closes (or to forget, when
         the master that made them is gone)."""
         with self._lock:
-            out = self._returns
             if self._held is not None:
-                out.append((self._held[0].name, self._held[0].result.version, False))
-            self._held, self._returns = None, []
+                self._give(self._held[0], False)
+            out, self._held, self._returns = self._returns, None, []
             return out
+
+    def _give(self, spare: Spare, written: bool) -> None:
+        """Queue ``spare`` to go back (the caller holds the lock)."""
+        self._returns.append((spare.name, spare.result.version, written))
 
 
 def put(client: "StoreClient", key: str, addr: int, size: int, cfg: ReplicateConfig,
