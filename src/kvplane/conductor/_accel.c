@@ -22,6 +22,13 @@
  *   parse_ids(text) -> bytes | None
  *       text: a JSON array of integers in [0, 2**32) (no signs, fractions, exponents or leading
  *       zeros), whitespace allowed; the ids as native int64 bytes. None for any other text.
+ *
+ *   query_ids(body) -> (start, stop, bytes) | None
+ *       body: a JSON object; finds its top-level "token_ids" member, parses its array as
+ *       parse_ids does, and gives where the array's text starts and stops. Other members are
+ *       skipped by nesting and quotes only: the caller has msgspec decode the body with the
+ *       array replaced by null, so everything but the array is validated there. None when the
+ *       member is absent, not such an array, given twice, or when a key has an escape.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -127,47 +134,156 @@ done:
 
 static int is_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-static PyObject *parse_ids(PyObject *self, PyObject *args) {
-    Py_buffer text;
-    if (!PyArg_ParseTuple(args, "y*", &text)) return NULL;
-    const unsigned char *p = text.buf, *end = p + text.len;
-    Py_ssize_t most = 1;  /* ids are separated by commas: at most one more id than commas */
-    for (const unsigned char *q = p; q < end; q++) most += *q == ',';
-    PyObject *out = PyBytes_FromStringAndSize(NULL, most * (Py_ssize_t)sizeof(int64_t));
-    if (out == NULL) { PyBuffer_Release(&text); return NULL; }
-    int64_t *ids = (int64_t *)PyBytes_AS_STRING(out);
+/* The run of ASCII digits that starts the 8 bytes at p, as a number in *v (all eight bytes are
+ * read): how many digits, or 8 when all eight are (the caller then parses the run byte by byte).
+ * Byte-parallel, so a run of 1-7 digits costs no branch per digit: a byte is a digit when
+ * neither it, it + 0x46 nor it - 0x30 has its top bit set; a borrow or carry only travels
+ * towards later bytes, past the first non-digit, so that one is found exactly. */
+static inline int swar_digits(const unsigned char *p, uint64_t *v) {
+    const uint64_t ones = 0x0101010101010101ULL, high = 0x8080808080808080ULL;
+    uint64_t w;
+    memcpy(&w, p, 8);  /* little-endian: p[0] is the low byte */
+    uint64_t not_digit = (w | (w + 0x46 * ones) | (w - 0x30 * ones)) & high;
+    if (not_digit == 0) return 8;
+    int n = __builtin_ctzll(not_digit) >> 3;
+    if (n == 0) { *v = 0; return 0; }
+    uint64_t d = ((w - 0x30 * ones) << (8 * (8 - n)));  /* the n digits, most significant first, zeros before */
+    d = (d * 10 + (d >> 8)) & 0x00FF00FF00FF00FFULL;    /* pairs */
+    d = (d * 100 + (d >> 16)) & 0x0000FFFF0000FFFFULL;  /* quads */
+    *v = (d * 10000 + (d >> 32)) & 0xFFFFFFFFULL;       /* all eight */
+    return n;
+}
+
+/* Parse the JSON array of ids at p (no leading whitespace) into ids[0..most); the position after
+ * its ']' and the count, or NULL when the text is not an array of integers in [0, 2**32). */
+static const unsigned char *parse_array(const unsigned char *p, const unsigned char *end,
+                                        int64_t *ids, Py_ssize_t most, Py_ssize_t *count_out) {
     Py_ssize_t count = 0;
+    if (p == end || *p++ != '[') return NULL;
     while (p < end && is_ws(*p)) p++;
-    if (p == end || *p++ != '[') goto fail;
-    while (p < end && is_ws(*p)) p++;
-    if (p < end && *p == ']') { p++; goto tail; }
+    if (p < end && *p == ']') { *count_out = 0; return p + 1; }
     for (;;) {
         const unsigned char *first = p;
         uint64_t v = 0;
-        while (p < end && (unsigned)(*p - '0') < 10u) v = v * 10 + (uint64_t)(*p++ - '0');
+        int n = end - p >= 8 ? swar_digits(p, &v) : 8;
+        if (n < 8) p += n;
+        else for (v = 0; p < end && (unsigned)(*p - '0') < 10u; ) v = v * 10 + (uint64_t)(*p++ - '0');
         Py_ssize_t digits = p - first;
-        if (digits == 0 || digits > 10 || (digits > 1 && *first == '0')) goto fail;  /* JSON: no leading zeros */
-        if (v >= ((uint64_t)1 << 32) || count >= most) goto fail;
+        if (digits == 0 || digits > 10 || (digits > 1 && *first == '0')) return NULL;  /* JSON: no leading zeros */
+        if (v >= ((uint64_t)1 << 32) || count >= most) return NULL;
         ids[count++] = (int64_t)v;
         if (p < end && *p == ',') { p++; }
         else {
             while (p < end && is_ws(*p)) p++;
-            if (p == end) goto fail;
+            if (p == end) return NULL;
             if (*p == ']') { p++; break; }
-            if (*p++ != ',') goto fail;
+            if (*p++ != ',') return NULL;
         }
         while (p < end && is_ws(*p)) p++;
     }
-tail:
-    while (p < end && is_ws(*p)) p++;
-    if (p != end) goto fail;
-    PyBuffer_Release(&text);
+    *count_out = count;
+    return p;
+}
+
+/* A bytes object for the ids of the array at p..end (at most one more id than commas), or
+ * Py_None when it is not one; *after is set past the array. NULL on a Python error. */
+static PyObject *ids_of(const unsigned char *p, const unsigned char *end, const unsigned char **after) {
+    Py_ssize_t most = 1, count = 0;
+    const unsigned char *close = memchr(p, ']', (size_t)(end - p));  /* ids hold no ']' */
+    for (const unsigned char *q = p, *stop = close ? close : end; q < stop; q++) most += *q == ',';
+    PyObject *out = PyBytes_FromStringAndSize(NULL, most * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL) return NULL;
+    *after = parse_array(p, end, (int64_t *)PyBytes_AS_STRING(out), most, &count);
+    if (*after == NULL) { Py_DECREF(out); Py_RETURN_NONE; }
     if (count != most && _PyBytes_Resize(&out, count * (Py_ssize_t)sizeof(int64_t)) < 0) return NULL;
     return out;
-fail:
+}
+
+static PyObject *parse_ids(PyObject *self, PyObject *args) {
+    Py_buffer text;
+    if (!PyArg_ParseTuple(args, "y*", &text)) return NULL;
+    const unsigned char *p = text.buf, *end = p + text.len, *after = NULL;
+    while (p < end && is_ws(*p)) p++;
+    PyObject *out = ids_of(p, end, &after);
+    if (out != NULL && out != Py_None) {
+        while (after < end && is_ws(*after)) after++;
+        if (after != end) Py_SETREF(out, Py_NewRef(Py_None));
+    }
     PyBuffer_Release(&text);
-    Py_DECREF(out);
+    return out;
+}
+
+/* Past the JSON string that starts at p (its opening quote); NULL if unterminated. */
+static const unsigned char *skip_string(const unsigned char *p, const unsigned char *end, int *escaped) {
+    for (p++; p < end; p++) {
+        if (*p == '\\') { *escaped = 1; p++; }
+        else if (*p == '"') return p + 1;
+    }
+    return NULL;
+}
+
+/* Past the JSON value at p, tracking nesting and strings only (the caller has msgspec validate
+ * what is skipped); NULL if it runs off the end. */
+static const unsigned char *skip_value(const unsigned char *p, const unsigned char *end) {
+    int depth = 0, esc = 0;
+    while (p < end) {
+        unsigned char c = *p;
+        if (c == '"') { if ((p = skip_string(p, end, &esc)) == NULL) return NULL; }
+        else if (c == '[' || c == '{') { depth++; p++; }
+        else if (c == ']' || c == '}') { if (depth == 0) return p; depth--; p++; }
+        else if (c == ',' && depth == 0) return p;
+        else p++;
+        if (depth == 0 && p < end && (*p == ',' || *p == '}' || *p == ']' || is_ws(*p))) return p;
+    }
+    return depth == 0 ? p : NULL;
+}
+
+static PyObject *query_ids(PyObject *self, PyObject *args) {
+    Py_buffer text;
+    if (!PyArg_ParseTuple(args, "y*", &text)) return NULL;
+    const unsigned char *base = text.buf, *p = base, *end = p + text.len;
+    const unsigned char *start = NULL, *stop = NULL;
+    PyObject *ids = NULL;
+    while (p < end && is_ws(*p)) p++;
+    if (p == end || *p++ != '{') goto none;
+    while (p < end && is_ws(*p)) p++;
+    if (p < end && *p == '}') goto none;
+    for (;;) {
+        if (p == end || *p != '"') goto none;
+        int esc = 0;
+        const unsigned char *key = p + 1, *q = skip_string(p, end, &esc);
+        if (q == NULL || esc) goto none;  /* an escaped key may spell token_ids: not ours */
+        int ours = (q - key - 1) == 9 && memcmp(key, "token_ids", 9) == 0;
+        p = q;
+        while (p < end && is_ws(*p)) p++;
+        if (p == end || *p++ != ':') goto none;
+        while (p < end && is_ws(*p)) p++;
+        if (ours) {
+            if (ids != NULL || p == end || *p != '[') goto none;  /* twice, or not an array */
+            start = p;
+            ids = ids_of(p, end, &stop);
+            if (ids == NULL) goto error;
+            if (ids == Py_None) goto none;
+            p = stop;
+        } else if ((p = skip_value(p, end)) == NULL) {
+            goto none;
+        }
+        while (p < end && is_ws(*p)) p++;
+        if (p < end && *p == ',') { p++; while (p < end && is_ws(*p)) p++; continue; }
+        if (p < end && *p == '}') break;
+        goto none;
+    }
+    if (ids == NULL) goto none;
+    PyBuffer_Release(&text);
+    PyObject *r = Py_BuildValue("nnN", (Py_ssize_t)(start - base), (Py_ssize_t)(stop - base), ids);
+    return r;
+none:
+    Py_XDECREF(ids);
+    PyBuffer_Release(&text);
     Py_RETURN_NONE;
+error:
+    PyBuffer_Release(&text);
+    return NULL;
 }
 
 static int as_u64(PyObject *o, unsigned long long *out) {
@@ -211,6 +327,8 @@ static PyMethodDef methods[] = {
      "continue_run(blocks, hashes, start, gpu, groups) -> index of the next stop, or -1"},
     {"chain", chain, METH_VARARGS, "chain(tokens, block_size, parent, cbor) -> bytes | None"},
     {"parse_ids", parse_ids, METH_VARARGS, "parse_ids(json_array_text) -> int64 bytes | None"},
+    {"query_ids", query_ids, METH_VARARGS,
+     "query_ids(json_object_text) -> (start, stop, int64 bytes) of its token_ids array | None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -138,19 +138,30 @@ _MSGPACK_QUERY = msgspec.msgpack.Decoder(_QueryWire)
 
 
 def _decode_json(body: bytes) -> _QueryWire:
-    """A JSON query body. With the C accelerator its token ids are parsed from their text (32k
-    ids in about 0.5 ms, against 1-1.6 ms as Python ints); a body it does not take (``null``, an
-    out-of-range or non-integer id) is decoded again as a whole by msgspec, so validation and
-    error messages are exactly those of the plain decoder."""
-    q = _JSON_QUERY.decode(body)
-    if isinstance(q.token_ids, msgspec.Raw):
-        if memoryview(q.token_ids) == b"null":  # absent or null (a /query_by_hash body)
+    """A JSON query body. With the C accelerator its token ids are parsed from their text in
+    one pass over the body (32k ids in about 0.19 ms, against 0.47 ms when msgspec first skipped
+    them as raw text and 0.8-1.6 ms as Python ints); the rest of the body, with the ids' array
+    replaced by ``null``, is decoded by msgspec. A body it does not take (no array, an
+    out-of-range or non-integer id, an escaped key, a syntax error anywhere) is decoded again as
+    a whole by msgspec, so validation and error messages are exactly those of the plain decoder."""
+    if native is None:
+        return _PLAIN_JSON_QUERY.decode(body)
+    found = native.query_ids(body)
+    if found is None:  # token_ids absent, null or not ours: msgspec decides
+        try:
+            q = _JSON_QUERY.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return _PLAIN_JSON_QUERY.decode(body)  # raises, with the plain decoder's message
+        if memoryview(q.token_ids) == b"null":  # a /query_by_hash body skips the ids unparsed
             q.token_ids = None
             return q
-        ids = native.parse_ids(q.token_ids)
-        if ids is None:
-            return _PLAIN_JSON_QUERY.decode(body)
-        q.token_ids = np.frombuffer(ids, np.int64)  # type: ignore[assignment]
+        return _PLAIN_JSON_QUERY.decode(body)
+    start, stop, ids = found
+    try:
+        q = _PLAIN_JSON_QUERY.decode(b"".join((body[:start], b"null", body[stop:])))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _PLAIN_JSON_QUERY.decode(body)  # raises, with the plain decoder's message
+    q.token_ids = np.frombuffer(ids, np.int64)  # type: ignore[assignment]
     return q
 
 

@@ -17,11 +17,14 @@ IDS = [
 
 
 def _decode(text: str, monkeypatch, native: bool) -> object:
-    if not native:
-        monkeypatch.setattr(api, "_JSON_QUERY", api._PLAIN_JSON_QUERY)
-    else:
-        monkeypatch.setattr(api, "_JSON_QUERY", msgspec.json.Decoder(api._QueryWireRaw))
     body = ('{"model": "m", "block_size": 4, "token_ids": ' + text + "}").encode()
+    return _decode_body(body, monkeypatch, native)
+
+
+def _decode_body(body: bytes, monkeypatch, native: bool) -> object:
+    """("ok", ids and every other field) or ("error", the 422 details), with or without C."""
+    if not native:
+        monkeypatch.setattr(api, "native", None)
     try:
         req = api._decode_query(body, "application/json", by_hash=False)
     except RequestValidationError as exc:
@@ -29,7 +32,10 @@ def _decode(text: str, monkeypatch, native: bool) -> object:
     finally:
         monkeypatch.undo()
     ids = req.token_ids
-    return ("ok", None if ids is None else [int(t) for t in ids])
+    rest = {f: getattr(req, f) for f in req.__struct_fields__ if f != "token_ids"} \
+        if hasattr(req, "__struct_fields__") else vars(req)
+    rest = {k: v for k, v in rest.items() if k != "token_ids"}
+    return ("ok", None if ids is None else [int(t) for t in ids], rest)
 
 
 @pytest.mark.skipif(api.native is None, reason="the C accelerator was not built")
@@ -39,6 +45,62 @@ def test_c_parser_agrees_with_msgspec(text, monkeypatch):
     assert got == want
     if text.strip().startswith("[") and want[0] == "ok":
         assert want[1] == msgspec.json.decode(text.encode())
+
+
+# Whole bodies around the ids: other members before and after, nested values, strings holding
+# brackets, quotes and the key's own name, escaped keys, a key given twice, syntax errors.
+BODIES = [
+    b'{"token_ids": [5, 6], "model": "m"}',
+    b'{"model": "m", "token_ids": [5, 6], "block_size": 2}',
+    b' {\n"model":"m" ,\t"token_ids" : [5,6] } \n',
+    b'{"model": "m]}\\"token_ids\": [9]", "token_ids": [5, 6]}',
+    b'{"model": "m", "cache_salt": "{\\"token_ids\\": [1]}", "token_ids": [7]}',
+    b'{"model": "m", "lora_name": null, "seq_hashes": [1, [2]], "token_ids": [7]}',
+    b'{"model": "m", "extra": {"token_ids": [1, 2], "x": [[], {}]}, "token_ids": [3]}',
+    b'{"model": "m", "token_ids": [1], "token_ids": [2]}',
+    b'{"model": "m", "token_\\u0069ds": [1]}',
+    b'{"model": "m", "token_ids": [1], "token_\\u0069ds": [2]}',
+    b'{"mod\\u0065l": "m", "token_ids": [1]}',
+    b'{"model": "m", "token_ids": [1]} x',
+    b'{"model": "m", "token_ids": [1],}',
+    b'{"model": "m" "token_ids": [1]}',
+    b'{"model": "m", "token_ids": [1]',
+    b'{"model": "m", "token_ids": [1], "block_size": 0}',
+    b'{"model": "m", "token_ids": [1], "block_size": tru}',
+    b'{"model": 5, "token_ids": [1]}',
+    b'{"model": "m\x01", "token_ids": [1]}',
+    b'{"model": "m", "token_ids": null}',
+    b'{"model": "m", "token_ids": "[1]"}',
+    b'{"model": "m"}',
+    b'{}', b'[]', b'', b'{"token_ids": [1]}', b'{"model": "m", "token_ids": [1], "x": "unterminated}',
+]
+
+
+@pytest.mark.skipif(api.native is None, reason="the C accelerator was not built")
+@pytest.mark.parametrize("body", BODIES)
+def test_c_scan_of_the_whole_body_agrees_with_msgspec(body, monkeypatch):
+    assert _decode_body(body, monkeypatch, True) == _decode_body(body, monkeypatch, False)
+
+
+@pytest.mark.skipif(api.native is None, reason="the C accelerator was not built")
+def test_c_scan_agrees_with_msgspec_on_random_mutations(monkeypatch):
+    import random
+    rng = random.Random(17)
+    seed = b'{"model": "m", "cache_salt": "a]\\"b", "seq_hashes": [1, 2], "token_ids": [10, 200, 3000]}'
+    alphabet = b'{}[]",:\\ 0123456789abtru-.e'
+    for _ in range(3000):
+        body = bytearray(seed)
+        for _ in range(rng.randrange(1, 4)):
+            i = rng.randrange(len(body) + 1)
+            op = rng.randrange(3)
+            if op == 0 and body:
+                del body[min(i, len(body) - 1)]
+            elif op == 1:
+                body.insert(i, rng.choice(alphabet))
+            elif body:
+                body[min(i, len(body) - 1)] = rng.choice(alphabet)
+        got = _decode_body(bytes(body), monkeypatch, True)
+        assert got == _decode_body(bytes(body), monkeypatch, False), bytes(body)
 
 
 @pytest.mark.skipif(api.native is None, reason="the C accelerator was not built")
