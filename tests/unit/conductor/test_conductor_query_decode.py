@@ -1,5 +1,7 @@
 """The JSON query decoder: the C id parser must agree with msgspec on every body, error or not."""
 
+import dataclasses
+
 import msgspec
 import numpy as np
 import pytest
@@ -32,9 +34,7 @@ def _decode_body(body: bytes, monkeypatch, native: bool) -> object:
     finally:
         monkeypatch.undo()
     ids = req.token_ids
-    rest = {f: getattr(req, f) for f in req.__struct_fields__ if f != "token_ids"} \
-        if hasattr(req, "__struct_fields__") else vars(req)
-    rest = {k: v for k, v in rest.items() if k != "token_ids"}
+    rest = {k: v for k, v in dataclasses.asdict(req).items() if k != "token_ids"}
     return ("ok", None if ids is None else [int(t) for t in ids], rest)
 
 
