@@ -483,6 +483,16 @@ class TransferEngine:
                  timeout: float | None = None) -> TransferStatus:
         """One READ, ending as :meth:`read_many` of that one item would (its status, the same
         counters), with the least Python: a plain READ frame when TCP serves it."""
+        return self._one(OpCode.READ, handle, local, remote, length, gen, timeout)
+
+    def write_one(self, handle: int, local: int, remote: int, length: int, gen: int = 0,
+                  timeout: float | None = None) -> TransferStatus:
+        """One WRITE, ending as :meth:`write_many` of that one item would, with the least
+        Python: a plain WRITE frame when TCP serves it."""
+        return self._one(OpCode.WRITE, handle, local, remote, length, gen, timeout)
+
+    def _one(self, op: OpCode, handle: int, local: int, remote: int, length: int, gen: int,
+             timeout: float | None) -> TransferStatus:
         seg = self._segments.get(handle)
         tcp = self.transports.get("tcp")
         if seg is not None and tcp is not None and length > 0:
@@ -493,12 +503,11 @@ class TransferEngine:
                 view = None
             if view is not None:
                 deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
-                st = tcp.read_one((seg.desc.host, seg.desc.port), view, remote, gen,  # type: ignore[attr-defined]
-                                  deadline)
-                _count({(OpCode.READ, st): 1},
-                       {OpCode.READ: length if st == TransferStatus.COMPLETED else 0})
+                one = tcp.read_one if op == OpCode.READ else tcp.write_one  # type: ignore[attr-defined]
+                st = one((seg.desc.host, seg.desc.port), view, remote, gen, deadline)
+                _count({(op, st): 1}, {op: length if st == TransferStatus.COMPLETED else 0})
                 return st
-        return self.read_many([(handle, local, remote, length, gen)], timeout)[0]
+        return self._many(op, [(handle, local, remote, length, gen)], timeout)[0]
 
     def write_many(self, writes: list[tuple[int, int, int, int, int]],
                    timeout: float | None = None) -> list[TransferStatus]:

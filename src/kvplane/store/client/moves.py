@@ -148,6 +148,8 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline,
         left = coarse(deadline.remaining())
         if ops.count(OpCode.READ) == len(ops):  # a get: the engine's lean paths
             got = client.engine.read_many(todo, left)
+        elif len(todo) == 1 and ops[0] == OpCode.WRITE:  # a put of one small object
+            got = [client.engine.write_one(*todo[0], timeout=left)]
         elif ops.count(OpCode.WRITE) == len(ops):  # a put
             got = client.engine.write_many(todo, left)
         else:

@@ -451,6 +451,18 @@ class TcpTransport(Transport):
         """One READ of ``len(view)`` bytes at ``remote`` into ``view``, as :meth:`read_scatter`
         runs a one-entry job (a broken connection retried on a fresh one, ``ctx.retries``
         times), without the job's bookkeeping: COMPLETED, FAILED or TIMEOUT."""
+        return self._one(peer, view, remote, gen, deadline, True)
+
+    def write_one(self, peer: tuple[str, int], view: memoryview, remote: int, gen: int,
+                  deadline: Deadline) -> TransferStatus:
+        """One WRITE of ``view`` to ``remote``, as :meth:`write_gather` runs a one-entry job
+        (a WRITE whose answer did not arrive is written again on a fresh connection: the same
+        bytes to the same place), without the job's bookkeeping."""
+        return self._one(peer, view, remote, gen, deadline, False)
+
+    def _one(self, peer: tuple[str, int], view: memoryview, remote: int, gen: int,
+             deadline: Deadline, reading: bool) -> TransferStatus:
+        op = protocol.OP_READ if reading else protocol.OP_WRITE
         for _ in range(self.ctx.retries + 1):
             try:
                 conn = self._acquire(peer, deadline)
@@ -460,8 +472,12 @@ class TcpTransport(Transport):
             try:
                 conn.set_timeout(deadline)
                 rid = conn.next_id()
-                conn.sock.sendall(protocol.pack_req(protocol.OP_READ, rid, remote, len(view), gen))
-                codes, _ = conn.receive_one(rid, view)
+                head = protocol.pack_req(op, rid, remote, len(view), gen)
+                if reading:
+                    conn.sock.sendall(head)
+                else:
+                    protocol.send_all(conn.sock, [head, view])
+                codes, _ = conn.receive_one(rid, view if reading else None)
             except TimeoutError:
                 conn.close()
                 return TransferStatus.TIMEOUT
