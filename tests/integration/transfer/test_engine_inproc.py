@@ -278,3 +278,37 @@ def test_read_many_reports_a_dead_peer_instead_of_hanging():
         b.close()  # its listener is gone
         got = a.read_many([(seg, dst.ctypes.data, src.ctypes.data, 4096, 0)] * 2, timeout=2)
         assert got == [TransferStatus.FAILED] * 2
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_one_item_paths_end_each_item_as_the_many_form_would(op):
+    """read_one/write_one: a TCP item is one plain frame with its bytes moved; own memory, a
+    bad length, an unknown handle and a range past the peer's region end as read_many or
+    write_many would end them; a dead peer is FAILED, not a hang."""
+    reading = op == "read"
+    a, b = pair(protocol="tcp")
+    with a:
+        rng = np.random.default_rng(2)
+        remote = rng.integers(0, 256, MB, dtype=np.uint8) if reading else np.zeros(MB, np.uint8)
+        mine = rng.integers(0, 256, MB, dtype=np.uint8) if reading else np.zeros(MB, np.uint8)
+        local = np.zeros(4096, np.uint8) if reading else rng.integers(0, 256, 4096, dtype=np.uint8)
+        b.register_memory(remote)
+        a.register_memory(mine)
+        a.register_memory(local)
+        seg_b, seg_a = a.open_segment(b.name), a.open_segment(a.name)
+        lo, r, m = local.ctypes.data, remote.ctypes.data, mine.ctypes.data
+        one = a.read_one if reading else a.write_one
+        many = a.read_many if reading else a.write_many
+        frames = b._server.frames
+        assert one(seg_b, lo, r + 8192, 4096, timeout=5) == TransferStatus.COMPLETED
+        assert b._server.frames == frames + 1
+        assert np.array_equal(local, remote[8192:8192 + 4096])
+        assert one(seg_a, lo, m + 4096, 4096, timeout=5) == TransferStatus.COMPLETED
+        assert np.array_equal(local, mine[4096:8192])
+        bad = [(seg_b, lo, r, 0, 0), (999, lo, r, 4096, 0), (seg_b, lo, r + MB - 100, 4096, 0)]
+        for item in bad:
+            before = (local.copy(), remote.copy())
+            assert one(*item, timeout=5) == many([item], timeout=5)[0] == TransferStatus.FAILED
+            assert np.array_equal(local, before[0]) and np.array_equal(remote, before[1])
+        b.close()  # its listener is gone
+        assert one(seg_b, lo, r, 4096, timeout=2) == TransferStatus.FAILED
