@@ -138,6 +138,7 @@ def test_a_failed_setup_leaves_no_thread_socket_or_shared_memory():
         return (sorted(t.name for t in threading.enumerate()), len(os.listdir("/proc/self/fd")),
                 sorted(f for f in os.listdir("/dev/shm") if f.startswith(mine)))
 
+    gc.collect()  # earlier tests' garbage (a socket in a cycle) must not close during this one
     before = snapshot()
     st = MooncakeDistributedStore()
     dead = f"127.0.0.1:{free_port()}"
