@@ -126,14 +126,7 @@ class _QueryWire(msgspec.Struct, kw_only=True):
     lora_path: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
 
-class _QueryWireRaw(_QueryWire, kw_only=True):
-    """The JSON query body with its token ids left as text, for the C parser (:func:`_decode_json`)."""
-
-    token_ids: msgspec.Raw = msgspec.Raw(b"null")  # type: ignore[assignment]
-
-
 _PLAIN_JSON_QUERY = msgspec.json.Decoder(_QueryWire)
-_JSON_QUERY = _PLAIN_JSON_QUERY if native is None else msgspec.json.Decoder(_QueryWireRaw)
 _MSGPACK_QUERY = msgspec.msgpack.Decoder(_QueryWire)
 
 
@@ -144,17 +137,10 @@ def _decode_json(body: bytes) -> _QueryWire:
     replaced by ``null``, is decoded by msgspec. A body it does not take (no array, an
     out-of-range or non-integer id, an escaped key, a syntax error anywhere) is decoded again as
     a whole by msgspec, so validation and error messages are exactly those of the plain decoder."""
-    if native is None:
-        return _PLAIN_JSON_QUERY.decode(body)
-    found = native.query_ids(body)
-    if found is None:  # token_ids absent, null or not ours: msgspec decides
-        try:
-            q = _JSON_QUERY.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return _PLAIN_JSON_QUERY.decode(body)  # raises, with the plain decoder's message
-        if memoryview(q.token_ids) == b"null":  # a /query_by_hash body skips the ids unparsed
-            q.token_ids = None
-            return q
+    # no C scan of a body that cannot hold the ids (a /query_by_hash body: its hashes alone
+    # would cost the scan more than msgspec's whole decode)
+    found = None if native is None or b'"token_ids"' not in body else native.query_ids(body)
+    if found is None:  # no ids, null, or not ours: msgspec decides
         return _PLAIN_JSON_QUERY.decode(body)
     start, stop, ids = found
     try:
