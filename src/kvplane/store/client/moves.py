@@ -3,9 +3,12 @@
 * Every call has one ``Deadline``; the master RPCs and every transfer attempt draw on it, so a
   call never outlives its timeout, however many replicas hang.
 * Replica reads fail over: each attempt gets an equal share of what is left (a hung replica
-  cannot eat the time of the next one), and never runs past the read lease the master granted
-  (measured from before the request was sent, so it ends no later than the master's). A read
-  that finishes is therefore inside the lease: its bytes are the object's.
+  cannot eat the time of the next one), and is given until ``MARGIN`` before the read lease the
+  master granted ends (measured from before the request was sent, so it ends no later than the
+  master's). A read is taken only if it ended before that lease did (``ended_in``): a transport
+  that overran its timeout, or a stalled segment that served the read late, may have read
+  space the master had handed to another object, so those bytes are not returned
+  (``LeaseExpired``).
 * With checksums on, read bytes are checked against the object's checksum; a mismatch fails
   over to the next replica and, when none is left, raises ``ChecksumMismatch``: it is never
   returned as a success.
@@ -102,6 +105,21 @@ class Suspects:
 
 
 GRAIN = 0.05  # timeouts handed to sockets are rounded down to this
+MARGIN = GRAIN  # a lease-bounded read is given until this long before its lease ends
+
+
+def lease_bound(deadline: Deadline, lease_end: float) -> Deadline:
+    """The deadline of a read under a lease that ends at (local) ``lease_end``: the call's,
+    or ``MARGIN`` before the lease ends if that is sooner."""
+    return Deadline(min(deadline.at, lease_end - MARGIN))
+
+
+def ended_in(lease_end: float) -> bool:
+    """True if a read that has just returned ended inside the lease ending at ``lease_end``
+    (by this client's clock, counted from before the lookup was sent: no later than the
+    master's). A read that returns later may have read space the master gave to another
+    object: its bytes must not be returned."""
+    return time.monotonic() < lease_end
 
 
 def coarse(seconds: float) -> float:
@@ -231,7 +249,7 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
             if not r.code and r.size > caps[i]:
                 out[i] = InvalidParams.code
     todo = {i: ordered(client, r.replicas) for i, r in enumerate(results) if out[i] > 0}
-    lease = Deadline(min(deadline.at, lease_end))
+    lease = lease_bound(deadline, lease_end)
     check = client.config.checksum
     read_op = OpCode.READ
     while todo and lease.remaining() > 0:
@@ -239,6 +257,10 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
         attempt = Deadline(min(lease.at, time.monotonic() + share))
         moves = [(i, reps.pop(0), read_op, addrs[i], results[i].size) for i, reps in todo.items()]
         done = run(client, moves, attempt)
+        if not ended_in(lease_end):  # read too late: maybe another object's bytes
+            done = [False] * len(done)
+            for reps in todo.values():
+                reps.clear()  # (nothing to fail over to: the lease is over)
         if not check and done.count(True) == len(done):  # the usual case: every key read
             todo.clear()
             break
@@ -272,7 +294,7 @@ def _read_plain(client: "StoreClient", results: list[KeyResult], addrs: list[int
     sizes = [r.size for r in results]
     if None in hs or max(map(operator.sub, sizes, caps)) > 0:
         return None
-    lease = Deadline(min(deadline.at, lease_end))
+    lease = lease_bound(deadline, lease_end)
     if lease.remaining() <= 0:
         return None
     items = [(h, a, rep.addr, n, rep.gen) for h, a, rep, n in zip(hs, addrs, reps, sizes)]
@@ -289,7 +311,7 @@ def read_columns(client: "StoreClient", cols: Columns, addrs: list[int], caps: l
     sizes = cols.size
     if None in hs or max(map(operator.sub, sizes, caps)) > 0:
         return None
-    lease = Deadline(min(deadline.at, lease_end))
+    lease = lease_bound(deadline, lease_end)
     if lease.remaining() <= 0:
         return None
     if len(hs) == 1:
@@ -309,6 +331,8 @@ def _one_pass(client: "StoreClient", items: list[tuple[int, int, int, int, int]]
     read failed (nothing to fail over to; its segment, ``segment_of(i)``, is blamed)."""
     got = client.engine.read_many(items, coarse(lease.remaining()))
     out = list(sizes)
+    if not ended_in(lease_end):  # read too late: maybe another object's bytes
+        return [LeaseExpired.code] * len(out)
     if got.count(OK) == len(got):
         return out
     bad = [i for i, st in enumerate(got) if st != OK]
@@ -321,8 +345,9 @@ def _one_pass(client: "StoreClient", items: list[tuple[int, int, int, int, int]]
 def _failure(corrupt: bool, lease_end: float) -> int:
     if corrupt:
         return ChecksumMismatch.code
-    # the lease ran out (to within the rounding of the last attempt's timeout)
-    return LeaseExpired.code if time.monotonic() >= lease_end - GRAIN else TransferFail.code
+    # the lease ran out (to within the margin and the rounding of the last attempt's timeout)
+    return LeaseExpired.code if time.monotonic() >= lease_end - MARGIN - GRAIN \
+        else TransferFail.code
 
 
 def verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:

@@ -4,8 +4,9 @@ and its get/put sessions (layer-wise KV: one master round trip, then many range 
 * ``lookup(keys)`` asks for the replicas once (a read lease, as any get); ``read(result,
   ranges)`` then moves ``[src, src+size)`` of the object into registered memory for each range,
   trying the replicas in order (same host first) and failing a range over to the next replica.
-  A range outside the object is INVALID_PARAMS; ranges read after the lease ended fail with
-  LEASE_EXPIRED (the object may have been replaced since).
+  A range outside the object is INVALID_PARAMS; a read is given until just before the lease
+  ends, and ranges whose read ended after the lease did fail with LEASE_EXPIRED (the space may
+  hold another object by then).
 * ``reserve(keys, sizes, cfg)`` is a PutStart; ``write(result, ranges)`` copies ranges into every
   replica; ``commit``/``revoke`` are PutEnd/PutRevoke with each put's version. Frames carry
   the allocation's generation, so a segment that fenced it refuses them.
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
-from kvplane.store.client import tiering
+from kvplane.store.client import moves, tiering
 from kvplane.store.errors import InvalidParams, LeaseExpired, TransferFail
 from kvplane.store.types import (
     CodesRep, KeyResult, KeysReq, PutEndReq, PutStartReq, Replica, ReplicateConfig, ResultsRep,
@@ -102,29 +103,37 @@ class Ranges:
         if first_only:
             left = list(todo)
             for rep in replicas:
-                if not left or time.monotonic() >= lease_end:
+                if not left or time.monotonic() >= lease_end - moves.MARGIN:
                     break
-                done = self._move(rep, op, [ranges[i] for i in left])
+                done = self._move(rep, op, [ranges[i] for i in left], lease_end)
+                if not moves.ended_in(lease_end):  # read too late: maybe another object's
+                    break  # bytes (``left`` then fails with LEASE_EXPIRED)
                 left = [i for i, ok in zip(left, done) if not ok]
             for i in todo:
                 out[i] = ranges[i][2] if i not in left else (
-                    LeaseExpired.code if time.monotonic() >= lease_end else TransferFail.code)
+                    LeaseExpired.code if time.monotonic() >= lease_end - moves.MARGIN
+                    else TransferFail.code)
             return out
         oks = [self._move(rep, op, [ranges[i] for i in todo]) for rep in replicas]
         for j, i in enumerate(todo):
             out[i] = ranges[i][2] if oks and all(ok[j] for ok in oks) else TransferFail.code
         return out
 
-    def _move(self, rep: Replica, op: OpCode, ranges: Sequence[Range]) -> list[bool]:
+    def _move(self, rep: Replica, op: OpCode, ranges: Sequence[Range],
+              lease_end: float = float("inf")) -> list[bool]:
+        """Move ``ranges`` to or from one replica; a read is given until ``moves.MARGIN``
+        before its lease ends (``lease_end``), at most the client's timeout."""
+        timeout = min(self.c.config.timeout, lease_end - moves.MARGIN - time.monotonic())
+        if timeout <= 0:
+            return [False] * len(ranges)
         try:
             handle = self._handles.get(rep.segment)
             if handle is None:
-                handle = self.c.engine.open_segment(rep.segment,
-                                                    timeout=min(self.c.config.timeout, 5.0))
+                handle = self.c.engine.open_segment(rep.segment, timeout=min(timeout, 5.0))
                 self._handles[rep.segment] = handle
             reqs = [TransferRequest(op, addr, handle, rep.addr + off, size, gen=rep.gen)
                     for off, addr, size in ranges]
-            statuses = self.c.engine.transfer(reqs, self.c.config.timeout)
+            statuses = self.c.engine.transfer(reqs, timeout)
         except KVPlaneError:
             self._handles.pop(rep.segment, None)
             return [False] * len(ranges)
