@@ -215,10 +215,21 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
         return got
     idx, locs, items = spec
     read: list[list[TransferStatus]] = []
+    ended: list[float] = []
+    # no earlier than the lookup's ``sent``: the lease it grants ends no sooner than this
+    # (unless the master's TTL shrank: the check after the answer uses the lease it grants)
+    lease_from = time.monotonic()
 
     def speculate() -> None:  # sent, unless the master could not be asked at all
-        try:  # at most half the call's time: a stalled segment leaves the rest to fail over
-            read.append(client.engine.read_many(items, moves.coarse(deadline.remaining() / 2)))
+        # at most half the call's time (a stalled segment leaves the rest to fail over), and
+        # ending inside the lease of the lookup it overlaps: the lease that covers it
+        left = min(deadline.remaining() / 2, lease_from + client.lease_ttl - moves.MARGIN
+                   - time.monotonic())
+        if left <= 0:
+            return
+        try:
+            read.append(client.engine.read_many(items, moves.coarse(left)))
+            ended.append(time.monotonic())
         except Exception:  # noqa: BLE001 - a failed speculation is a read to do again
             log.exception("speculative read failed")
 
@@ -232,7 +243,9 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
             for i, loc in zip(idx, locs):
                 expect[i] = loc
     results, lease_end = client._get_replicas(keys, deadline, meanwhile=speculate, expect=expect)
-    status = read[0] if read else [TransferStatus.FAILED] * len(items)
+    # taken only if the read ended inside the lease this lookup granted: a read that ended
+    # later may have read space handed to another object (the key is then read again)
+    status = read[0] if read and ended[0] < lease_end else [TransferStatus.FAILED] * len(items)
     if _TIMEOUT in status:  # tried last, and not speculated on, for a while (moves.BAD_FOR)
         moves.blame(client, {locs[j][0] for j, st in enumerate(status) if st is _TIMEOUT})
     if len(idx) == len(keys) and status.count(_OK) == len(status) \
@@ -294,11 +307,13 @@ def _held_read(client: "StoreClient", keys: list[str], locs: list[Location],
             ok = listened[h] = client.engine.via_listener(h, it[2], it[3])
         if not ok:
             return None
-    left = min(deadline.remaining() / 2, until - time.monotonic())
+    left = min(deadline.remaining() / 2, until - moves.MARGIN - time.monotonic())
     if left <= 0:
         return None
     status = client.engine.read_many(items, moves.coarse(left))
-    if status.count(_OK) == len(status):
+    if not moves.ended_in(until):  # ended after the hold's lease: maybe another object's bytes
+        status = [TransferStatus.FAILED] * len(status)
+    elif status.count(_OK) == len(status):
         _HELD_OK.inc(len(keys))
         return [loc[3] for loc in locs]
     bad = [i for i, st in enumerate(status) if st is not _OK]
@@ -332,13 +347,15 @@ def held_one(client: "StoreClient", key: str, addr: int, cap: int, deadline: Dea
     if h is None or not client._listened.get(h) or (client.suspects.any() and client.suspects.bad(seg)):
         return None
     left = until - time.monotonic()
-    if left <= client.lease_ttl / 2:
+    if left <= client.lease_ttl / 2 or left <= moves.MARGIN:
         return None
     st = client.engine.read_one(h, addr, loc[1], loc[3], loc[2],
-                                moves.coarse(min(deadline.remaining() / 2, left)))
+                                moves.coarse(min(deadline.remaining() / 2, left - moves.MARGIN)))
     if st is _OK:
-        _HELD_OK.inc()
-        return loc[3]
+        if moves.ended_in(until):
+            _HELD_OK.inc()
+            return loc[3]
+        st = TransferStatus.FAILED  # ended after the hold's lease: maybe another object's bytes
     _HELD_REFUSED.inc()
     if st is _TIMEOUT:
         moves.blame(client, {seg})
