@@ -9,9 +9,13 @@ The bytes are taken only if the master's answer names the very allocation that w
 same segment, address and generation. A generation is given to one allocation only and never
 comes back, and an allocation's bytes do not change once its put has ended. If the master still
 lists that generation for the key, the allocation held the key's object from when this client
-learned of it until the lookup, and the lookup's lease keeps it from being reused after that
-(the read ends within the call's deadline, inside the lease): whichever came first, the read or
-the lookup, the bytes are the object's. Otherwise (the key was removed, replaced, moved to
+learned of it until the lookup, and the lookup's lease keeps it from being reused after that:
+whichever came first, the read or the lookup, the bytes are the object's, provided the read
+ended before that lease did. So the lease of the lookup the read overlaps is what covers it (an
+earlier hold may have ended before the read began). The read is given until ``moves.MARGIN``
+before that lease ends (counted from before the lookup was sent), and a read that returns
+after the lease the answer grants has ended is not taken: a stalled segment may have served it
+from space the master had handed to another object. Otherwise (the key was removed, replaced, moved to
 disk, re-registered under a new epoch, or the read failed) the key is read again from the
 master's answer, as without this cache. A read that was not confirmed may have written into the
 caller's buffer; its key then ends as it would have without the speculation (the master's
@@ -22,9 +26,9 @@ that rule itself and answers only the keys that fail it, so a confirmed key cost
 list on the wire. A confirmed key whose read failed is looked up again. With checksums on,
 every key is answered in full: the answer carries the checksum to verify.
 
-A speculative read gets at most half of the call's time: a segment that stalls leaves the rest
-to read another replica, and one where the read timed out is suspect (``moves.blame``): no
-speculation on it while it is.
+A speculative read gets at most half of the call's time, and never more than that lease (above):
+a segment that stalls leaves the rest to read another replica, and one where the read timed
+out is suspect (``moves.blame``): no speculation on it while it is.
 
 The cache is a bounded dict in insertion order (``StoreConfig.location_cache`` keys; 0 turns
 speculation off). Entries come from gets and from this client's committed puts, and go with its
@@ -35,7 +39,9 @@ the master neither evicts the object nor removes it without ``force``, nor hands
 another object (``fences.Quarantine``), so the place holds the key's value. A key whose place
 this client learned or had confirmed by such a lookup is *held* until the lease ends (counted
 from before the lookup was sent). A get of keys that are all held, with more than half of
-their lease left, reads them without asking the master at all: one round trip. The lease is
+their lease left, reads them without asking the master at all: one round trip (given until
+``moves.MARGIN`` before the hold's lease ends; one that returns after it ended is not taken,
+and the keys are looked up). The lease is
 refreshed (and the LRU told) by the next get past the half, which goes the speculative way.
 
 What could change the value under a running lease is covered so that no held read returns it
