@@ -181,3 +181,22 @@ def test_a_read_that_ended_after_its_lease_is_not_returned(pool, monkeypatch, ca
             got = None
         assert late.late_reads >= 1
         assert got is None, f"{case}: bytes read after the lease returned as success"
+
+
+def test_the_engine_backends_load_through_the_bounded_client(pool, monkeypatch):
+    """SGLang's HiCache backend (``batch_get_v1``: ``batch_get_into``; ``get``: ``get_batch``)
+    and LMCache's (``batch_get_into``, ``get_batch``) load through the plain StoreClient their
+    settings open, so a late read is discarded there too. (vLLM's store connector opens a
+    StoreClient the same way, ``store_connector.store_client``, and loads with
+    ``batch_get_into``; vLLM is not needed for the rest of this test.)"""
+    from kvplane.integrations.store_backend import StoreBackendConfig
+
+    cfg = StoreBackendConfig.from_mapping({"master_server_address": pool, "protocol": "tcp"})
+    with cfg.open_client() as client:
+        assert type(client) is StoreClient
+        assert batch_get_into(client) == value_of("victim", SIZE).tobytes()
+        Late(monkeypatch, client)
+        with pytest.raises(LeaseExpired):
+            batch_get_into(client)
+        got = client.get_batch(["victim"])[0]
+        assert isinstance(got, LeaseExpired), got
