@@ -44,9 +44,11 @@ def pool() -> Iterator[str]:
 class Late:
     """The reader's clock (as its store client modules read it), and transfers that end late."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, reader: StoreClient) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, reader: StoreClient,
+                 times: int | None = None) -> None:
         self.skew = 0.0
         self.late_reads = 0
+        self.times = times  # how many reads end late (None: every one)
         clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + self.skew,
                                       time=time.time, sleep=time.sleep)
         for mod in (client_mod, locations, moves, ranges):
@@ -55,6 +57,8 @@ class Late:
         view = eng.memory.view
 
         def late(local: int, n: int) -> None:
+            if self.times is not None and self.late_reads >= self.times:
+                return
             view(local, n)[:] = bytes([GARBAGE]) * n  # what the late read brought back
             self.skew += 1000.0  # ... long after every lease this reader holds
             self.late_reads += 1
@@ -181,6 +185,23 @@ def test_a_read_that_ended_after_its_lease_is_not_returned(pool, monkeypatch, ca
             got = None
         assert late.late_reads >= 1
         assert got is None, f"{case}: bytes read after the lease returned as success"
+
+
+ONCE = ["speculative_get", "speculative_get_into", "speculative_batch_get_into",
+        "speculative_batch_of_two", "held_get", "held_one", "held_batch_get_into"]
+
+
+@pytest.mark.parametrize("case", ONCE)
+def test_after_a_late_read_the_key_is_looked_up_and_read_again(pool, monkeypatch, case):
+    """Only the first read ends late (a transport past its timeout, the segment healthy):
+    its bytes are dropped, and the fresh lookup's read returns the object within the call."""
+    read, _, held = CASES[case]
+    victim = value_of("victim", SIZE).tobytes()
+    with StoreClient(master=pool, protocol="tcp", held_reads=held) as reader:
+        assert read(reader) == victim
+        late = Late(monkeypatch, reader, times=1)
+        assert read(reader) == victim
+        assert late.late_reads == 1
 
 
 def test_the_engine_backends_load_through_the_bounded_client(pool, monkeypatch):

@@ -251,7 +251,8 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     results, lease_end = client._get_replicas(keys, deadline, meanwhile=speculate, expect=expect)
     # taken only if the read ended inside the lease this lookup granted: a read that ended
     # later may have read space handed to another object (the key is then read again)
-    status = read[0] if read and ended[0] < lease_end else [TransferStatus.FAILED] * len(items)
+    late = bool(read) and ended[0] >= lease_end
+    status = read[0] if read and not late else [TransferStatus.FAILED] * len(items)
     if _TIMEOUT in status:  # tried last, and not speculated on, for a while (moves.BAD_FOR)
         moves.blame(client, {locs[j][0] for j, st in enumerate(status) if st is _TIMEOUT})
     if len(idx) == len(keys) and status.count(_OK) == len(status) \
@@ -273,14 +274,17 @@ def get_into(client: "StoreClient", keys: list[str], addrs: list[int], caps: lis
     if hits:
         client.locations.hold([keys[i] for i in idx if done[i]],
                               [loc for j, loc in enumerate(locs) if done[idx[j]]], lease_end)
-    again = [i for i in range(len(keys)) if results[i] is None and not done[i]]
-    if again:  # confirmed in place, but the read failed: their replicas, to read them again
+    # confirmed in place, but the read failed: their replicas, to read them again; after a late
+    # read the lookup's lease is over, so every key is looked up again, under a new lease
+    again = [i for i in range(len(keys)) if not done[i] and (late or results[i] is None)]
+    if again:
         more, until = client._get_replicas([keys[i] for i in again], deadline)
         for i, r in zip(again, more):
             results[i] = r
-        lease_end = min(lease_end, until)
+        lease_end = until if late else min(lease_end, until)
     if hits < len(idx):
-        _REFUTED.inc(len(idx) - hits)
+        if not late:  # (a late read was not refuted: it ended too late to be taken)
+            _REFUTED.inc(len(idx) - hits)
         client.locations.forget([keys[i] for i in idx if not done[i] and results[i].code])
     if hits == len(keys):
         return got
