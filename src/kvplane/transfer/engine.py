@@ -67,9 +67,11 @@ class TransferEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._server = DataServer(self.memory, self._describe_bytes, cfg.host, cfg.port, cfg.token,
-                                  cfg.max_frame, cfg.max_connections, extra_tokens=cfg.extra_tokens)
+                                  cfg.max_frame, cfg.max_connections, extra_tokens=cfg.extra_tokens,
+                                  require_grants=cfg.grants)
         self.port = self._server.port
         self.fence = self._server.fence  # store generations this engine's listener refuses
+        self.grants = self._server.grants  # what tenants' connections may touch (store segments)
         self.transports: dict[str, Transport] = {}
         try:  # a failed start leaves no listener or transport behind
             self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
@@ -298,6 +300,20 @@ class TransferEngine:
         if tcp is None or seg.desc.port <= 0:
             raise Unavailable(f"segment {seg.name!r} has no listener to retire generations at")
         tcp.retire(seg.desc.host, seg.desc.port, gens, timeout)  # type: ignore[attr-defined]
+
+    def grant(self, handle: int, blob: bytes, timeout: float = 5.0) -> bytes:
+        """Install grants (``kvplane.transfer.grants``, packed) at the listener of segment
+        ``handle``, for the tenant this engine's token is; one status byte per grant (0 kept).
+
+        Raises:
+            NotFound: no such handle.
+            Unavailable: the segment's listener could not be reached, or refused.
+        """
+        seg = self.segment(handle)
+        tcp = self.transports.get("tcp")
+        if tcp is None or seg.desc.port <= 0:
+            raise Unavailable(f"segment {seg.name!r} has no listener to install grants at")
+        return tcp.grant(seg.desc.host, seg.desc.port, blob, timeout)  # type: ignore[attr-defined, no-any-return]
 
     def via_listener(self, handle: int, remote: int, length: int) -> bool:
         """True when a READ of ``[remote, remote+length)`` in segment ``handle`` goes through

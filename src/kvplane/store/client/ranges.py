@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
-from kvplane.store.client import tiering
+from kvplane.store.client import grants, tiering
 from kvplane.store.errors import InvalidParams, LeaseExpired, TransferFail
 from kvplane.store.types import (
     CodesRep, KeyResult, KeysReq, PutEndReq, PutStartReq, Replica, ReplicateConfig, ResultsRep,
@@ -48,6 +48,8 @@ class Ranges:
         t0 = time.monotonic()
         rep = self.c.rpc.call("get_replicas", KeysReq(self.c.config.client_id, list(keys)),
                               ResultsRep)
+        if rep.grants:  # a tenant's: before reading there
+            grants.install(self.c, rep.grants, Deadline.after(self.c.config.timeout))
         ttl = rep.ttl or self.c.config.lease_ttl  # the master's lease, as it states it
         results = rep.results
         if tiering.cold(results):  # on an SSD tier only: promoted into memory first
