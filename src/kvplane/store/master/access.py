@@ -208,6 +208,9 @@ class Access:
             if found is not None and unscoped(found.key)[0] != who.tenant:
                 req.task = NO_TASK  # answered as TASK_NOT_FOUND, like an unknown id
             out = fn(req)
+            if (method == "task_start" and self.grants is not None and self.tasks is not None
+                    and who.tenant != DEFAULT_TENANT):
+                self.grants.attach_work(out, who.tenant, self.tasks.processing_timeout)
             if isinstance(out, TaskInfo) and not who.admin and out.assigned_client != req.client_id:
                 out.assigned_client = ""  # a client id is an owner's credential (unmount)
             return out

@@ -82,6 +82,22 @@ class MasterGrants:
         if found:
             out.grants = found
 
+    def attach_work(self, work: Any, tenant: str, ttl: float) -> None:
+        """Add ``tenant``'s grants to a copy task's ``work`` (a ``TaskWork``): READ on each
+        source's value, WRITE on each target's header and value, for ``ttl`` seconds (the
+        task's processing timeout)."""
+        tid = self._ids.get(tenant)
+        if tid is None or work.code:
+            return
+        until = int((self._wall() + ttl) * 1000)
+        found = [(r.segment, g.make(self._key(r.segment), tid, r.gen, r.addr, r.size, until,
+                                    g.READ)) for r in work.sources]
+        for r, head in zip(work.targets, work.headers or [b""] * len(work.targets)):
+            n = len(head)
+            found.append((r.segment, g.make(self._key(r.segment), tid, r.gen, r.addr - n,
+                                            r.size + n, until, g.WRITE)))
+        work.grants = found or None
+
     def _replicas(self, state: "MasterState", tid: bytes, obj: Any, skip: int, span: int,
                   until: int, mode: int) -> list[Grant]:
         """Grants on ``[skip, skip+span)`` of each memory replica's allocation."""
