@@ -26,6 +26,7 @@ from kvplane.common.errors import (
 )
 from kvplane.transfer.batch import Batch, Slice, Task, cut
 from kvplane.transfer.config import EngineConfig
+from kvplane.transfer.failover import guarded as _guarded
 from kvplane.transfer.memory import (
     ManagedBuffer, MemoryTable, Region, address_of, sweep_stale_shm, view_at,
 )
@@ -296,10 +297,15 @@ class TransferEngine:
         if seg.name == self.name:
             self.fence.retire(gens)
             return
+        self._listener(seg, "retire generations").retire(seg.desc.host, seg.desc.port, gens,
+                                                         timeout)
+
+    def _listener(self, seg: OpenSegment, what: str) -> Any:
+        """The TCP transport, to reach ``seg``'s listener (Unavailable: it has none)."""
         tcp = self.transports.get("tcp")
         if tcp is None or seg.desc.port <= 0:
-            raise Unavailable(f"segment {seg.name!r} has no listener to retire generations at")
-        tcp.retire(seg.desc.host, seg.desc.port, gens, timeout)  # type: ignore[attr-defined]
+            raise Unavailable(f"segment {seg.name!r} has no listener to {what} at")
+        return tcp
 
     def grant(self, handle: int, blob: bytes, timeout: float = 5.0) -> bytes:
         """Install grants (``kvplane.transfer.grants``, packed) at the listener of segment
@@ -310,10 +316,8 @@ class TransferEngine:
             Unavailable: the segment's listener could not be reached, or refused.
         """
         seg = self.segment(handle)
-        tcp = self.transports.get("tcp")
-        if tcp is None or seg.desc.port <= 0:
-            raise Unavailable(f"segment {seg.name!r} has no listener to install grants at")
-        return tcp.grant(seg.desc.host, seg.desc.port, blob, timeout)  # type: ignore[attr-defined, no-any-return]
+        return self._listener(seg, "install grants").grant(  # type: ignore[no-any-return]
+            seg.desc.host, seg.desc.port, blob, timeout)
 
     def via_listener(self, handle: int, remote: int, length: int) -> bool:
         """True when a READ of ``[remote, remote+length)`` in segment ``handle`` goes through
@@ -722,52 +726,6 @@ class _Views:
                 raise InvalidArgument(f"{addr:#x} is in a file region; it has no memory view")
         off = addr - r.addr
         return r.view[off:off + n]
-
-
-class _Shadow:
-    """Stands in for a slice so a failure can be retried elsewhere before it is reported."""
-
-    __slots__ = ("orig", "op", "local", "remote", "length", "status", "error", "task")
-
-    def __init__(self, s: Slice) -> None:
-        self.orig, self.op, self.local, self.remote, self.length = s, s.op, s.local, s.remote, s.length
-        self.task = s.task
-        self.status: TransferStatus | None = None
-        self.error = ""
-
-    def done(self, status: TransferStatus, error: str = "") -> None:
-        self.status, self.error = status, error
-
-
-def _guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline,
-             fallback: Transport | None = None) -> None:
-    """Run a transport, failing over to ``fallback`` for slices it FAILED (not timed out).
-
-    A bug in a transport fails its unfinished requests instead of leaving them PENDING forever.
-    """
-    if fallback is not None:
-        shadows = [_Shadow(s) for s in slices]
-        _guarded(t, route, shadows, deadline)  # type: ignore[arg-type]
-        retry = [sh.orig for sh in shadows if sh.status == TransferStatus.FAILED and not deadline.expired()]
-        for sh in shadows:
-            if sh.status != TransferStatus.FAILED or deadline.expired():
-                sh.orig.done(sh.status or TransferStatus.FAILED, sh.error)
-        if retry:
-            metrics.TRANSFER_FAILOVERS.labels(t.name).inc(len(retry))
-            log.info("%d slice(s) failed on %s; failing over to %s", len(retry), t.name,
-                     fallback.name)
-            _guarded(fallback, route, retry, deadline)
-        return
-    try:
-        t.run(route, slices, deadline)
-    except Exception as exc:
-        log.exception("transport %s failed", t.name)
-        for s in slices:
-            if isinstance(s, _Shadow):
-                if s.status is None:
-                    s.done(TransferStatus.FAILED, f"internal error in {t.name}: {exc}")
-            elif not s.task.status.done:
-                s.task.batch.fail(s.task, TransferStatus.FAILED, f"internal error in {t.name}: {exc}")
 
 
 _REQ_COUNTERS = {(op, st): metrics.TRANSFER_REQUESTS.labels(op.name.lower(), st.name.lower())

@@ -176,18 +176,7 @@ class Access:
                 return fn(req)
             return service
         if method in ("mount", "ping"):
-            def as_client(req: Any) -> Any:
-                tenant = current_principal().tenant
-                if tenant != DEFAULT_TENANT:
-                    self._check_tenant_client(req)
-                out = fn(req)
-                if method == "mount":
-                    if tenant != DEFAULT_TENANT:
-                        out.tenant = tenant  # its transfers go through listeners (grants)
-                    elif req.segments and self.grants is not None:
-                        out.tenants = self.grants.tenant_ids()
-                return out
-            return as_client
+            return self._client_guard(method, fn)
         if method == "unmount":
             def unmount(req: MountReq) -> Any:
                 orphans = self._check_unmount(req, current_principal())
@@ -199,6 +188,21 @@ class Access:
                 return out
             return unmount
         return fn
+
+    def _client_guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Mount and ping: a tenant holds no segments; a mount answer says who is a tenant."""
+        def as_client(req: Any) -> Any:
+            tenant = current_principal().tenant
+            if tenant != DEFAULT_TENANT:
+                self._check_tenant_client(req)
+            out = fn(req)
+            if method == "mount":
+                if tenant != DEFAULT_TENANT:
+                    out.tenant = tenant  # its transfers go through listeners (grants)
+                elif req.segments and self.grants is not None:
+                    out.tenants = self.grants.tenant_ids()  # whose connections need grants
+            return out
+        return as_client
 
     def _task_guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """Another tenant's task does not exist for the caller; its runner stays hidden."""
