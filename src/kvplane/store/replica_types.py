@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvplane.store.types import Replica
+from kvplane.store.types import Grant, Replica
 
 # replica tiers (Mooncake's ReplicaType names); the SSD tier adds "local_disk" and "disk"
 MEMORY = "memory"
@@ -96,6 +96,7 @@ class TaskWork(msgspec.Struct):
     targets: list[Replica] = msgspec.field(default_factory=list)
     headers: list[bytes] = msgspec.field(default_factory=list)  # per target: its inventory
     # header, written in the bytes just before the target's value once the value landed
+    grants: list[Grant] | None = None  # to a tenant's runner: READ sources, WRITE targets
 
 
 class TaskDoneReq(msgspec.Struct):

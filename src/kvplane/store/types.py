@@ -86,6 +86,10 @@ class MountRep(msgspec.Struct):
     epoch: int
     floor: int = 0
     secret: bytes = b""
+    # to a mount that brings segments: the identities of the master's tenants
+    # (``kvplane.transfer.grants.tenant_id``), whose data connections need grants
+    tenants: list[bytes] = msgspec.field(default_factory=list)
+    tenant: str = ""  # the caller's tenant when it is not ``default`` (its transfers go by TCP)
 
 
 class AdoptReq(msgspec.Struct):
@@ -163,6 +167,11 @@ class KeyResult(msgspec.Struct, array_like=True, gc=False):
 
 Location = tuple[str, int, int, int]  # where a client last read a key: segment, value address,
 # generation, size (``kvplane.store.client.locations``)
+
+
+# (segment, grant): a tenant's grant (``kvplane.transfer.grants``) for one replica, to install
+# at that segment's listener before reading, writing or retiring there
+Grant = tuple[str, bytes]
 
 
 # (key index, segment, generation): a replica of an object that this call replaced or removed
@@ -285,12 +294,14 @@ class ResultsRep(msgspec.Struct):
     columns: Columns | None = None  # get_replicas with ``columns``: the whole answer, when
     # every key is plain (``results`` is then empty)
     retire: list[Retire] | None = None  # PutStart: what the caller retires before PutEnd
+    grants: list[Grant] | None = None  # to a tenant: its grants for the replicas (and retires)
 
 
 class CodesRep(msgspec.Struct):
     codes: list[int]
     retire: list[Retire] | None = None  # remove: what the caller retires before it returns
     spare: Spare | None = None  # PutEnd: the spare asked for (None: none could be made)
+    grants: list[Grant] | None = None  # remove, to a tenant: its grants for ``retire``
 
 
 def column_results(cols: Columns) -> list[KeyResult]:

@@ -26,6 +26,8 @@ class EngineConfig:
         token: token this engine presents to peers and its listener requires (empty: none;
             default ``KVPLANE_TOKEN``, else the token file).
         extra_tokens: more tokens the listener accepts (e.g. a pool's tenant tokens).
+        grants: connections that authenticate with one of ``extra_tokens`` move bytes only
+            under grants (``kvplane.transfer.grants``; a store segment serving tenants sets it).
         timeout: default per-transfer timeout, seconds.
         slice_size: largest piece one TCP frame carries.
         streams: TCP connections a large batch is striped over.
@@ -44,6 +46,7 @@ class EngineConfig:
     protocol: str = "auto"
     token: str = field(default_factory=client_token)
     extra_tokens: tuple[str, ...] = ()
+    grants: bool = False
     timeout: float = 30.0
     slice_size: int = 4 << 20
     streams: int = 2

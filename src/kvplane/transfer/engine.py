@@ -26,6 +26,7 @@ from kvplane.common.errors import (
 )
 from kvplane.transfer.batch import Batch, Slice, Task, cut
 from kvplane.transfer.config import EngineConfig
+from kvplane.transfer.failover import guarded as _guarded
 from kvplane.transfer.memory import (
     ManagedBuffer, MemoryTable, Region, address_of, sweep_stale_shm, view_at,
 )
@@ -67,9 +68,11 @@ class TransferEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._server = DataServer(self.memory, self._describe_bytes, cfg.host, cfg.port, cfg.token,
-                                  cfg.max_frame, cfg.max_connections, extra_tokens=cfg.extra_tokens)
+                                  cfg.max_frame, cfg.max_connections, extra_tokens=cfg.extra_tokens,
+                                  require_grants=cfg.grants)
         self.port = self._server.port
         self.fence = self._server.fence  # store generations this engine's listener refuses
+        self.grants = self._server.grants  # what tenants' connections may touch (store segments)
         self.transports: dict[str, Transport] = {}
         try:  # a failed start leaves no listener or transport behind
             self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
@@ -294,10 +297,27 @@ class TransferEngine:
         if seg.name == self.name:
             self.fence.retire(gens)
             return
+        self._listener(seg, "retire generations").retire(seg.desc.host, seg.desc.port, gens,
+                                                         timeout)
+
+    def _listener(self, seg: OpenSegment, what: str) -> Any:
+        """The TCP transport, to reach ``seg``'s listener (Unavailable: it has none)."""
         tcp = self.transports.get("tcp")
         if tcp is None or seg.desc.port <= 0:
-            raise Unavailable(f"segment {seg.name!r} has no listener to retire generations at")
-        tcp.retire(seg.desc.host, seg.desc.port, gens, timeout)  # type: ignore[attr-defined]
+            raise Unavailable(f"segment {seg.name!r} has no listener to {what} at")
+        return tcp
+
+    def grant(self, handle: int, blob: bytes, timeout: float = 5.0) -> bytes:
+        """Install grants (``kvplane.transfer.grants``, packed) at the listener of segment
+        ``handle``, for the tenant this engine's token is; one status byte per grant (0 kept).
+
+        Raises:
+            NotFound: no such handle.
+            Unavailable: the segment's listener could not be reached, or refused.
+        """
+        seg = self.segment(handle)
+        return self._listener(seg, "install grants").grant(  # type: ignore[no-any-return]
+            seg.desc.host, seg.desc.port, blob, timeout)
 
     def via_listener(self, handle: int, remote: int, length: int) -> bool:
         """True when a READ of ``[remote, remote+length)`` in segment ``handle`` goes through
@@ -706,52 +726,6 @@ class _Views:
                 raise InvalidArgument(f"{addr:#x} is in a file region; it has no memory view")
         off = addr - r.addr
         return r.view[off:off + n]
-
-
-class _Shadow:
-    """Stands in for a slice so a failure can be retried elsewhere before it is reported."""
-
-    __slots__ = ("orig", "op", "local", "remote", "length", "status", "error", "task")
-
-    def __init__(self, s: Slice) -> None:
-        self.orig, self.op, self.local, self.remote, self.length = s, s.op, s.local, s.remote, s.length
-        self.task = s.task
-        self.status: TransferStatus | None = None
-        self.error = ""
-
-    def done(self, status: TransferStatus, error: str = "") -> None:
-        self.status, self.error = status, error
-
-
-def _guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline,
-             fallback: Transport | None = None) -> None:
-    """Run a transport, failing over to ``fallback`` for slices it FAILED (not timed out).
-
-    A bug in a transport fails its unfinished requests instead of leaving them PENDING forever.
-    """
-    if fallback is not None:
-        shadows = [_Shadow(s) for s in slices]
-        _guarded(t, route, shadows, deadline)  # type: ignore[arg-type]
-        retry = [sh.orig for sh in shadows if sh.status == TransferStatus.FAILED and not deadline.expired()]
-        for sh in shadows:
-            if sh.status != TransferStatus.FAILED or deadline.expired():
-                sh.orig.done(sh.status or TransferStatus.FAILED, sh.error)
-        if retry:
-            metrics.TRANSFER_FAILOVERS.labels(t.name).inc(len(retry))
-            log.info("%d slice(s) failed on %s; failing over to %s", len(retry), t.name,
-                     fallback.name)
-            _guarded(fallback, route, retry, deadline)
-        return
-    try:
-        t.run(route, slices, deadline)
-    except Exception as exc:
-        log.exception("transport %s failed", t.name)
-        for s in slices:
-            if isinstance(s, _Shadow):
-                if s.status is None:
-                    s.done(TransferStatus.FAILED, f"internal error in {t.name}: {exc}")
-            elif not s.task.status.done:
-                s.task.batch.fail(s.task, TransferStatus.FAILED, f"internal error in {t.name}: {exc}")
 
 
 _REQ_COUNTERS = {(op, st): metrics.TRANSFER_REQUESTS.labels(op.name.lower(), st.name.lower())

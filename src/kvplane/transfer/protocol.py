@@ -22,6 +22,15 @@ was received and dropped).
 RETIRE refuses reads and writes of up to ``MAX_RETIRE`` allocation generations from then on
 (``Fence.retire``): ``addr`` is the count N and ``length`` is ``N * 8``, followed by N u64
 generations. The response (``length`` 0) comes once they are refused.
+
+GRANT installs up to ``MAX_GRANTS`` grants (``kvplane.transfer.grants``: 56 bytes each) for the
+tenant the connection authenticated as: ``addr`` is the count N and ``length`` is ``N * 56``,
+followed by the N grants. The response's ``length`` is ``N``: one status byte per grant follows
+(0 kept, else why not: ``grants.BAD_MAC``, ``EXPIRED``, ``NO_SEGMENT``). A connection that
+authenticated with a tenant's token has every READ, WRITE, READV/WRITEV entry and RETIRE
+generation checked against its tenant's grants (no grant: ``Unauthorized``, nothing moved); on
+the service token's connections GRANT is answered and ignored. Old peers never send it: the
+header and every other frame are unchanged.
 """
 
 from __future__ import annotations
@@ -47,8 +56,9 @@ OP_PING = 5
 OP_READV = 6
 OP_WRITEV = 7
 OP_RETIRE = 8
+OP_GRANT = 9
 OPS = {OP_HELLO: "hello", OP_DESCRIBE: "describe", OP_READ: "read", OP_WRITE: "write", OP_PING: "ping",
-       OP_READV: "readv", OP_WRITEV: "writev", OP_RETIRE: "retire"}
+       OP_READV: "readv", OP_WRITEV: "writev", OP_RETIRE: "retire", OP_GRANT: "grant"}
 READV_ENTRY = struct.Struct("<QQQ")  # addr, length, gen (READV and WRITEV)
 MAX_READV = 256  # entries per READV or WRITEV frame (the iovecs stay far below IOV_MAX)
 RETIRE_ENTRY = struct.Struct("<Q")  # a generation (RETIRE)

@@ -8,6 +8,12 @@ unauthenticated (``kvplane.common.guard``): with a token it must send HELLO, and
 within the handshake timeout; without one its first well-formed frame authenticates it. An
 authenticated connection idle past the idle timeout is closed. Bad peers are logged once per
 peer at a time.
+
+With ``require_grants`` (a store segment serving tenants), a connection that authenticated with
+one of ``extra_tokens`` is bound to that token's tenant identity (``grants.tenant_id``), and
+every READ, WRITE, READV/WRITEV entry and RETIRE generation it sends is checked against the
+grants its tenant installed (``grants.GrantTable``, ``OP_GRANT``) before any byte moves. The
+listener's own token (the service token) needs no grant.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from kvplane.common import metrics
 from kvplane.common.guard import Limits, PeerLog
 from kvplane.common.listener import Listener
 from kvplane.common.errors import Fenced, KVPlaneError, ProtocolError, Unauthorized
-from kvplane.transfer import protocol
+from kvplane.transfer import grants as grant_mod, protocol
 from kvplane.transfer.fence import Fence
 from kvplane.transfer.memory import MemoryTable, Region
 
@@ -57,15 +63,22 @@ class DataServer:
         max_connections: inbound connections beyond this are refused.
         limits: pre-authentication limits (default: from the environment).
         extra_tokens: more tokens HELLO may present.
+        require_grants: a connection authenticated with one of ``extra_tokens`` moves bytes
+            only under grants (see the module docstring); False: any authenticated peer may
+            read and write any registered address (plain transfer-engine use).
     """
 
     def __init__(self, memory: MemoryTable, describe: Callable[[], bytes], host: str = "127.0.0.1",
                  port: int = 0, token: str = "", max_frame: int = 256 << 20,
                  max_connections: int = 512, limits: Limits | None = None,
-                 extra_tokens: tuple[str, ...] = ()) -> None:
+                 extra_tokens: tuple[str, ...] = (), require_grants: bool = False) -> None:
         self.memory = memory
         self._describe = describe
         self._tokens = [t.encode() for t in (token, *extra_tokens) if t]
+        # per token, the tenant identity its connections are bound to (None: needs no grant)
+        self._ids = [grant_mod.tenant_id(t.decode()) if require_grants and (t != token.encode()
+                     or not token) else None for t in self._tokens]
+        self.grants = grant_mod.GrantTable()
         self.max_frame = max_frame
         self.max_connections = max_connections
         self.rejected = 0
@@ -90,6 +103,7 @@ class DataServer:
         hdr = bytearray(protocol.REQ.size)
         hview = memoryview(hdr)
         authed = False
+        tid: bytes | None = None  # the tenant this connection is bound to (None: no grants)
         conn.settimeout(None)
         protocol.set_io_timeout(conn, self.limits.handshake_timeout)
         quick, done_at = False, time.perf_counter()
@@ -113,8 +127,10 @@ class DataServer:
                     raise _Reject("bad_magic")
                 if not authed and self._tokens and op != protocol.OP_HELLO:
                     raise _Reject("unauthenticated")
-                said_hello = self._handle(conn, op, rid, addr, length, gen)
-                if not authed and (said_hello or not self._tokens):
+                said_hello = self._handle(conn, op, rid, addr, length, gen, tid)
+                if said_hello is not False and said_hello is not True:
+                    tid = said_hello  # HELLO with a tenant's token
+                if not authed and (said_hello is not False or not self._tokens):
                     authed = True
                     self._authenticated(conn)
                 done_at = time.perf_counter()
@@ -141,21 +157,25 @@ class DataServer:
         protocol.set_io_timeout(conn, min(PAYLOAD_TIMEOUT, self.limits.idle_timeout or PAYLOAD_TIMEOUT))
 
     def _handle(self, conn: socket.socket, op: int, rid: int, addr: int, length: int,
-                gen: int = 0) -> bool:
+                gen: int = 0, tid: bytes | None = None) -> bool | bytes:
+        """Serve one frame. Returns False, or for a HELLO True (or the tenant identity its
+        token binds the connection to)."""
         counter = self._frames.get(op)
         if counter is not None:
             counter.inc()
         self.frames += 1
         if op == protocol.OP_READ:
-            self._read(conn, rid, addr, length, gen)
+            self._read(conn, rid, addr, length, gen, tid)
         elif op == protocol.OP_READV:
-            self._readv(conn, rid, addr, length)
+            self._readv(conn, rid, addr, length, tid)
         elif op == protocol.OP_WRITE:
-            self._write(conn, rid, addr, length, gen)
+            self._write(conn, rid, addr, length, gen, tid)
         elif op == protocol.OP_WRITEV:
-            self._writev(conn, rid, addr, length)
+            self._writev(conn, rid, addr, length, tid)
         elif op == protocol.OP_RETIRE:
-            self._retire(conn, rid, addr, length)
+            self._retire(conn, rid, addr, length, tid)
+        elif op == protocol.OP_GRANT:
+            self._grant(conn, rid, addr, length, tid)
         elif op == protocol.OP_DESCRIBE:
             body = self._describe()
             protocol.send_all(conn, [protocol.pack_resp(0, rid, len(body)), body])
@@ -167,23 +187,43 @@ class DataServer:
             raise _Reject("bad_op", f"unknown op {op}")
         return False
 
-    def _hello(self, conn: socket.socket, rid: int, length: int) -> bool:
+    def _hello(self, conn: socket.socket, rid: int, length: int) -> bool | bytes:
         if length > protocol.MAX_TOKEN:
             raise _Reject("bad_hello")
         token = bytearray(length)
         protocol.recv_exact(conn, memoryview(token))
-        if self._tokens and not sum(hmac.compare_digest(bytes(token), t) for t in self._tokens):
+        matched = [hmac.compare_digest(bytes(token), t) for t in self._tokens]  # all: constant time
+        if self._tokens and not any(matched):
             self._error(conn, rid, Unauthorized("bad token"))
             raise _Reject("bad_token")
         conn.sendall(protocol.pack_resp(0, rid, 0))
-        return True
+        tid = self._ids[matched.index(True)] if self._tokens else None
+        return tid if tid is not None else True
+
+    def _grant(self, conn: socket.socket, rid: int, count: int, length: int,
+               tid: bytes | None) -> None:
+        """Install grants for this connection's tenant (see protocol); ignored without one."""
+        if not 0 < count <= grant_mod.MAX_GRANTS or length != count * grant_mod.GRANT_SIZE:
+            raise _Reject("bad_grant", f"GRANT of {count} grants in {length} bytes")
+        body = bytearray(length)
+        protocol.recv_exact(conn, memoryview(body))
+        codes = self.grants.install(tid, body) if tid is not None else [0] * count
+        protocol.send_all(conn, [protocol.pack_resp(0, rid, count), bytes(codes)])
+
+    def _refuse(self, conn: socket.socket, rid: int, what: str) -> None:
+        self._count_reject("no_grant")
+        self._error(conn, rid, Unauthorized(f"{what}: no grant for this tenant"))
 
     def _check_length(self, length: int) -> None:
         if length > self.max_frame:
             raise _Reject("oversized", f"frame of {length} bytes > max_frame {self.max_frame}")
 
-    def _read(self, conn: socket.socket, rid: int, addr: int, length: int, gen: int = 0) -> None:
+    def _read(self, conn: socket.socket, rid: int, addr: int, length: int, gen: int = 0,
+              tid: bytes | None = None) -> None:
         self._check_length(length)
+        if tid is not None and not self.grants.admits(tid, gen, addr, length, grant_mod.READ):
+            self._refuse(conn, rid, "READ")
+            return
         try:
             region = self.memory.find(addr, length)
             if not self.fence.admit(gen):
@@ -198,7 +238,8 @@ class DataServer:
         off = addr - region.addr
         protocol.send_all(conn, [protocol.pack_resp(0, rid, length), region.view[off:off + length]])  # type: ignore[index]
 
-    def _readv(self, conn: socket.socket, rid: int, count: int, length: int) -> None:
+    def _readv(self, conn: socket.socket, rid: int, count: int, length: int,
+               tid: bytes | None = None) -> None:
         """Many READs in one frame; each entry is checked and fenced on its own (see protocol)."""
         if not 0 < count <= protocol.MAX_READV or length != count * protocol.READV_ENTRY.size:
             raise _Reject("bad_readv", f"READV of {count} entries in {length} bytes")
@@ -206,6 +247,11 @@ class DataServer:
         protocol.recv_exact(conn, memoryview(table))
         rows = struct.unpack(f"<{3 * count}Q", table)
         admitted = self.fence.admit_many(list(rows[2::3]))  # one lock, one instant
+        refused = Fenced.code
+        if tid is not None:  # a tenant's entries: each also needs its grant
+            refused = Unauthorized.code
+            admitted = [ok and self.grants.admits(tid, g, a, n, grant_mod.READ)
+                        for a, n, g, ok in zip(rows[0::3], rows[1::3], rows[2::3], admitted)]
         whole = self._readv_whole(rows, admitted)
         if whole is not None:  # every entry admitted, all in one memory region
             total = sum(rows[1::3])
@@ -232,7 +278,7 @@ class DataServer:
                 if region.kind == "file":
                     view = None
             if not ok:
-                codes.append(Fenced.code)
+                codes.append(refused)
                 continue
             off = addr - lo
             parts.append(region.view[off:off + n] if view is not None  # type: ignore[union-attr]
@@ -260,9 +306,12 @@ class DataServer:
             return None
         return [view[a - base:a - base + n] for a, n in zip(addrs, lens)]
 
-    def _write(self, conn: socket.socket, rid: int, addr: int, length: int, gen: int = 0) -> None:
+    def _write(self, conn: socket.socket, rid: int, addr: int, length: int, gen: int = 0,
+               tid: bytes | None = None) -> None:
         self._check_length(length)
         try:
+            if tid is not None and not self.grants.admits(tid, gen, addr, length, grant_mod.WRITE):
+                raise Unauthorized("WRITE: no grant for this tenant")
             region = self.memory.find(addr, length)
             if not self.fence.begin_write(gen):  # counted in progress until end_write
                 raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
@@ -287,16 +336,23 @@ class DataServer:
             return last
         return self.memory.find(addr, n)
 
-    def _retire(self, conn: socket.socket, rid: int, count: int, length: int) -> None:
-        """Refuse frames of the generations that follow from now on (see protocol)."""
+    def _retire(self, conn: socket.socket, rid: int, count: int, length: int,
+                tid: bytes | None = None) -> None:
+        """Refuse frames of the generations that follow from now on (see protocol); a
+        tenant's connection only with a RETIRE grant for each."""
         if not 0 < count <= protocol.MAX_RETIRE or length != count * protocol.RETIRE_ENTRY.size:
             raise _Reject("bad_retire", f"RETIRE of {count} generations in {length} bytes")
         body = bytearray(length)
         protocol.recv_exact(conn, memoryview(body))
-        self.fence.retire([g for (g,) in protocol.RETIRE_ENTRY.iter_unpack(body)])
+        gens = [g for (g,) in protocol.RETIRE_ENTRY.iter_unpack(body)]
+        if tid is not None and not self.grants.may_retire(tid, gens):
+            self._refuse(conn, rid, "RETIRE")
+            return
+        self.fence.retire(gens)
         conn.sendall(protocol.pack_resp(0, rid, 0))
 
-    def _writev(self, conn: socket.socket, rid: int, count: int, length: int) -> None:
+    def _writev(self, conn: socket.socket, rid: int, count: int, length: int,
+                tid: bytes | None = None) -> None:
         """Many WRITEs in one frame; each entry is checked and fenced on its own (see
         protocol), and every payload arrives through one scatter receive."""
         table_len = count * protocol.READV_ENTRY.size
@@ -316,6 +372,9 @@ class DataServer:
         try:
             for addr, n, gen in entries:
                 try:
+                    if tid is not None and not self.grants.admits(tid, gen, addr, n,
+                                                                  grant_mod.WRITE):
+                        raise Unauthorized("WRITEV entry: no grant for this tenant")
                     region = self._find(region, addr, n)
                     if not self.fence.begin_write(gen):  # counted in progress until end_write
                         raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")

@@ -47,7 +47,7 @@ from kvplane.store.disk.node import DiskDuty
 from kvplane.store.client import moves
 from kvplane.store.client.duty import SegmentDuty
 from kvplane.store.client.link import MasterLink
-from kvplane.store.client import locations, spares, tiering
+from kvplane.store.client import grants, locations, spares, tiering
 from kvplane.store.client.locations import Locations
 from kvplane.store.client.remount import Holdings
 from kvplane.store.client.staging import Staging
@@ -79,7 +79,8 @@ class StoreClient:
         self.engine = TransferEngine(EngineConfig.from_env(
             host=cfg.local_hostname, port=cfg.port, metadata=cfg.metadata,
             protocol=cfg.protocol, token=cfg.token, timeout=cfg.timeout,
-            extra_tokens=cfg.peer_tokens or None))
+            extra_tokens=cfg.peer_tokens or None,
+            grants=bool(cfg.global_segment_size > 0 and cfg.peer_tokens)))
         self._handles: dict[str, int] = {}
         self._segments: list[SegmentInfo] = []
         self._closed = threading.Event()
@@ -134,7 +135,11 @@ class StoreClient:
         if self.disk is not None and rep.epoch > 0:  # before the memory records: their last
             self.disk.mounted(rep.epoch, rep.secret)  # batch ends a recovering master's wait
         if self._segments and rep.epoch > 0:
+            self.engine.grants.mounted(rep.secret, [(s.name, s.base, s.size)
+                                                    for s in self._segments], rep.tenants)
             self.holdings.mounted(rep)
+        if rep.tenant:  # a tenant: never shared memory or same-host paths, only listeners
+            grants.tenant_transfers(self.engine)
 
     def _heartbeat(self) -> None:
         failures, acks = 0, ([], [])
@@ -190,8 +195,11 @@ class StoreClient:
               meanwhile: Callable[[], None] | None = None) -> Any:
         """A master RPC bounded by what is left of the call's deadline (``meanwhile``: see
         ``MasterLink.call``)."""
-        return self.rpc.call(method, req, typ, meanwhile=meanwhile,
-                             timeout=moves.coarse(deadline.check(f"store {method}")))
+        rep = self.rpc.call(method, req, typ, meanwhile=meanwhile,
+                            timeout=moves.coarse(deadline.check(f"store {method}")))
+        if getattr(rep, "grants", None):  # a tenant's: installed before any transfer there
+            grants.install(self, rep.grants, deadline)
+        return rep
 
     # -- zero-copy batch primitives ---------------------------------------------------------------
     def batch_put_from(self, keys: list[str], addrs: list[int], sizes: list[int],

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
-from kvplane.store.client import moves, tiering
+from kvplane.store.client import grants, moves, tiering
 from kvplane.store.errors import InvalidParams, LeaseExpired, TransferFail
 from kvplane.store.types import (
     CodesRep, KeyResult, KeysReq, PutEndReq, PutStartReq, Replica, ReplicateConfig, ResultsRep,
@@ -49,6 +49,8 @@ class Ranges:
         t0 = time.monotonic()
         rep = self.c.rpc.call("get_replicas", KeysReq(self.c.config.client_id, list(keys)),
                               ResultsRep)
+        if rep.grants:  # a tenant's: before reading there
+            grants.install(self.c, rep.grants, Deadline.after(self.c.config.timeout))
         ttl = rep.ttl or self.c.config.lease_ttl  # the master's lease, as it states it
         results = rep.results
         if tiering.cold(results):  # on an SSD tier only: promoted into memory first
@@ -64,9 +66,12 @@ class Ranges:
     def reserve(self, keys: Sequence[str], sizes: Sequence[int],
                 cfg: ReplicateConfig | None) -> list[KeyResult]:
         """PutStart: per key its replicas (invisible until ``commit``) or a code."""
-        return self.c.rpc.call("put_start", PutStartReq(
+        rep = self.c.rpc.call("put_start", PutStartReq(
             self.c.config.client_id, list(keys), [int(s) for s in sizes],
-            cfg or ReplicateConfig()), ResultsRep).results
+            cfg or ReplicateConfig()), ResultsRep)
+        if rep.grants:  # a tenant's: before writing there
+            grants.install(self.c, rep.grants, Deadline.after(self.c.config.timeout))
+        return rep.results
 
     def write(self, result: KeyResult, ranges: Sequence[Range]) -> list[int]:
         """Write each range into every replica of a reserved object."""

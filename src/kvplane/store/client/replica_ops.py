@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
+from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
+from kvplane.store.client import grants
 from kvplane.store.errors import key_error
 from kvplane.store.replica_types import (
     DescRep, DescResult, ReplicaClearReq, TaskCreateRep, TaskCreateReq, TaskDoneReq, TaskId,
@@ -103,6 +105,8 @@ class ReplicaOps:
         work = self.c.rpc.call("task_start", TaskReq(cid, task), TaskWork)
         if work.code:
             return
+        if work.grants:  # a tenant's task: its grants, before its transfers
+            grants.install(self.c, work.grants, Deadline.after(self.c.config.timeout))
         ok, message = self._copy(work)
         self.c.rpc.call("task_done", TaskDoneReq(cid, task, ok, message), int)
         self.ran += 1

@@ -13,7 +13,9 @@ Every RPC runs as the :class:`~kvplane.common.auth.Principal` its connection aut
   shown only to that client and the admin. Repair reports (internal keys the master hands to
   segments) are for default-tenant callers only, and a tenant can neither mount nor heartbeat
   as a client that holds segments. ``list_keys`` lists the caller's own complete keys, as the
-  caller wrote them. ``whoami`` tells a caller its tenant. Tenants
+  caller wrote them. ``whoami`` tells a caller its tenant. A tenant's lookup, PutStart and
+  remove answers carry its data-plane grants (``kvplane.store.master.grants``): without them
+  a segment's listener moves no byte for that tenant's connections. Tenants
   are pure clients: only default-tenant principals mount segments (a segment's process can read
   whatever is placed in it).
 * **Ownership.** A segment belongs to the client that mounted it (its ``client_id``, which the
@@ -44,6 +46,7 @@ from kvplane.store.replica_types import TaskId, TaskInfo
 from kvplane.store.types import ListKeysRep, ListKeysReq, MountReq
 
 if TYPE_CHECKING:
+    from kvplane.store.master.grants import MasterGrants
     from kvplane.store.master.tasks import Tasks
 
 SEP = "\x00"
@@ -57,6 +60,7 @@ TASK = frozenset({"task_start", "task_done", "task_query"})  # a task id: the ta
 NO_TASK = TaskId(0, 0)  # never issued (task ids count from 1)
 # work the master hands to segment processes: internal keys, from default-tenant callers only
 SERVICE_ONLY = frozenset({"repair_done", "adopt"})  # adopt: re-registering a segment's records
+GRANTED = frozenset({"get_replicas", "put_start", "remove"})  # answers a tenant gets grants with
 
 
 def read_tenants(path: str) -> dict[str, str]:
@@ -138,6 +142,7 @@ class Access:
     def __init__(self, state: MasterState, tasks: "Tasks | None" = None) -> None:
         self.state = state
         self.tasks = tasks  # the master's copy/move task table (set once it exists)
+        self.grants: "MasterGrants | None" = None  # tenants' data-plane grants (set by the server)
 
     def guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` wrapped for ``method``: keys scoped, mounts and unmounts checked."""
@@ -151,6 +156,8 @@ class Access:
                     return fn(req)
                 req.keys = [scoped(tenant, k) for k in req.keys]
                 out = fn(req)
+                if method in GRANTED and self.grants is not None:
+                    self.grants.attach(method, self.state, req, out, tenant)
                 if method in RETURNS_KEYS:  # the caller's own spelling back
                     out = [unscoped(k)[1] for k in out]
                 return out
@@ -169,11 +176,7 @@ class Access:
                 return fn(req)
             return service
         if method in ("mount", "ping"):
-            def as_client(req: Any) -> Any:
-                if current_principal().tenant != DEFAULT_TENANT:
-                    self._check_tenant_client(req)
-                return fn(req)
-            return as_client
+            return self._client_guard(method, fn)
         if method == "unmount":
             def unmount(req: MountReq) -> Any:
                 orphans = self._check_unmount(req, current_principal())
@@ -186,6 +189,21 @@ class Access:
             return unmount
         return fn
 
+    def _client_guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Mount and ping: a tenant holds no segments; a mount answer says who is a tenant."""
+        def as_client(req: Any) -> Any:
+            tenant = current_principal().tenant
+            if tenant != DEFAULT_TENANT:
+                self._check_tenant_client(req)
+            out = fn(req)
+            if method == "mount":
+                if tenant != DEFAULT_TENANT:
+                    out.tenant = tenant  # its transfers go through listeners (grants)
+                elif req.segments and self.grants is not None:
+                    out.tenants = self.grants.tenant_ids()  # whose connections need grants
+            return out
+        return as_client
+
     def _task_guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """Another tenant's task does not exist for the caller; its runner stays hidden."""
         def task(req: Any) -> Any:
@@ -194,6 +212,9 @@ class Access:
             if found is not None and unscoped(found.key)[0] != who.tenant:
                 req.task = NO_TASK  # answered as TASK_NOT_FOUND, like an unknown id
             out = fn(req)
+            if (method == "task_start" and self.grants is not None and self.tasks is not None
+                    and who.tenant != DEFAULT_TENANT):
+                self.grants.attach_work(out, who.tenant, self.tasks.processing_timeout)
             if isinstance(out, TaskInfo) and not who.admin and out.assigned_client != req.client_id:
                 out.assigned_client = ""  # a client id is an owner's credential (unmount)
             return out

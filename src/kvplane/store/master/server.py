@@ -36,6 +36,7 @@ from kvplane.store.errors import (
 )
 from kvplane.store.master import admin, status
 from kvplane.store.master.access import Access, is_service, require_service
+from kvplane.store.master.grants import MasterGrants
 from kvplane.store.master import spares
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.pool_events import PoolEvents
@@ -104,6 +105,7 @@ class MasterServer:
         self._evicted_seen = 0
         self.auth = TokenTable(token, admin_token, tenants)
         self.access = Access(self.state)
+        self.access.grants = MasterGrants(self._secret, tenants or {}, clock)
         self.events: PoolEvents | None = None
         if kv_events_port is not None:
             self.events = PoolEvents(host, kv_events_port, auth=self.auth)

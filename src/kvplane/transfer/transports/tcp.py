@@ -631,6 +631,33 @@ class TcpTransport(Transport):
                 raise Unavailable(f"retire at {host}:{port} refused: {exc}") from exc
             self._release(conn)
 
+    def grant(self, host: str, port: int, blob: bytes, timeout: float) -> bytes:
+        """Install the grants packed in ``blob`` at the listener at ``host:port``
+        (``OP_GRANT``); returns one status byte per grant (0: kept).
+
+        Raises:
+            Unavailable: the peer could not be reached, refused, or did not answer in time.
+        """
+        from kvplane.transfer.grants import GRANT_SIZE, MAX_GRANTS
+
+        deadline = Deadline.after(timeout)
+        out = b""
+        step = MAX_GRANTS * GRANT_SIZE
+        for k in range(0, len(blob), step):
+            part = blob[k:k + step]
+            conn = self._acquire((host, port), deadline)
+            try:
+                out += conn.call(protocol.OP_GRANT, len(part) // GRANT_SIZE, part,
+                                 max(deadline.remaining(), 1e-3))
+            except (OSError, ProtocolError) as exc:
+                conn.close()
+                raise Unavailable(f"grant at {host}:{port} failed: {exc}") from exc
+            except KVPlaneError as exc:
+                self._release(conn)
+                raise Unavailable(f"grant at {host}:{port} refused: {exc}") from exc
+            self._release(conn)
+        return out
+
     def close(self) -> None:
         self._closed = True
         with self._lock:

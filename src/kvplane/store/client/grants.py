@@ -1,0 +1,50 @@
+"""A tenant client's data-plane grants: installed at each segment before its transfers there.
+
+The master answers a tenant's lookup, PutStart and remove with grants (``ResultsRep.grants``,
+``CodesRep.grants``; ``kvplane.store.master.grants``); the client hands each segment's grants to
+that segment's listener (``TransferEngine.grant``: one round trip per segment) before it reads,
+writes or retires there. A grant that cannot be installed is not an error here: the transfers
+it covers are refused and fail over like any failed transfer (a failed read is a miss).
+A tenant's transfers all go through listeners (``tenant_transfers``): shared memory maps a
+segment whole, and only the listener checks grants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from kvplane.common.deadline import Deadline
+from kvplane.common.errors import KVPlaneError
+from kvplane.store.types import Grant
+from kvplane.transfer import TransferEngine
+
+if TYPE_CHECKING:
+    from kvplane.store.client.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+def install(client: "StoreClient", grants: list[Grant], deadline: Deadline) -> None:
+    """Install ``grants`` at their segments' listeners (failures are logged, not raised)."""
+    by_segment: dict[str, list[bytes]] = {}
+    for segment, blob in grants:
+        by_segment.setdefault(segment, []).append(blob)
+    for segment, blobs in by_segment.items():
+        try:
+            handle = client._handle(segment, deadline)
+            codes = client.engine.grant(handle, b"".join(blobs),
+                                        timeout=max(deadline.remaining(), 1e-3))
+        except KVPlaneError as exc:
+            log.debug("installing %d grants at %s failed: %s", len(blobs), segment, exc)
+            continue
+        if any(codes):
+            log.debug("segment %s refused %d of %d grants", segment, sum(map(bool, codes)),
+                      len(blobs))
+
+
+def tenant_transfers(engine: TransferEngine) -> None:
+    """Make every transfer of ``engine`` go through the peer's listener (TCP)."""
+    if engine.config.protocol != "tcp":
+        engine.config = dataclasses.replace(engine.config, protocol="tcp")
