@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from kvplane.testing.needs import requires
 from kvplane.compat.mooncake import (
     BufferHandle, MooncakeDistributedStore, ReplicaStatus, ReplicateConfig, SoftPinAction,
     TaskStatus, TaskType,
@@ -159,7 +160,7 @@ def test_batch_get_buffer_returns_buffer_protocol_handles(segments, client):
     assert isinstance(h, BufferHandle) and handles[1] is None
     assert h.size() == len(h) == len(data) and h.ptr() > 0
     assert bytes(memoryview(h)) == data and np.array(h, copy=False)[:4].tobytes() == data[:4]
-    torch = pytest.importorskip("torch")
+    torch = requires("torch")
     assert bytes(torch.frombuffer(h, dtype=torch.uint8, offset=8, count=8).numpy()) == data[8:16]
     h.release()
 
