@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-from kvplane.testing.needs import requires
 from kvplane.compat.mooncake import MooncakeDistributedStore
 from kvplane.compat.mooncake_dataproto import (
     MISSING, MooncakeBundleTransfer, _choose_leaf_codec, export_dataproto_ref,
@@ -16,6 +15,7 @@ from kvplane.compat.mooncake_dataproto import (
 )
 from kvplane.compat.mooncake_structured import StructuredObjectPayload, export_ref, import_ref
 from kvplane.store.master.server import MasterServer
+from kvplane.testing.needs import requires
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -4,8 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from kvplane.testing.needs import requires
 from kvplane.common.errors import AddressNotRegistered, Conflict, InvalidArgument, NotFound
+from kvplane.testing.needs import requires
 from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, address_of, view_at
 
 
