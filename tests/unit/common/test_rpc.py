@@ -151,3 +151,12 @@ def test_a_server_built_not_listening_refuses_until_started():
         cli.close()
     finally:
         srv.close()
+
+
+def test_a_server_never_started_closes_and_frees_its_port():
+    srv = RpcServer(listen=False)
+    port = srv.port
+    srv.close()
+    srv.start()  # a no-op once closed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
