@@ -33,32 +33,33 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, token_file: str) -> None:
     np.random.seed(1234)
 
 
-def _missing(exc: Exception) -> None:
-    """Skip locally when a server binary is absent; in CI (CI=true) that is a failure."""
-    from kvplane.testing.needs import missing
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.requires("etcd", ...)``: skip with the reason when one is missing (in CI,
+    ``CI`` set, fail), before any fixture runs. Names: kvplane.testing.needs.REQUIREMENTS."""
+    from kvplane.testing.needs import requires
 
-    missing(str(exc), "install it (apt-get install etcd-server redis-server), as .ci/run does")
+    for mark in item.iter_markers("requires"):
+        for name in mark.args:
+            requires(name)
 
 
 @pytest.fixture(scope="session")
 def redis_url():
+    from kvplane.testing.needs import requires
     from kvplane.testing.services import start_redis
 
-    try:
-        svc = start_redis()
-    except FileNotFoundError as exc:
-        _missing(exc)
+    requires("redis")
+    svc = start_redis()
     yield svc.url
     svc.stop()
 
 
 @pytest.fixture(scope="session")
 def etcd_url(tmp_path_factory: pytest.TempPathFactory):
+    from kvplane.testing.needs import requires
     from kvplane.testing.services import start_etcd
 
-    try:
-        svc = start_etcd(str(tmp_path_factory.mktemp("etcd")))
-    except FileNotFoundError as exc:
-        _missing(exc)
+    requires("etcd")
+    svc = start_etcd(str(tmp_path_factory.mktemp("etcd")))
     yield svc.url
     svc.stop()

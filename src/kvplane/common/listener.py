@@ -42,11 +42,15 @@ class Listener:
         on_refuse: called for each refused connection (metrics).
         limits: pre-authentication limits (default: ``Limits.from_env``); ``max_connections``
             overrides its field of the same name.
+        listen: accept from construction on (default). False: the port is bound (and ``.port``
+            known) but not listening, so a connect is refused, until :meth:`start`: a server
+            opens its port only once it can serve (clients retry refused connects).
     """
 
     def __init__(self, serve: Callable[[socket.socket], None], host: str = "127.0.0.1",
                  port: int = 0, name: str = "listener", max_connections: int = 512,
-                 on_refuse: Callable[[], None] = lambda: None, limits: Limits | None = None) -> None:
+                 on_refuse: Callable[[], None] = lambda: None, limits: Limits | None = None,
+                 listen: bool = True) -> None:
         self._serve = serve
         self._name = name
         self._on_refuse = on_refuse
@@ -54,7 +58,13 @@ class Listener:
         self.admission = Admission(self.limits, name)
         self._peer_log = PeerLog(log)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._lsock = socket.create_server((host, port), family=family, backlog=256)
+        self._lsock = socket.socket(family, socket.SOCK_STREAM)
+        try:  # socket.create_server's bind, with the listen() left to start()
+            self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._lsock.bind((host, port))
+        except OSError:
+            self._lsock.close()
+            raise
         self.host, self.port = self._lsock.getsockname()[:2]
         self.conns: set[socket.socket] = set()
         self._tickets: dict[socket.socket, Ticket] = {}
@@ -62,7 +72,16 @@ class Listener:
         self.closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"{name}-accept-{self.port}",
                                         daemon=True)
-        self._thread.start()
+        if listen:
+            self.start()
+
+    def start(self) -> None:
+        """Listen and accept (idempotent; a no-op once closed)."""
+        with self._lock:
+            if self._thread.ident is not None or self.closed.is_set():
+                return
+            self._lsock.listen(256)
+            self._thread.start()
 
     def _accept(self) -> None:
         while not self.closed.is_set():
@@ -121,4 +140,5 @@ class Listener:
             conns = list(self.conns)
         for c in conns:
             _shutdown(c)
-        self._thread.join(2)
+        if self._thread.ident is not None:
+            self._thread.join(2)

@@ -194,8 +194,10 @@ class _Session:
 class RpcServer:
     """Serves registered methods over TCP; handlers run on the connection's thread.
 
-    The port is bound (and accepting) once constructed; register methods with ``add`` before
-    handing the address out.
+    The port is bound once constructed; register methods with ``add`` before handing the
+    address out. With ``listen=False`` it is not listening (a connect is refused, and clients
+    retry) until :meth:`start`, so a server that adds its methods after construction never
+    answers "unknown method" to a client that came early.
 
     Args:
         host: bind address (127.0.0.1 unless told otherwise).
@@ -209,12 +211,13 @@ class RpcServer:
             last answer (a client in a tight loop) is busy-polled for the next one, one
             connection at a time; 0 (the default) never. Waking a sleeping thread costs
             40-60 us on a VM, as much as a small call (docs/benchmarks.md, "Eighth round").
+        listen: accept from construction on (default); False: only from :meth:`start`.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  max_message: int = wire.MAX_CONTROL_FRAME, max_connections: int = 1024,
                  authenticate: Authenticator | None = None, limits: Limits | None = None,
-                 spin: float = 0.0) -> None:
+                 spin: float = 0.0, listen: bool = True) -> None:
         self._auth = authenticate or token_authenticator(token)
         self._max = max_message
         self._handlers: dict[str, tuple[Handler, type[Any]]] = {}
@@ -226,7 +229,7 @@ class RpcServer:
                                   lambda: self.peer_log.warn("*", "refused a connection: "
                                                              "%d connections held",
                                                              limits.max_connections),
-                                  limits=limits)
+                                  limits=limits, listen=listen)
         self.host, self.port = self._listener.host, self._listener.port
         self.admission = self._listener.admission
         self._spin = spin
@@ -237,7 +240,9 @@ class RpcServer:
         self._handlers[method] = (handler, request_type)
 
     def start(self) -> "RpcServer":
-        """Kept for symmetry with other services: the listener is already accepting."""
+        """Open the port (built with ``listen=False``: once every handler is added); with the
+        default ``listen=True`` the listener is accepting already."""
+        self._listener.start()
         return self
 
     def _serve(self, conn: socket.socket) -> None:

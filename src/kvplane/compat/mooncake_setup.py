@@ -225,7 +225,17 @@ def open_client(args: SetupArgs, **overrides: Any) -> StoreClient:
         local_buffer_size=args.local_buffer_size,
         populate=envs.get("KVPLANE_SEGMENT_POPULATE"), **overrides)
     if port:
-        return StoreClient(cfg)
+        try:
+            return StoreClient(cfg)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+        # Mooncake's transfer engine never binds the port named in local_hostname (it takes a
+        # free one for its RPC service: transfer_engine_impl.cpp, "new RPC mapping"), so a
+        # second client on a taken host:port sets up there. kvplane's segment is named by the
+        # port it listens on: another one from Mooncake's client range, named by get_hostname()
+        log.warning("setup: %s is in use; this client takes another port (get_hostname() "
+                    "names it)", args.local_hostname)
     rng = random.Random()
     for attempt in range(PORT_TRIES):  # Mooncake names an unported client host:<12300-14300>
         try:

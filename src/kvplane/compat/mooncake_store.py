@@ -93,7 +93,7 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
             return code_of(exc)
         except OSError as exc:
             log.error("setup failed: %s", exc)
-            # a host:port that is taken: Mooncake cannot create that client either (-600)
+            # no free port left in Mooncake's client range either
             return INVALID_PARAMS if exc.errno == errno.EADDRINUSE else INTERNAL_ERROR
         rc = self._check_tenant(client, parsed.tenant_id)
         if rc:

@@ -19,7 +19,7 @@ import subprocess
 from typing import Any, Literal
 
 from kvplane.common.errors import Timeout
-from kvplane.testing.needs import missing
+from kvplane.testing.needs import requires
 from kvplane.testing.procs import wait_for_line
 
 ENGINES_VENV = os.environ.get("KVPLANE_ENGINES_VENV", "/opt/kvplane-engines-venv")
@@ -35,7 +35,7 @@ HOW = "bash .ci/setup-30-engines-venv.sh && bash .ci/setup-40-engines-kvplane.sh
 def need_engines() -> None:
     """Skip (fail in CI) unless the engines venv exists."""
     if not os.access(ENGINES_PYTHON, os.X_OK):
-        missing(f"the engines venv ({ENGINES_PYTHON})", HOW)
+        requires("engines")
 
 
 def real_mooncake_reason() -> str | None:

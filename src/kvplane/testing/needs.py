@@ -1,7 +1,12 @@
 """Test prerequisites: skip with a one-line reason locally, fail loudly in CI (``CI`` set).
 
+One table, :data:`REQUIREMENTS`, names every outside dependency a test may need (server
+binaries, heavy packages, external venvs, a browser) and how to install it. Three spellings,
+one rule:
+
+    @pytest.mark.requires("etcd")                 # a test, class or module (tests/conftest.py)
+    exe = requires("etcd")                        # in a fixture: the binary's path
     torch = need_module("torch", "pip install torch==2.13.0")   # at the top of a test module
-    need(shutil.which("etcd"), "etcd", "apt-get install etcd-server")
 
 The README's test command must pass in a fresh venv: what it did not install is skipped with a
 reason that says how to enable it. ``.ci/run`` installs everything and sets ``CI=true``, so there
@@ -12,10 +17,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
+from dataclasses import dataclass
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, Callable, NoReturn
 
 import pytest
+
+TORCH = "pip install torch==2.13.0"
 
 
 def missing(what: str, how: str) -> NoReturn:
@@ -32,3 +41,76 @@ def need_module(name: str, how: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError:
         missing(f"Python package {name!r}", how)
+
+
+def _binary(*names: str) -> Callable[[], str | None]:
+    return lambda: next(filter(None, map(shutil.which, names)), None)
+
+
+def _module(name: str) -> Callable[[], Any]:
+    def find() -> Any:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            return None
+    return find
+
+
+def _executable(env: str, default: str) -> Callable[[], str | None]:
+    def find() -> str | None:
+        path = os.environ.get(env, default)
+        return path if os.access(path, os.X_OK) else None
+    return find
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One outside dependency: what it is (for the reason), how to find it, how to install it."""
+
+    what: str
+    find: Callable[[], Any]
+    how: str
+
+
+REQUIREMENTS: dict[str, Requirement] = {
+    "etcd": Requirement("etcd", _binary("etcd"), "apt-get install etcd-server"),
+    "redis": Requirement("redis-server", _binary("redis-server"), "apt-get install redis-server"),
+    "chromium": Requirement("chromium",
+                            _binary("chromium", "chromium-browser", "google-chrome", "chrome"),
+                            "apt-get install chromium"),
+    "torch": Requirement("Python package 'torch'", _module("torch"), TORCH),
+    "vllm": Requirement("the vLLM venv (KVPLANE_VLLM_PYTHON)",
+                        _executable("KVPLANE_VLLM_PYTHON", "/opt/kvplane-vllm-venv/bin/python"),
+                        "bash .ci/setup-10-vllm-venv.sh && bash .ci/setup-20-vllm-kvplane.sh"),
+    "engines": Requirement("the engines venv (KVPLANE_ENGINES_PYTHON)",
+                           _executable("KVPLANE_ENGINES_PYTHON",
+                                       os.environ.get("KVPLANE_ENGINES_VENV",
+                                                      "/opt/kvplane-engines-venv")
+                                       + "/bin/python"),
+                           "bash .ci/setup-30-engines-venv.sh && "
+                           "bash .ci/setup-40-engines-kvplane.sh"),
+}
+
+
+def available(name: str) -> bool:
+    """Whether requirement ``name`` (a key of :data:`REQUIREMENTS`) is here; never skips."""
+    return REQUIREMENTS[name].find() is not None
+
+
+def requires(name: str) -> Any:
+    """The requirement's path (binary, venv python) or module; skips (CI: fails) when absent.
+
+    Raises:
+        KeyError: ``name`` is not in :data:`REQUIREMENTS` (the message lists them).
+    """
+    try:
+        req = REQUIREMENTS[name]
+    except KeyError:
+        raise KeyError(f"unknown requirement {name!r}; known: {sorted(REQUIREMENTS)}") from None
+    found = req.find()
+    if found is None:
+        missing(req.what, req.how)
+    return found
+
+
+__all__ = ["REQUIREMENTS", "Requirement", "available", "missing", "need_module", "requires"]

@@ -8,21 +8,26 @@
 * ``etcd://h:p``          -> etcd v3 through its JSON gateway (etcd3gw)
 * ``redis://h:p[/db]``    -> Redis
 
-Every call takes a timeout; backend errors become ``Unavailable``.
+Every call takes a timeout; backend errors become ``Unavailable``. The HTTP backend retries
+a server it cannot reach (refused, reset, timed out, 503) until that timeout.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
+import time
 from typing import Any
 
 from kvplane.common import metrics
+from kvplane.common.deadline import Deadline
 from kvplane.common.errors import InvalidArgument, Unavailable
 from kvplane.common.extras import require
 from kvplane.common.registry import Registry
 
 KEY_PREFIX = "kvplane/segments/"
+BACKOFF = (0.02, 0.25)  # HTTP metadata: first and longest pause between attempts, seconds
+CONNECT_ATTEMPT = 1.0  # HTTP metadata: the longest single connect, seconds
 
 
 class MetadataBackend(abc.ABC):
@@ -89,12 +94,35 @@ class HttpMetadata(MetadataBackend):
         self._errors = (httpx.HTTPError,)
 
     def _call(self, method: str, key: str, timeout: float, content: bytes | None = None) -> Any:
+        """One request, retried within ``timeout`` while the server cannot be reached.
+
+        A refused, reset or timed-out connection (a server still starting, or restarting) and a
+        503 are retried with backoff until the deadline: GET, PUT (of the same value) and
+        DELETE are idempotent. A connect gets at most ``CONNECT_ATTEMPT`` seconds, so a full
+        backlog costs one attempt, not the deadline.
+        """
+        import httpx
+
         self._count(method.lower())
-        try:
-            r = self._client.request(method, self.url, params={"key": key}, content=content,
-                                     timeout=timeout)
-        except self._errors as exc:
-            raise Unavailable(f"metadata server {self.url}: {exc}") from exc
+        deadline, pause = Deadline.after(timeout), BACKOFF[0]
+        while True:
+            left = deadline.remaining()
+            try:
+                r = self._client.request(method, self.url, params={"key": key}, content=content,
+                                         timeout=httpx.Timeout(max(left, 0.001),
+                                                               connect=min(CONNECT_ATTEMPT, left)))
+                if r.status_code != 503:
+                    break
+                why = f"HTTP 503 {r.text[:200]}"
+            except httpx.TransportError as exc:  # refused, reset, timed out: try again
+                why = str(exc) or type(exc).__name__
+            except self._errors as exc:
+                raise Unavailable(f"metadata server {self.url}: {exc}") from exc
+            if deadline.remaining() <= pause:
+                raise Unavailable(f"metadata server {self.url}: {why} (gave up after "
+                                  f"{timeout:g}s)")
+            time.sleep(pause)
+            pause = min(pause * 2, BACKOFF[1])
         if r.status_code == 404:
             return None
         if r.status_code >= 400:

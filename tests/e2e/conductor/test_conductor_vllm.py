@@ -5,7 +5,6 @@ Needs the venv made by .ci/setup-10-vllm-venv.sh (interpreter at $KVPLANE_VLLM_P
 """
 
 import json
-import os
 import pathlib
 
 import httpx
@@ -19,9 +18,7 @@ DRIVER = pathlib.Path(__file__).with_name("vllm_driver.py")
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
-                       reason=f"no vLLM venv python at {VLLM_PYTHON} (run .ci/setup-10-vllm-venv.sh "
-                              "or set KVPLANE_VLLM_PYTHON)"),
+    pytest.mark.requires("vllm"),
 ]
 BS = 32
 PROMPT = [(i * 37 + 11) % 1000 for i in range(100)]  # 3 complete blocks of 32 + 4 tokens

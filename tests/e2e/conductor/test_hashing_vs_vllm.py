@@ -5,7 +5,6 @@ sizes where pickle and CBOR change their tuple/array heads; skipped when the ven
 """
 
 import json
-import os
 import random
 import subprocess
 
@@ -17,7 +16,7 @@ from kvplane.testing.vllm_harness import VLLM_PYTHON, vllm_env
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK), reason=f"no vLLM venv python at {VLLM_PYTHON}"),
+    pytest.mark.requires("vllm"),
 ]
 
 VLLM_SIDE = r"""

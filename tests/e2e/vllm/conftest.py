@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from vllm_harness import VLLM_PYTHON, make_model
+from kvplane.testing.needs import requires
+from vllm_harness import make_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Written by the vLLM venv's transformers into a session tmp dir (never load_format=dummy)."""
-    if not os.access(VLLM_PYTHON, os.X_OK):
-        pytest.skip(f"no vLLM venv python at {VLLM_PYTHON}")
+    requires("vllm")
     return str(make_model(tmp_path_factory.mktemp("tiny-llama") / "model"))

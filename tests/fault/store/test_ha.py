@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvplane.testing.auth import headers
+from kvplane.testing.needs import requires
 from kvplane.testing.procs import wait_for_line
 from kvplane.testing.services import start_etcd, wait_until
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
@@ -45,6 +46,7 @@ def key_count(admin_port: int) -> int:
 
 @pytest.fixture
 def etcd(tmp_path):
+    requires("etcd")
     svc = start_etcd(str(tmp_path / "etcd"))
     yield svc
     svc.stop()

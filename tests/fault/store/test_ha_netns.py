@@ -25,7 +25,7 @@ from kvplane.testing.procs import wait_for_line
 from kvplane.testing.services import start_etcd, wait_until
 from kvplane.testing.store_procs import CLI
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.fault, pytest.mark.requires("etcd"), pytest.mark.timeout(240)]
 TIMEOUT = 5.0  # the clients' call deadline
 MARGIN = 1.0  # scheduling slack past a deadline on a loaded 2-core box
 LEASE = 2.0  # seconds of the leader lease

@@ -18,6 +18,7 @@ from kvplane.compat.mooncake import (
 )
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
+from kvplane.testing.needs import requires
 from kvplane.testing.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -123,6 +124,25 @@ def test_explicit_port_names_the_segment(master):
         st.close()
 
 
+def test_a_taken_host_port_sets_up_on_another_port_like_mooncake(master):
+    """Mooncake's test_batch_replica_clear.py opens a second store on localhost:12345 while the
+    first still holds it; Mooncake's engine never binds that port, so both set up. Here the
+    second takes a port of Mooncake's client range and get_hostname() names it."""
+    port = free_port()
+    first = _store(master, f"localhost:{port}")
+    second = MooncakeDistributedStore()
+    try:
+        assert second.setup(f"localhost:{port}", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
+                            master) == 0
+        host, _, other = second.get_hostname().rpartition(":")
+        assert first.get_hostname() == f"localhost:{port}" and host == "localhost"
+        assert 12300 <= int(other) <= 14300
+        assert second.put("taken-port", b"v" * 5000) == 0 and first.get("taken-port") == b"v" * 5000
+    finally:
+        second.close()
+        first.close()
+
+
 def test_zero_local_buffer_refuses_copying_calls(master):
     st = _store(master, segment=0, buffer=0)
     try:
@@ -159,7 +179,7 @@ def test_batch_get_buffer_returns_buffer_protocol_handles(segments, client):
     assert isinstance(h, BufferHandle) and handles[1] is None
     assert h.size() == len(h) == len(data) and h.ptr() > 0
     assert bytes(memoryview(h)) == data and np.array(h, copy=False)[:4].tobytes() == data[:4]
-    torch = pytest.importorskip("torch")
+    torch = requires("torch")
     assert bytes(torch.frombuffer(h, dtype=torch.uint8, offset=8, count=8).numpy()) == data[8:16]
     h.release()
 

@@ -15,6 +15,7 @@ from kvplane.compat.mooncake_dataproto import (
 )
 from kvplane.compat.mooncake_structured import StructuredObjectPayload, export_ref, import_ref
 from kvplane.store.master.server import MasterServer
+from kvplane.testing.needs import requires
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -63,7 +64,7 @@ def test_structured_object_full_select_slice_and_into(store, transfer):
 
 
 def test_torch_members_and_objects(transfer):
-    torch = pytest.importorskip("torch")
+    torch = requires("torch")
     t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     ref = transfer.put_structured_object(StructuredObjectPayload({"t": t}))
     got = transfer.materialize(transfer.read_spec(ref).slice_member("t", 0, 1, 3)).objects["t"]

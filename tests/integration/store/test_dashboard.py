@@ -6,11 +6,11 @@ import json
 import pytest
 
 from kvplane.common.auth import client_token
-from kvplane.testing.needs import missing, need_module
+from kvplane.testing.needs import need_module, requires
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
 
 need_module("websocket", "pip install websocket-client (the dev extra)")
-from kvplane.testing.browser import Browser, find_chromium  # noqa: E402
+from kvplane.testing.browser import Browser  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -34,8 +34,7 @@ def cluster():
 
 @pytest.fixture
 def browser(tmp_path):
-    if find_chromium() is None:
-        missing("chromium", "apt-get install chromium")
+    requires("chromium")
     with Browser(str(tmp_path / "profile")) as b:
         yield b
 

@@ -17,6 +17,7 @@ from kvplane.store.errors import NotLeader, Recovering
 from kvplane.store.etcd import HaAddress
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, ResultsRep
+from kvplane.testing.needs import requires
 from kvplane.testing.services import start_etcd, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -24,6 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
+    requires("etcd")
     svc = start_etcd(str(tmp_path_factory.mktemp("etcd")))
     yield svc
     svc.stop()

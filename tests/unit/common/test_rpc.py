@@ -133,3 +133,30 @@ def test_a_server_in_a_tight_loop_answers_and_holds_no_spinner_while_idle():
         # once both go quiet, the thread that polled gives the spinner up and blocks
         wait_until(lambda: not srv._spinner.locked(), 5, "the spinner is released when idle")
         assert c1.call("double", Req(5), int) == 10  # and a call after the pause is served
+
+
+def test_a_server_built_not_listening_refuses_until_started():
+    """``listen=False`` (the master): the port is bound and known, a connect is refused (and
+    retried by clients) until ``start()``, so an early client never meets a half-built server."""
+    srv = RpcServer(listen=False)
+    srv.add("double", lambda r: r.x * 2, Req)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
+        cli = RpcClient(f"127.0.0.1:{srv.port}", timeout=2)
+        with pytest.raises(Unavailable):
+            cli.call("double", Req(2), int)
+        srv.start()
+        assert cli.call("double", Req(2), int) == 4
+        cli.close()
+    finally:
+        srv.close()
+
+
+def test_a_server_never_started_closes_and_frees_its_port():
+    srv = RpcServer(listen=False)
+    port = srv.port
+    srv.close()
+    srv.start()  # a no-op once closed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kvplane.common.errors import AddressNotRegistered, Conflict, InvalidArgument, NotFound
+from kvplane.testing.needs import requires
 from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, address_of, view_at
 
 
@@ -62,7 +63,7 @@ def test_rejects_unregistrable():
 
 
 def test_torch_tensor():
-    torch = pytest.importorskip("torch")
+    torch = requires("torch")
     t = torch.zeros(256, dtype=torch.float32)
     addr, n, keep = address_of(t)
     assert addr == t.data_ptr() and n == 1024 and keep is t

@@ -74,7 +74,8 @@ class DiskDuty:
         self.offloaded = 0
         self.promoted = 0
         self.rpc = RpcServer(cfg.local_hostname, 0, authenticate=_members(cfg.token,
-                                                                          cfg.peer_tokens))
+                                                                          cfg.peer_tokens),
+                             listen=False)  # open once "load" is served
         self.rpc.add("load", self._load, LoadReq)
         self.rpc.start()
         self._thread = threading.Thread(target=self._work, daemon=True,

@@ -116,8 +116,10 @@ class MasterServer:
         self.history = status.History()
         self.started = (clock(), time.time())
         # a put's PutEnd comes one write after the last call of its client: poll for it
+        # bound now (the port is known), listening only from rpc.start(), once every handler is
+        # in: before that a client's connect is refused and retried, never answered "unknown"
         self.rpc = RpcServer(host, port, authenticate=self.auth,
-                             spin=envs.get("KVPLANE_MASTER_SPIN"))
+                             spin=envs.get("KVPLANE_MASTER_SPIN"), listen=False)
         self.port = self.rpc.port
         for name, fn, typ in (
             ("mount", self._mount, MountReq), ("unmount", self._unmount, MountReq),
