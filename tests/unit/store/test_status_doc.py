@@ -28,7 +28,7 @@ def test_document_counts_objects_replicas_and_liveness():
     st.suspect(["s1"], 5.5)
     doc = document(st, History(), {"put_start": 3}, {"put_start": 3}, 6.0, 100.0, {"address": "m"})
     assert doc["objects"] == {"objects": 2, "pending_puts": 1, "replicas": 4, "bytes": 2000,
-                              "under_replicated": 0, "hard_pinned": 0}
+                              "under_replicated": 0, "repairs_pending": 0, "hard_pinned": 0}
     rows = {r["name"]: r for r in doc["segments"]}
     assert rows["s1"]["status"] == "suspect" and rows["s2"]["status"] == "late"
     assert rows["s1"]["heartbeat_age_s"] == 1.0 and rows["s2"]["heartbeat_age_s"] == 6.0

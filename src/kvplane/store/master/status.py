@@ -130,6 +130,7 @@ def objects(state: MasterState) -> dict[str, int]:
             "replicas": sum(len(o.replicas) for o in complete),
             "bytes": sum(o.size for o in complete),
             "under_replicated": state.repairs.under_replicated(),
+            "repairs_pending": len(state.repairs.pending),
             "hard_pinned": sum(1 for o in complete if o.hard_pin)}
 
 
