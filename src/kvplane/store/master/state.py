@@ -31,7 +31,7 @@ from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import (
     InvalidKey, InvalidParams, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound,
-    ReplicaNotReady, SegmentExists, SegmentNotFound,
+    ReplicaNotReady, SegmentExists, SegmentNotFound, ValueTooLarge,
 )
 from kvplane.store.master.adopt import Adoption
 from kvplane.store.master.allocator import OffsetAllocator
@@ -121,6 +121,7 @@ class MasterState:
         self.view_version = 1
         self.evicted = 0
         self.alloc_failures = 0
+        self.largest = 0  # bytes of the largest segment mounted (0: none)
         self.changes: list[tuple[str, str]] = []  # ("stored"|"removed", key), drained by the server
         # (segment, generation, lease end) of leased objects dropped since the server last
         # took them: the caller retires them at their segments (held reads, ``_drop``)
@@ -154,6 +155,7 @@ class MasterState:
             info.client_id = client_id
             self.segments[info.name] = Segment(info, OffsetAllocator(info.size), adopting=adopt)
             client.segments.add(info.name)
+            self.largest = max(self.largest, info.size)
         return self._next_gen + 1
 
     def adopt(self, client_id: str, name: str, records: list[inventory.Record],
@@ -213,6 +215,7 @@ class MasterState:
         client = self.clients.get(seg.info.client_id)
         if client:
             client.segments.discard(name)
+        self.largest = max((s.alloc.capacity for s in self.segments.values()), default=0)
         self.graveyard.drop_segment(name)
         self.repairs.drop_segment(name)
         self.adoption.drop_segment(name)
@@ -332,6 +335,9 @@ class MasterState:
             if cfg.replica_num < 1:
                 raise InvalidParams("replica_num must be >= 1")
             pin = self._soft_pin_ttl(cfg)
+            hdr = inventory.header_len(key)
+            if self.largest and hdr + size > self.largest:  # no eviction can ever make room
+                return KeyResult(ValueTooLarge.code, size=self.largest)
             old = self.objects.get(key)
             kept_pin = old.soft_pin_until if old is not None and old.complete else 0.0
             if old is not None:
@@ -344,7 +350,6 @@ class MasterState:
                 self._drop(key, old, now)
             elif len(self.objects) >= self.config.max_keys:
                 raise NoAvailableHandle("the master holds its maximum number of keys")
-            hdr = inventory.header_len(key)
             replicas = self._place(hdr + size, cfg, now, local_segments)
         except KVPlaneError as exc:
             return KeyResult(exc.code)
