@@ -313,6 +313,14 @@ class MasterServer:
         return out, retire
 
     def _put_end(self, req: PutEndReq) -> CodesRep:
+        puts = self.state.puts
+        try:
+            return self._commit(req)
+        finally:  # the status view's put count: objects committed, plain or spare, once each
+            self.key_ops[status.COMMITTED] = (self.key_ops.get(status.COMMITTED, 0)
+                                              + self.state.puts - puts)
+
+    def _commit(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
         self.state.suspect(req.suspects, now)
         sums = req.checksums or [0] * len(req.keys)

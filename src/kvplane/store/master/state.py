@@ -122,6 +122,7 @@ class MasterState:
         self.evicted = 0
         self.alloc_failures = 0
         self.largest = 0  # bytes of the largest segment mounted (0: none)
+        self.puts = 0  # objects committed (PutEnd or a spare's commit; once each)
         self.changes: list[tuple[str, str]] = []  # ("stored"|"removed", key), drained by the server
         # (segment, generation, lease end) of leased objects dropped since the server last
         # took them: the caller retires them at their segments (held reads, ``_drop``)
@@ -388,6 +389,7 @@ class MasterState:
             return ObjectNotFound.code
         if not obj.complete:
             obj.complete = True
+            self.puts += 1
             self.open_puts.pop(key, None)
             obj.checksum = obj.checksum or checksum
             obj.writer, obj.header = "", b""

@@ -16,8 +16,11 @@ from typing import Any
 
 from kvplane.store.master.state import MasterState
 
-# RPC methods counted as each kind of operation in the ops figures (one op per key a call names)
-OPS = {"put": ("put_start",), "get": ("get_replicas",), "exist": ("exist",),
+# RPC methods counted as each kind of operation in the ops figures (one op per key a call names),
+# except puts: objects committed (``COMMITTED``, counted by the server's PutEnd), so that a put
+# through a spare (no PutStart), a batch, an upsert or a retried PutStart counts once
+COMMITTED = "put_committed"
+OPS = {"put": (COMMITTED,), "get": ("get_replicas",), "exist": ("exist",),
        "remove": ("remove", "remove_regex", "remove_all")}
 SAMPLE_EVERY = 1.0  # seconds between samples
 KEEP = 600  # samples kept: ten minutes at one a second
