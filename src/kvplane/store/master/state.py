@@ -598,6 +598,19 @@ class MasterState:
         self.evicted += count
         return count
 
+    def lease_wait(self, now: float, scan: int = 65536) -> float:
+        """Seconds until the first read lease on a replica in memory ends (0: none found among
+        the ``scan`` most recently used objects, where leased ones sit). A put that found no
+        room because eviction skips leased objects waits that long instead of failing."""
+        first = 0.0
+        for n, obj in enumerate(reversed(self.objects.values())):
+            if n >= scan:
+                break
+            if obj.lease_until > now and obj.replicas and obj.complete and not obj.hard_pin \
+                    and (not first or obj.lease_until < first):
+                first = obj.lease_until
+        return first - now if first else 0.0
+
     # -- helpers ---------------------------------------------------------------------------------
     def _soft_pin_ttl(self, cfg: ReplicateConfig) -> float:
         """Seconds of soft pin a put asks for (0: none).
