@@ -147,7 +147,7 @@ def document(state: MasterState, history: History, key_ops: dict[str, int],
         state: the master's state (read under the caller's lock).
         history: its samples (for rates, and the series with ``with_history``).
         key_ops: keys named by the RPCs served so far, by method (a remove_regex or
-            remove_all counts one).
+            remove_all counts one), and ``COMMITTED``: objects PutEnd committed.
         rpc_calls: RPCs served so far, by method.
         now: monotonic seconds; wall: epoch seconds (for the samples' timestamps).
         master: identity of the master (address, epoch, uptime...), passed through.

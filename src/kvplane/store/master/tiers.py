@@ -18,8 +18,8 @@ owner runs an SSD tier mounts with ``disk_size > 0``; the master then:
   (``promote_end``); the object then has a memory replica again. A promotion never takes the
   segment past the eviction watermark (after evicting what it may): promoted copies are leased
   by their readers, so memory full of them would lock puts out; a refused one is served from
-  disk. A promotion not reported in
-  time is abandoned and its space fenced like an unfinished put's.
+  disk. A promotion not reported in time is abandoned and its space fenced like an unfinished
+  put's.
 * **re-adopts** disk copies after a restart (``adopt``): a node re-registers the files it holds;
   a known object of the same version gains the copy, an unknown key becomes a disk-only object,
   another version is decided by the adoption's epoch order (``adopt.EpochOrder``). A version
