@@ -14,6 +14,7 @@
     │   └── ReplicaNotReady       -703
     ├── NoSpace
     │   └── NoAvailableHandle     -200
+    │       └── ValueTooLarge     -1032 larger than any segment: can never fit (not retried)
     ├── InvalidArgument
     │   ├── InvalidKey            -400
     │   └── InvalidParams         -600
@@ -87,6 +88,20 @@ class NoAvailableHandle(NoSpace):
     """No segment has room (NO_AVAILABLE_HANDLE)."""
 
     code = -200
+
+
+@register_code
+class ValueTooLarge(NoAvailableHandle):
+    """The value is larger than the largest segment of the pool: it can never fit (Mooncake
+    answers NO_AVAILABLE_HANDLE). PutStart's per-key answer carries the largest segment's
+    size in ``KeyResult.size``; never retried."""
+
+    code = -1032
+
+    @staticmethod
+    def message(key: str, size: int, largest: int) -> str:
+        return (f"key {key!r}: a value of {size} bytes can never fit: the largest segment is "
+                f"{largest} bytes")
 
 
 @register_code

@@ -137,3 +137,39 @@ def test_a_dead_writers_unfinished_puts_are_fenced_and_freed():
     st.ping("c0", 11.0)
     assert st.expire_clients(11.0) == ["w"]
     assert "k" not in st.objects and st.fences_for("c0") == [r.version]
+
+
+def test_a_repair_that_completes_after_the_replica_came_back_is_dropped_and_freed():
+    """Issue 28: a replica that comes back (re-registration) while its repair is in flight
+    leaves the object with the replicas it asked for, not one more."""
+    st = state(n_segs=3)
+    r = st.put_start("k", 1000, ReplicateConfig(replica_num=2), 0.0)
+    st.put_end("k", 0.0, r.version)
+    obj = st.objects["k"]
+    back = obj.replicas[1]
+    obj.replicas = obj.replicas[:1]  # as if its second segment had not re-registered yet
+    st.repairs.short.add("k")
+    assert st.repairs.plan(1.0) == 1
+    task = next(p.task for p in st.repairs.pending.values())
+    target = st.repairs.pending["k"].segment
+    used = st.segments[target].alloc.used
+    obj.replicas += (back,)  # re-registered meanwhile
+    assert not st.repairs.done("k", task.gen, True, 2.0)
+    assert len(st.objects["k"].replicas) == 2 and st.repairs.surplus == 1
+    assert st.segments[target].alloc.used < used  # the copy's space is free again
+    assert st.repairs.under_replicated() == 0
+
+
+def test_no_repair_is_planned_while_the_master_recovers_or_a_segment_re_registers():
+    st = state(n_segs=3)
+    r = st.put_start("k", 1000, ReplicateConfig(replica_num=2), 0.0)
+    st.put_end("k", 0.0, r.version)
+    obj = st.objects["k"]
+    obj.replicas = obj.replicas[:1]
+    st.repairs.short.add("k")
+    st.recover(1.0, 3.0, None)  # a restart: misses wait for the grace
+    assert st.repairs.plan(2.0) == 0
+    st.segments["s2"].adopting = True  # past the grace, one segment still re-registering
+    assert st.repairs.plan(5.0) == 0
+    st.segments["s2"].adopting = False
+    assert st.repairs.plan(5.0) == 1

@@ -26,16 +26,17 @@ def test_document_counts_objects_replicas_and_liveness():
     assert st.put_start("pending", 10, ReplicateConfig(), 0.0).code == 0
     st.ping("c1", 5.0)  # c2 silent since 0: late past half the TTL
     st.suspect(["s1"], 5.5)
-    doc = document(st, History(), {"put_start": 3}, {"put_start": 3}, 6.0, 100.0, {"address": "m"})
+    doc = document(st, History(), {"put_start": 3, "put_committed": 2}, {"put_start": 3}, 6.0,
+                   100.0, {"address": "m"})
     assert doc["objects"] == {"objects": 2, "pending_puts": 1, "replicas": 4, "bytes": 2000,
-                              "under_replicated": 0, "hard_pinned": 0}
+                              "under_replicated": 0, "repairs_pending": 0, "hard_pinned": 0}
     rows = {r["name"]: r for r in doc["segments"]}
     assert rows["s1"]["status"] == "suspect" and rows["s2"]["status"] == "late"
     assert rows["s1"]["heartbeat_age_s"] == 1.0 and rows["s2"]["heartbeat_age_s"] == 6.0
     assert rows["s1"]["replicas"] == 3 and rows["s2"]["replicas"] == 2  # pending put on one
     assert "client_id" not in rows["s1"]
     assert doc["used_bytes"] == rows["s1"]["used_bytes"] + rows["s2"]["used_bytes"] > 0
-    assert doc["ops"]["total"]["put"] == 3 and "history" not in doc
+    assert doc["ops"]["total"]["put"] == 2 and "history" not in doc  # committed, not started
     admin = document(st, History(), {}, {}, 6.0, 100.0, {}, admin=True, with_history=True)
     assert admin["segments"][0]["client_id"] == "c1" and admin["history"] == []
     st.ping("c2", 6.0)
@@ -63,8 +64,8 @@ def test_history_rates_over_the_window_and_bounded():
 
 
 def test_op_totals_group_methods():
-    assert op_totals({"put_start": 4, "remove": 1, "remove_regex": 2, "ping": 9}) == \
-        {"put": 4, "get": 0, "exist": 0, "remove": 3}
+    assert op_totals({"put_start": 5, "put_committed": 4, "remove": 1, "remove_regex": 2,
+                      "ping": 9}) == {"put": 4, "get": 0, "exist": 0, "remove": 3}
 
 
 def test_query_token_only_on_the_dashboard():

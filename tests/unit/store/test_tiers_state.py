@@ -117,7 +117,7 @@ def test_promotion_gives_a_disk_only_object_a_memory_replica_again():
 
 
 def test_an_abandoned_promotion_is_fenced_before_its_space_is_reused():
-    st = state()
+    st = state(high_watermark=1.0)  # promotion may fill the segment (it never passes the mark)
     for i in range(4):
         put(st, f"k{i}", now=i)
     offload_all(st, 4)
@@ -196,3 +196,33 @@ def test_a_node_back_after_its_ttl_brings_back_what_it_took_not_what_was_removed
     assert got == [0, 0, 1]
     assert "gone" not in st.objects and not st.objects["kept"].disk
     assert st.get_replicas("lost", 22).disk[0].path == "/d/lost"
+
+
+def test_promotion_never_takes_a_segment_past_the_eviction_watermark():
+    """Promoted copies are leased by their readers and eviction skips leased objects: memory
+    full of them would lock puts out (issue 28)."""
+    st = state(write_through=True)  # high watermark 0.9: three of four slots may be promoted
+    for i in range(4):
+        put(st, f"k{i}", now=i)
+    offload_all(st, 4)
+    for i in range(4):
+        st.tiers.demote(f"k{i}", st.objects[f"k{i}"], 5)
+    got = []
+    for i in range(4):
+        st.get_replicas(f"k{i}", 6)  # a reader's lease
+        task = st.tiers.promote_start("s0", f"k{i}", st.objects[f"k{i}"].version, 6)
+        if task.code == 0:
+            assert st.tiers.promote_end(f"k{i}", task.gen, True, 6)
+        got.append(task.code)
+    assert got == [0, 0, 0, NoAvailableHandle.code] and st.tiers.refused == 1
+    assert st.put_start("new", VAL, ReplicateConfig(), 7).code == 0  # room for a put
+
+
+def test_a_put_that_finds_memory_full_of_leased_objects_is_told_when_the_first_lease_ends():
+    st = state(lease_ttl=3.0)
+    for i in range(4):
+        put(st, f"k{i}", now=i)
+        st.get_replicas(f"k{i}", 10 + i)  # leases end at 13..16
+    assert st.put_start("new", VAL, ReplicateConfig(), 11).code == NoAvailableHandle.code
+    assert st.lease_wait(11) == 2.0
+    assert st.lease_wait(20) == 0.0  # none left: nothing to wait for

@@ -51,7 +51,9 @@ from kvplane.store.client import grants, locations, spares, tiering
 from kvplane.store.client.locations import Locations
 from kvplane.store.client.remount import Holdings
 from kvplane.store.client.staging import Staging
-from kvplane.store.errors import InvalidParams, ObjectExists, TransferFail, key_error
+from kvplane.store.errors import (
+    InvalidParams, ObjectExists, TransferFail, ValueTooLarge, key_error,
+)
 from kvplane.store.types import (
     CodesRep, KeyResult, KeysReq, ListKeysRep, ListKeysReq, Location, MountRep, MountReq, PingRep,
     PingReq, PutEndReq, RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
@@ -85,6 +87,7 @@ class StoreClient:
         self._segments: list[SegmentInfo] = []
         self._closed = threading.Event()
         self.remounts = 0
+        self._largest_segment = 0  # the master's last ValueTooLarge answer named it
         self.suspects = moves.Suspects()
         self.retired = moves.Retired()
         self.duty = SegmentDuty(self)
@@ -221,8 +224,13 @@ class StoreClient:
             return []
         codes = self._put_codes(list(keys), [int(a) for a in addrs], [int(s) for s in sizes],
                                 config or ReplicateConfig(), upsert)
-        return [None if c in (0, ObjectExists.code) else key_error(c, k)
-                for k, c in zip(keys, codes)]
+        return [None if c in (0, ObjectExists.code) else self._put_error(c, k, n)
+                for k, c, n in zip(keys, codes, sizes)]
+
+    def _put_error(self, code: int, key: str, size: int) -> KVPlaneError:
+        if code == ValueTooLarge.code:  # the master named its largest segment with the code
+            return ValueTooLarge(ValueTooLarge.message(key, size, self._largest_segment))
+        return key_error(code, key)
 
     def _put_codes(self, keys: list[str], addrs: list[int], sizes: list[int],
                    cfg: ReplicateConfig, upsert: bool) -> list[int]:
@@ -241,6 +249,9 @@ class StoreClient:
         sent = time.monotonic()
         rep = tiering.put_start(self, keys, sizes, cfg, upsert, sums, deadline)
         codes = [r.code for r in rep.results]
+        for r in rep.results:
+            if r.code == ValueTooLarge.code:
+                self._largest_segment = r.size
         unretired = moves.retire(self, rep.retire, deadline) if rep.retire else set()
         ok = [i for i, c in enumerate(codes) if c == 0 and i not in unretired]
         window = sent + rep.ttl if rep.ttl > 0 else deadline.at  # copies must start inside it

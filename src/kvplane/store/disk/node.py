@@ -40,7 +40,7 @@ from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
 from kvplane.store.disk import layout
 from kvplane.store.disk.store import DiskStore, Entry
-from kvplane.store.errors import ObjectNotFound
+from kvplane.store.errors import NoAvailableHandle, ObjectNotFound
 from kvplane.store.tier_types import (
     DiskAdoptReq, DiskSyncRep, DiskSyncReq, LoadRep, LoadReq, OffloadResult, OffloadTask,
     PromoteEndReq, PromoteRep, PromoteReq, ticket_of,
@@ -181,22 +181,38 @@ class DiskDuty:
             if e is None:
                 codes[i] = ObjectNotFound.code
             elif e.rec.size <= budget:
-                image = bytearray(e.rec.hdr + e.rec.size)
-                try:
-                    self.store.read_into(e, memoryview(image))
-                except layout.Corrupt as exc:
-                    log.warning("disk tier: %s", exc)
-                    codes[i] = layout.Corrupt.code
-                    continue
-                budget -= e.rec.size
-                data[i] = bytes(memoryview(image)[e.rec.hdr:])
-                self._promote_later(e, image)
+                image = self._inline(e, i, codes, data)
+                if image is not None:
+                    budget -= e.rec.size
+                    self._promote_later(e, image)
             else:
                 large.append(i)
         if large:
             for i, code in zip(large, self._promote([entries[i] for i in large])):
                 codes[i] = code
+            # memory at the eviction watermark refused them (``DiskTier.promote_start``):
+            # served from disk, inline, within a budget of its own (at least one)
+            budget = INLINE_BUDGET if req.inline else 0
+            for i in large:
+                e = entries[i]
+                if codes[i] == NoAvailableHandle.code and e is not None and (
+                        e.rec.size <= budget or budget == INLINE_BUDGET):
+                    codes[i] = 0
+                    if self._inline(e, i, codes, data) is not None:
+                        budget -= e.rec.size
         return LoadRep(codes, data)
+
+    def _inline(self, e: Entry, i: int, codes: list[int], data: list[bytes]) -> bytearray | None:
+        """Read ``e`` for an inline answer at index ``i``; its image, or None (corrupt)."""
+        image = bytearray(e.rec.hdr + e.rec.size)
+        try:
+            self.store.read_into(e, memoryview(image))
+        except layout.Corrupt as exc:
+            log.warning("disk tier: %s", exc)
+            codes[i] = layout.Corrupt.code
+            return None
+        data[i] = bytes(memoryview(image)[e.rec.hdr:])
+        return image
 
     def _promote_later(self, e: Entry, image: bytearray) -> None:
         """Queue a promotion of a value just read (promotion on hit, off the reader's path)."""

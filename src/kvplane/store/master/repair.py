@@ -11,6 +11,13 @@ still be in flight inside the target process).
 The target allocation has room for the inventory header too; the task carries that header
 (with the task's generation), and the target writes it only once its copy verified, so a
 repaired replica is re-registered like any other after a failover (``adopt.py``).
+
+Never more replicas than asked for (issue 28): nothing is planned while the master recovers
+(``MasterState.recovering``: a restart or a new leadership, until every segment it expects has
+re-registered or the grace ends) or while any segment is still re-registering, since the
+replica an object seems to lack may be on its way back; and a copy that completes when the
+object already holds its replicas (one came back by re-registration meanwhile) is dropped and
+its space freed (``surplus`` counts them).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class Repairs:
         self.short: set[str] = set()  # keys that may have fewer replicas than asked for
         self.pending: dict[str, _Pending] = {}
         self.done_count = 0
+        self.surplus = 0  # completed copies dropped: the object had its replicas already
 
     def under_replicated(self) -> int:
         """Complete objects holding fewer replicas than asked for, now."""
@@ -51,9 +59,18 @@ class Repairs:
         return sum(1 for k in self.short
                    if k in objs and objs[k].complete and 0 < len(objs[k].replicas) < objs[k].want)
 
+    def settled(self, now: float) -> bool:
+        """Whether replica counts can be trusted: no recovery under way, no segment still
+        re-registering what it holds."""
+        st = self._st
+        return not st.recovering(now) and not any(s.adopting for s in st.segments.values())
+
     def plan(self, now: float) -> int:
-        """Allocate targets for short objects (no eviction); returns tasks created."""
+        """Allocate targets for short objects (no eviction); returns tasks created. Nothing
+        while replicas may still be coming back (``settled``)."""
         st, made = self._st, 0
+        if not self.short or not self.settled(now):
+            return 0
         for key in list(self.short)[:SCAN]:
             obj = st.objects.get(key)
             if obj is None or not obj.complete or not 0 < len(obj.replicas) < obj.want:
@@ -113,7 +130,13 @@ class Repairs:
         seg = st.segments.get(p.segment)
         if seg is None:
             return False
-        if ok and obj is not None and obj.complete and obj.version == p.task.version:
+        if ok and obj is not None and obj.complete and obj.version == p.task.version \
+                and (len(obj.replicas) >= obj.want  # came back meanwhile: one too many
+                     or any(r[0] == p.segment for r in obj.replicas)):  # or onto this segment
+            self.surplus += 1
+            if len(obj.replicas) >= obj.want:
+                self.short.discard(key)
+        elif ok and obj is not None and obj.complete and obj.version == p.task.version:
             obj.replicas += ((p.segment, p.offset, gen),)
             self.done_count += 1
             if len(obj.replicas) >= obj.want:

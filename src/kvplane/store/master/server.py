@@ -70,6 +70,7 @@ ADOPTED = metrics.Gauge("master_adopted_replicas", "Replicas re-registered from 
 FORGETS = metrics.Gauge("master_pending_forgets", "Freed headers the segments have not cleared yet")
 
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
+LEASE_POLL = 0.5  # seconds at most between a put's asks while read leases keep memory full
 RETRY_AFTER = 0.05  # seconds a put that found memory full of objects being offloaded waits
 
 
@@ -299,9 +300,18 @@ class MasterServer:
         for k, r in zip(req.keys, out.results):
             if r.code == 0:
                 self.state.objects[k].owner = req.client_id  # Mooncake's metadata.client_id
-        if self.state.tiers.offloads and any(r.code == NoAvailableHandle.code for r in out.results):
-            out.retry_after = RETRY_AFTER  # offloads under way will make room
+        if any(r.code == NoAvailableHandle.code for r in out.results):
+            out.retry_after = self._retry_after(now)
         return out
+
+    def _retry_after(self, now: float) -> float:
+        """How long a put that found no room waits before asking again (0: fail now): offloads
+        under way will make room soon; else read leases that end free their objects for
+        eviction, so wait for the first to end (at most ``LEASE_POLL`` between asks)."""
+        if self.state.tiers.offloads:
+            return RETRY_AFTER
+        wait = self.state.lease_wait(now)
+        return min(max(wait, RETRY_AFTER), LEASE_POLL) if wait > 0 else 0.0
 
     def _retiring(self, op: Callable[[int], Any], n: int) -> tuple[list[Any], list[Retire]]:
         """``op(i)`` for each key index, and the replicas each one dropped under a read lease
@@ -317,6 +327,14 @@ class MasterServer:
         return out, retire
 
     def _put_end(self, req: PutEndReq) -> CodesRep:
+        puts = self.state.puts
+        try:
+            return self._commit(req)
+        finally:  # the status view's put count: objects committed, plain or spare, once each
+            self.key_ops[status.COMMITTED] = (self.key_ops.get(status.COMMITTED, 0)
+                                              + self.state.puts - puts)
+
+    def _commit(self, req: PutEndReq) -> CodesRep:
         now = self.clock()
         self.state.suspect(req.suspects, now)
         sums = req.checksums or [0] * len(req.keys)

@@ -31,7 +31,7 @@ from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import (
     InvalidKey, InvalidParams, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound,
-    ReplicaNotReady, SegmentExists, SegmentNotFound,
+    ReplicaNotReady, SegmentExists, SegmentNotFound, ValueTooLarge,
 )
 from kvplane.store.master.adopt import Adoption
 from kvplane.store.master.allocator import OffsetAllocator
@@ -121,6 +121,8 @@ class MasterState:
         self.view_version = 1
         self.evicted = 0
         self.alloc_failures = 0
+        self.largest = 0  # bytes of the largest segment mounted (0: none)
+        self.puts = 0  # objects committed (PutEnd or a spare's commit; once each)
         self.changes: list[tuple[str, str]] = []  # ("stored"|"removed", key), drained by the server
         # (segment, generation, lease end) of leased objects dropped since the server last
         # took them: the caller retires them at their segments (held reads, ``_drop``)
@@ -154,6 +156,7 @@ class MasterState:
             info.client_id = client_id
             self.segments[info.name] = Segment(info, OffsetAllocator(info.size), adopting=adopt)
             client.segments.add(info.name)
+            self.largest = max(self.largest, info.size)
         return self._next_gen + 1
 
     def adopt(self, client_id: str, name: str, records: list[inventory.Record],
@@ -213,6 +216,7 @@ class MasterState:
         client = self.clients.get(seg.info.client_id)
         if client:
             client.segments.discard(name)
+        self.largest = max((s.alloc.capacity for s in self.segments.values()), default=0)
         self.graveyard.drop_segment(name)
         self.repairs.drop_segment(name)
         self.adoption.drop_segment(name)
@@ -332,6 +336,9 @@ class MasterState:
             if cfg.replica_num < 1:
                 raise InvalidParams("replica_num must be >= 1")
             pin = self._soft_pin_ttl(cfg)
+            hdr = inventory.header_len(key)
+            if self.largest and hdr + size > self.largest:  # no eviction can ever make room
+                return KeyResult(ValueTooLarge.code, size=self.largest)
             old = self.objects.get(key)
             kept_pin = old.soft_pin_until if old is not None and old.complete else 0.0
             if old is not None:
@@ -344,7 +351,6 @@ class MasterState:
                 self._drop(key, old, now)
             elif len(self.objects) >= self.config.max_keys:
                 raise NoAvailableHandle("the master holds its maximum number of keys")
-            hdr = inventory.header_len(key)
             replicas = self._place(hdr + size, cfg, now, local_segments)
         except KVPlaneError as exc:
             return KeyResult(exc.code)
@@ -383,6 +389,7 @@ class MasterState:
             return ObjectNotFound.code
         if not obj.complete:
             obj.complete = True
+            self.puts += 1
             self.open_puts.pop(key, None)
             obj.checksum = obj.checksum or checksum
             obj.writer, obj.header = "", b""
@@ -590,6 +597,19 @@ class MasterState:
                 count += 1
         self.evicted += count
         return count
+
+    def lease_wait(self, now: float, scan: int = 65536) -> float:
+        """Seconds until the first read lease on a replica in memory ends (0: none found among
+        the ``scan`` most recently used objects, where leased ones sit). A put that found no
+        room because eviction skips leased objects waits that long instead of failing."""
+        first = 0.0
+        for n, obj in enumerate(reversed(self.objects.values())):
+            if n >= scan:
+                break
+            if obj.lease_until > now and obj.replicas and obj.complete and not obj.hard_pin \
+                    and (not first or obj.lease_until < first):
+                first = obj.lease_until
+        return first - now if first else 0.0
 
     # -- helpers ---------------------------------------------------------------------------------
     def _soft_pin_ttl(self, cfg: ReplicateConfig) -> float:

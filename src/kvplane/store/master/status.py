@@ -16,8 +16,11 @@ from typing import Any
 
 from kvplane.store.master.state import MasterState
 
-# RPC methods counted as each kind of operation in the ops figures (one op per key a call names)
-OPS = {"put": ("put_start",), "get": ("get_replicas",), "exist": ("exist",),
+# RPC methods counted as each kind of operation in the ops figures (one op per key a call names),
+# except puts: objects committed (``COMMITTED``, counted by the server's PutEnd), so that a put
+# through a spare (no PutStart), a batch, an upsert or a retried PutStart counts once
+COMMITTED = "put_committed"
+OPS = {"put": (COMMITTED,), "get": ("get_replicas",), "exist": ("exist",),
        "remove": ("remove", "remove_regex", "remove_all")}
 SAMPLE_EVERY = 1.0  # seconds between samples
 KEEP = 600  # samples kept: ten minutes at one a second
@@ -130,6 +133,7 @@ def objects(state: MasterState) -> dict[str, int]:
             "replicas": sum(len(o.replicas) for o in complete),
             "bytes": sum(o.size for o in complete),
             "under_replicated": state.repairs.under_replicated(),
+            "repairs_pending": len(state.repairs.pending),
             "hard_pinned": sum(1 for o in complete if o.hard_pin)}
 
 
@@ -143,7 +147,7 @@ def document(state: MasterState, history: History, key_ops: dict[str, int],
         state: the master's state (read under the caller's lock).
         history: its samples (for rates, and the series with ``with_history``).
         key_ops: keys named by the RPCs served so far, by method (a remove_regex or
-            remove_all counts one).
+            remove_all counts one), and ``COMMITTED``: objects PutEnd committed.
         rpc_calls: RPCs served so far, by method.
         now: monotonic seconds; wall: epoch seconds (for the samples' timestamps).
         master: identity of the master (address, epoch, uptime...), passed through.

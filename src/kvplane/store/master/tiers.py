@@ -15,8 +15,11 @@ owner runs an SSD tier mounts with ``disk_size > 0``; the master then:
   no disk, is evicted as before.
 * **promotes** on a read of a disk-only object: the owner asks (``promote_start``) for an
   allocation in its own segment, reads the file into it, verifies it and reports
-  (``promote_end``); the object then has a memory replica again. A promotion not reported in
-  time is abandoned and its space fenced like an unfinished put's.
+  (``promote_end``); the object then has a memory replica again. A promotion never takes the
+  segment past the eviction watermark (after evicting what it may): promoted copies are leased
+  by their readers, so memory full of them would lock puts out; a refused one is served from
+  disk. A promotion not reported in time is abandoned and its space fenced like an unfinished
+  put's.
 * **re-adopts** disk copies after a restart (``adopt``): a node re-registers the files it holds;
   a known object of the same version gains the copy, an unknown key becomes a disk-only object,
   another version is decided by the adoption's epoch order (``adopt.EpochOrder``). A version
@@ -80,6 +83,7 @@ class DiskTier:
         self.offloaded = 0
         self.demoted = 0
         self.promoted = 0
+        self.refused = 0  # promotions refused: memory at the watermark (served from disk)
 
     # -- what the state calls ----------------------------------------------------------------
     def disk_segment(self, name: str) -> bool:
@@ -261,15 +265,25 @@ class DiskTier:
         if obj.replicas or key in self.promotions:
             return PromoteTask(BUSY)
         seg = st.segments[segment]
-        off = seg.alloc.allocate(obj.hdr + obj.size)
-        if off is None:
-            st.evict(now, need=obj.hdr + obj.size)
-            off = seg.alloc.allocate(obj.hdr + obj.size)
-        if off is None:
+        need = obj.hdr + obj.size
+        over = self._over(seg, need)
+        if over > 0:
+            st.evict(now, need=over)
+        off = seg.alloc.allocate(need) if self._over(seg, need) <= 0 else None
+        if off is None:  # the reader is served from disk (inline) instead
+            self.refused += 1
             return PromoteTask(NoAvailableHandle.code)
         gen = st._gen()
         self.promotions[key] = _Promotion(segment, off, gen, version, now + PROMOTE_TIMEOUT)
         return PromoteTask(0, seg.info.base + off, gen, obj.hdr, obj.size)
+
+    def _over(self, seg: "Segment", need: int) -> int:
+        """Bytes by which promoting ``need`` bytes would take ``seg`` past the eviction
+        watermark. Promoted copies are leased by their readers, and eviction skips leased
+        objects: promotion never takes a segment past the watermark, so that much of memory
+        always stays for puts (issue 28)."""
+        cap = seg.alloc.capacity
+        return int(seg.alloc.used + need - self._st.config.high_watermark * cap)
 
     def promote_end(self, key: str, gen: int, ok: bool, now: float) -> bool:
         """The owner read the disk copy into the allocation of ``gen`` (``ok``) or failed."""
