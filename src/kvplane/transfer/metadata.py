@@ -21,7 +21,7 @@ from typing import Any
 
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
-from kvplane.common.errors import InvalidArgument, Unavailable
+from kvplane.common.errors import InvalidArgument, Unauthorized, Unavailable
 from kvplane.common.extras import require
 from kvplane.common.registry import Registry
 
@@ -125,6 +125,8 @@ class HttpMetadata(MetadataBackend):
             pause = min(pause * 2, BACKOFF[1])
         if r.status_code == 404:
             return None
+        if r.status_code in (401, 403):  # a wrong or missing token: not worth a retry
+            raise Unauthorized(f"metadata server {self.url}: HTTP {r.status_code} {r.text[:200]}")
         if r.status_code >= 400:
             raise Unavailable(f"metadata server {self.url}: HTTP {r.status_code} {r.text[:200]}")
         return r

@@ -207,12 +207,12 @@ def test_slice_on_a_cut_connection_is_retried_on_a_fresh_one():
         real = b._server._handle
         cuts = []
 
-        def cut_once(conn, op, rid, addr, length, gen=0):
+        def cut_once(conn, op, rid, addr, length, *rest):
             if op == protocol.OP_WRITE and len(cuts) == 0 and b._server.frames >= 3:
                 cuts.append(rid)
                 conn.shutdown(socket.SHUT_RDWR)  # the connection dies mid-batch
                 raise OSError("cut")
-            return real(conn, op, rid, addr, length, gen)
+            return real(conn, op, rid, addr, length, *rest)
 
         b._server._handle = cut_once
         retries = metrics.TRANSFER_RETRIES.labels("tcp")._value.get()

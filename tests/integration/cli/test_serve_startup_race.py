@@ -52,9 +52,16 @@ def _client(i: int, master: str, metadata: str, barrier: threading.Barrier,
         store.close()
 
 
-def test_twenty_clients_started_with_serve_all_succeed(monkeypatch):
-    # one token for all (the token file would be written by serve only once it starts)
-    monkeypatch.setenv("KVPLANE_TOKEN", "startup-race-" + os.urandom(8).hex())
+@pytest.mark.parametrize("token_from", ["env", "file"])
+def test_twenty_clients_started_with_serve_all_succeed(monkeypatch, tmp_path, token_from):
+    """``env``: one token for all in KVPLANE_TOKEN. ``file``: as on a fresh host, no token
+    anywhere yet: serve generates the token file once it starts, and clients that looked for
+    it before then read it again when the master refuses them (StoreClient)."""
+    if token_from == "env":
+        monkeypatch.setenv("KVPLANE_TOKEN", "startup-race-" + os.urandom(8).hex())
+    else:
+        monkeypatch.delenv("KVPLANE_TOKEN", raising=False)
+        monkeypatch.setenv("KVPLANE_TOKEN_FILE", str(tmp_path / "kvplane" / "token"))
     master_port, meta_port, admin_port = free_port(), free_port(), free_port()
     master, metadata = f"127.0.0.1:{master_port}", f"http://127.0.0.1:{meta_port}/metadata"
     serve = subprocess.Popen(

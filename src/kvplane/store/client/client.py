@@ -40,7 +40,8 @@ import numpy as np
 
 from kvplane.common import log as klog
 from kvplane.common.deadline import Deadline
-from kvplane.common.errors import KVPlaneError, Timeout, Unavailable
+from kvplane.common.auth import client_token
+from kvplane.common.errors import KVPlaneError, Timeout, Unauthorized, Unavailable
 from kvplane.store.checksum import digest
 from kvplane.store.config import StoreConfig
 from kvplane.store.disk.node import DiskDuty
@@ -77,6 +78,18 @@ class StoreClient:
         cfg = config or StoreConfig.from_env()
         if overrides:
             cfg = StoreConfig(**{**cfg.__dict__, **overrides})
+        try:
+            self._start(cfg)
+        except Unauthorized:
+            # No token yet, and the server wants one: a client started with ``kvplane serve``
+            # may have looked for the token file before serve wrote it. Read it again, once.
+            token = "" if cfg.token else client_token()
+            if not token:
+                raise
+            self._start(StoreConfig(**{**cfg.__dict__, "token": token}))
+
+    def _start(self, cfg: StoreConfig) -> None:
+        """Open the engine, the master link and the segments, and mount (all or nothing)."""
         self.config = cfg
         self.engine = TransferEngine(EngineConfig.from_env(
             host=cfg.local_hostname, port=cfg.port, metadata=cfg.metadata,
