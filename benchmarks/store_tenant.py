@@ -2,7 +2,7 @@
 
 Starts a master (``--tenants``) and one segment process on 127.0.0.1, then three StoreClients
 in this process, measured in turns (``--repeat`` rounds, each side ``--ops`` puts then as many
-gets of ``--size``-byte values per round, median of the rounds' per-op times):
+gets (cold, then hot) of ``--size``-byte values per round, median of the rounds' per-op times):
 
 * ``service-auto``: the service token, shared memory on this host (what a tenant had before);
 * ``service-tcp``: the service token over TCP (no grants: the pool's own connections);
@@ -26,10 +26,12 @@ import time
 
 SVC = "service-token-bench-0123456789"
 TENANT = "tenant-a-token-bench-0123456789"
+OPS = ("put", "get", "get-hot")
 
 
-def _round(client, who: str, rnd: int, ops: int, size: int) -> tuple[float, float]:
-    """Per-op microseconds of ``ops`` puts, then ``ops`` gets of what was put."""
+def _round(client, who: str, rnd: int, ops: int, size: int) -> tuple[float, float, float]:
+    """Per-op microseconds of ``ops`` puts, ``ops`` gets of what was put (cold: the first get
+    of each key), and the same gets again (hot: keys this client just read)."""
     value = os.urandom(size)
     keys = [f"{who}-{rnd}-{i}" for i in range(ops)]
     t = time.perf_counter()
@@ -41,8 +43,13 @@ def _round(client, who: str, rnd: int, ops: int, size: int) -> tuple[float, floa
         if client.get(k) != value:
             raise RuntimeError(f"{who}: wrong bytes under {k}")
     get = (time.perf_counter() - t) / ops * 1e6
+    t = time.perf_counter()
+    for k in keys:
+        if client.get(k) != value:
+            raise RuntimeError(f"{who}: wrong bytes under {k}")
+    hot = (time.perf_counter() - t) / ops * 1e6
     client.batch_remove(keys)
-    return put, get
+    return put, get, hot
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             sides = {"service-auto": StoreClient(master=addr, token=SVC, timeout=10),
                      "service-tcp": StoreClient(master=addr, token=SVC, protocol="tcp", timeout=10),
                      "tenant": StoreClient(master=addr, token=TENANT, timeout=10)}
-            times: dict[str, list[tuple[float, float]]] = {w: [] for w in sides}
+            times: dict[str, list[tuple[float, float, float]]] = {w: [] for w in sides}
             try:
                 for rnd in range(a.repeat):
                     for who, c in sides.items():
@@ -76,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                 for c in sides.values():
                     c.close()
     base = {op: statistics.median(t[i] for t in times["service-auto"])
-            for i, op in enumerate(("put", "get"))}
+            for i, op in enumerate(OPS)}
     for who, t in times.items():
-        for i, op in enumerate(("put", "get")):
+        for i, op in enumerate(OPS):
             p50 = statistics.median(x[i] for x in t)
             row = {"side": who, "op": op, "size": a.size, "ops": a.ops, "repeat": a.repeat,
                    "p50_us": round(p50, 1), "vs_service_auto": round(p50 / base[op], 2),

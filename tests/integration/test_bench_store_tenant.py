@@ -17,7 +17,7 @@ def test_store_tenant_benchmark_smoke():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in out.stdout.splitlines()]
     assert sorted((r["side"], r["op"]) for r in rows) == sorted(
-        (s, op) for s in ("service-auto", "service-tcp", "tenant") for op in ("put", "get"))
+        (s, op) for s in ("service-auto", "service-tcp", "tenant") for op in ("put", "get", "get-hot"))
     by = {(r["side"], r["op"]): r for r in rows}
     assert by[("tenant", "get")]["protocol"] == "tcp"  # a tenant never maps the segment
     assert all(0 < r["p50_us"] < 5e6 for r in rows)
