@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.requires("etcd")]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

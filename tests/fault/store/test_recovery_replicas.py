@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvplane.testing.auth import headers
+from kvplane.testing.needs import requires
 from kvplane.testing.services import start_etcd, wait_until
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
 
@@ -95,6 +96,7 @@ def test_after_a_kill9_restart_every_object_has_exactly_its_replicas():
 
 @pytest.fixture
 def etcd(tmp_path):
+    requires("etcd")
     svc = start_etcd(str(tmp_path / "etcd"))
     yield svc
     svc.stop()
