@@ -37,7 +37,7 @@ from kvplane.transfer.segments import (
 from kvplane.transfer.server import DataServer
 from kvplane.transfer.transports import TRANSPORTS, Route, Transport
 from kvplane.transfer.transports.base import TransportContext
-from kvplane.transfer.transports.tcp import PeerJob, Span
+from kvplane.transfer.transports.tcp import PeerJob, Span, TcpTransport
 from kvplane.transfer.types import OpCode, SegmentDesc, TransferRequest, TransferStatus
 
 log = logging.getLogger(__name__)
@@ -300,10 +300,10 @@ class TransferEngine:
         self._listener(seg, "retire generations").retire(seg.desc.host, seg.desc.port, gens,
                                                          timeout)
 
-    def _listener(self, seg: OpenSegment, what: str) -> Any:
+    def _listener(self, seg: OpenSegment, what: str) -> TcpTransport:
         """The TCP transport, to reach ``seg``'s listener (Unavailable: it has none)."""
         tcp = self.transports.get("tcp")
-        if tcp is None or seg.desc.port <= 0:
+        if not isinstance(tcp, TcpTransport) or seg.desc.port <= 0:
             raise Unavailable(f"segment {seg.name!r} has no listener to {what} at")
         return tcp
 
@@ -316,7 +316,7 @@ class TransferEngine:
             Unavailable: the segment's listener could not be reached, or refused.
         """
         seg = self.segment(handle)
-        return self._listener(seg, "install grants").grant(  # type: ignore[no-any-return]
+        return self._listener(seg, "install grants").grant(
             seg.desc.host, seg.desc.port, blob, timeout)
 
     def via_listener(self, handle: int, remote: int, length: int) -> bool:

@@ -18,8 +18,7 @@ import httpx
 import pytest
 
 from kvplane.testing.auth import headers
-from kvplane.testing.needs import requires
-from kvplane.testing.services import start_etcd, wait_until
+from kvplane.testing.services import wait_until
 from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -94,17 +93,9 @@ def test_after_a_kill9_restart_every_object_has_exactly_its_replicas():
             p.stop()
 
 
-@pytest.fixture
-def etcd(tmp_path):
-    requires("etcd")
-    svc = start_etcd(str(tmp_path / "etcd"))
-    yield svc
-    svc.stop()
-
-
-def test_after_an_ha_failover_every_object_has_exactly_its_replicas(etcd):
+def test_after_an_ha_failover_every_object_has_exactly_its_replicas(etcd_url):
     cluster = f"r{time.monotonic_ns()}"
-    masters = [spawn_master("--ha", etcd.url, "--cluster-id", cluster, "--ha-lease-ttl", "2",
+    masters = [spawn_master("--ha", etcd_url, "--cluster-id", cluster, "--ha-lease-ttl", "2",
                             "--client-ttl", "10") for _ in range(2)]
     procs = list(masters)
     try:
@@ -112,7 +103,7 @@ def test_after_an_ha_failover_every_object_has_exactly_its_replicas(etcd):
         wait_until(lambda: sum(get(a, "/ha_status").get("role") == "leader" for a in admins) == 1,
                    20, "a leader")
         lead = next(i for i, a in enumerate(admins) if get(a, "/ha_status")["role"] == "leader")
-        w, keys = fill(f"{etcd.url}/{cluster}", procs)
+        w, keys = fill(f"{etcd_url}/{cluster}", procs)
         # the leader publishes the segments it serves (the standby waits for them): let it
         wait_until(lambda: settled(admins[lead]) is not None, 20, "the pool settled")
         masters[lead].kill()

@@ -199,7 +199,8 @@ class StoreClient:
         self.rpc.call("ping", PingReq(self.config.client_id), PingRep, timeout=timeout, once=True)
 
     # -- transfers ----------------------------------------------------------------------------
-    def _handle(self, segment: str, deadline: Deadline | None = None) -> int:
+    def segment_handle(self, segment: str, deadline: Deadline | None = None) -> int:
+        """The engine's handle of ``segment``, opened once (bounded by ``deadline``)."""
         h = self._handles.get(segment)
         if h is None:
             left = self.config.timeout if deadline is None else deadline.check("segment lookup")

@@ -33,7 +33,7 @@ def install(client: "StoreClient", grants: list[Grant], deadline: Deadline) -> N
         by_segment.setdefault(segment, []).append(blob)
     for segment, blobs in by_segment.items():
         try:
-            handle = client._handle(segment, deadline)
+            handle = client.segment_handle(segment, deadline)
             codes = client.engine.grant(handle, b"".join(blobs),
                                         timeout=max(deadline.remaining(), 1e-3))
         except KVPlaneError as exc:

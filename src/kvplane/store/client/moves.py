@@ -155,7 +155,7 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline,
         h = handles.get(rep.segment)
         if h is None:
             try:
-                h = client._handle(rep.segment, deadline)
+                h = client.segment_handle(rep.segment, deadline)
             except KVPlaneError:  # unreachable segment (or no time left to look it up)
                 failed.add(rep.segment)
                 continue
@@ -204,7 +204,7 @@ def retire(client: "StoreClient", retire: list[Retire], deadline: Deadline) -> s
     limit = Deadline(time.monotonic() + deadline.remaining() / 2)
     for seg, entries in by_seg.items():
         try:
-            h = client._handle(seg, limit)
+            h = client.segment_handle(seg, limit)
             client.engine.retire(h, [g for _, g in entries],
                                  timeout=max(limit.remaining(), 1e-3))
             client.retired.add([(seg, g) for _, g in entries])
