@@ -1,8 +1,14 @@
-"""TransferEngine: registered memory, segments, batches, and transport choice.
+"""TransferEngine: registered memory, segments, batches, and the public transfer calls.
 
-Owns the data listener (``server.DataServer``), the memory table, the loaded transports and
-the batch table. Blocking calls take ``timeout``; a dead or stalled peer becomes FAILED or
+Owns the data listener (``server.DataServer``), the memory table, the open segments, the
+batch table and the engine's :class:`~kvplane.transfer.plugins.TransportSet`. Planning and
+running batches is ``engine_route``; the item paths (``read_many`` and the one-item calls) are
+``engine_items``. Blocking calls take ``timeout``; a dead or stalled peer becomes FAILED or
 TIMEOUT, never a hang.
+
+Talks to transports only through the seam (``kvplane.transfer.seam``) and the capabilities a
+``TransportSet`` discovered; must not import any ``kvplane.transfer.transports`` module nor
+name a transport (tests/unit/test_layering.py checks the imports).
 """
 
 from __future__ import annotations
@@ -11,34 +17,28 @@ import asyncio
 import concurrent.futures as cf
 import itertools
 import logging
-import operator
 import os
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from kvplane.common import log as klog
-from kvplane.common import metrics
 from kvplane.common.config import parse_hostport
 from kvplane.common.deadline import Deadline
-from kvplane.common.errors import (
-    InvalidArgument, KVPlaneError, NotFound, Timeout, Unavailable, from_code,
-)
-from kvplane.transfer.batch import Batch, Slice, Task, cut
+from kvplane.common.errors import InvalidArgument, KVPlaneError, NotFound, Timeout, Unavailable, from_code
+from kvplane.transfer.batch import Batch, Task
 from kvplane.transfer.config import EngineConfig
-from kvplane.transfer.failover import guarded as _guarded
-from kvplane.transfer.memory import (
-    ManagedBuffer, MemoryTable, Region, address_of, sweep_stale_shm, view_at,
-)
+from kvplane.transfer.engine_items import ItemPaths, count_done
+from kvplane.transfer.engine_route import Router
+from kvplane.transfer.jobs import ItemLike, Peer
+from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, address_of, sweep_stale_shm, view_at
 from kvplane.transfer.metadata import KEY_PREFIX, MetadataBackend, open_metadata
-from kvplane.transfer.segments import (
-    OpenSegment, check_name, decode_desc, encode_desc, host_identity,
-)
+from kvplane.transfer.plugins import TransportSet
+from kvplane.transfer.seam import ControlChannel, Route, Transport, TransportContext
+from kvplane.transfer.segments import OpenSegment, check_name, decode_desc, encode_desc, host_identity
 from kvplane.transfer.server import DataServer
-from kvplane.transfer.transports import TRANSPORTS, Route, Transport
-from kvplane.transfer.transports.base import TransportContext
-from kvplane.transfer.transports.tcp import PeerJob, Span, TcpTransport
-from kvplane.transfer.types import OpCode, SegmentDesc, TransferRequest, TransferStatus
+from kvplane.transfer.types import OpCode, SegmentDesc, TaskStatus, TransferRequest, TransferStatus
 
 log = logging.getLogger(__name__)
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
@@ -73,10 +73,11 @@ class TransferEngine:
         self.port = self._server.port
         self.fence = self._server.fence  # store generations this engine's listener refuses
         self.grants = self._server.grants  # what tenants' connections may touch (store segments)
-        self.transports: dict[str, Transport] = {}
+        self.transports: dict[str, Transport] = {}  # by registry name (the plugins' own objects)
         try:  # a failed start leaves no listener or transport behind
             self.name = check_name(cfg.name or f"{cfg.host}:{self.port}")
-            self._open_transports(cfg)
+            self._plugins = self._open_transports(cfg)
+            self.transports = self._plugins.by_name
             self._meta: MetadataBackend | None = open_metadata(cfg.metadata, cfg.token)
         except BaseException:
             self._abort_start()
@@ -88,6 +89,10 @@ class TransferEngine:
         self._batch_ids = itertools.count(1)
         self._managed: dict[int, ManagedBuffer] = {}
         self._exec = cf.ThreadPoolExecutor(8, thread_name_prefix="te-batch")
+        self._router = Router(self._plugins, self.memory, self.segment, cfg.protocol,
+                              cfg.slice_size, self._exec)
+        self._items = ItemPaths(self._router, self.memory, self._segments,
+                                lambda reqs, left: self.transfer(reqs, left))
         self._stop = threading.Event()
         self._closed = False
         self._republisher: threading.Thread | None = None
@@ -105,13 +110,11 @@ class TransferEngine:
             self._republisher.start()
         klog.event("engine_started", segment=self.name, port=self.port, metadata=cfg.metadata)
 
-    def _open_transports(self, cfg: EngineConfig) -> None:
+    def _open_transports(self, cfg: EngineConfig) -> TransportSet:
+        """Load ``cfg.transports`` (InvalidArgument: none has a control channel)."""
         ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
                                cfg.file_root, retries=cfg.retries, segment=self.name)
-        for n in cfg.transports:
-            self.transports[n] = TRANSPORTS.load(n)(ctx)
-        if "tcp" not in self.transports:
-            raise InvalidArgument("the tcp transport is required (handshakes use it)")
+        return TransportSet.load(cfg.transports, ctx)
 
     def _abort_start(self) -> None:
         """Undo a start that failed half way: listener and transports go."""
@@ -264,8 +267,7 @@ class TransferEngine:
                 raise NotFound(f"segment {name!r} is not published")
             return decode_desc(raw)
         host, port = parse_hostport(name)
-        tcp = self.transports["tcp"]
-        return decode_desc(tcp.describe(host, port, timeout))  # type: ignore[attr-defined]
+        return decode_desc(self._plugins.control.describe(Peer(host, port), timeout))
 
     def close_segment(self, handle: int) -> None:
         """Forget a segment handle."""
@@ -283,7 +285,7 @@ class TransferEngine:
 
     def prune(self) -> int:
         """Drop cached same-host mappings of segments whose process has exited; returns how many."""
-        return sum(t.prune() for t in self.transports.values() if hasattr(t, "prune"))
+        return sum(t.prune() for t in self._plugins.prunable)
 
     def retire(self, handle: int, gens: list[int], timeout: float = 5.0) -> None:
         """Have the listener of segment ``handle`` refuse READs and WRITEs of ``gens`` from
@@ -297,15 +299,14 @@ class TransferEngine:
         if seg.name == self.name:
             self.fence.retire(gens)
             return
-        self._listener(seg, "retire generations").retire(seg.desc.host, seg.desc.port, gens,
-                                                         timeout)
+        self._listener(seg, "retire generations").retire(Peer(seg.desc.host, seg.desc.port),
+                                                         gens, timeout)
 
-    def _listener(self, seg: OpenSegment, what: str) -> TcpTransport:
-        """The TCP transport, to reach ``seg``'s listener (Unavailable: it has none)."""
-        tcp = self.transports.get("tcp")
-        if not isinstance(tcp, TcpTransport) or seg.desc.port <= 0:
+    def _listener(self, seg: OpenSegment, what: str) -> ControlChannel:
+        """The control channel, to reach ``seg``'s listener (Unavailable: it has none)."""
+        if seg.desc.port <= 0:
             raise Unavailable(f"segment {seg.name!r} has no listener to {what} at")
-        return tcp
+        return self._plugins.control
 
     def grant(self, handle: int, blob: bytes, timeout: float = 5.0) -> bytes:
         """Install grants (``kvplane.transfer.grants``, packed) at the listener of segment
@@ -317,99 +318,21 @@ class TransferEngine:
         """
         seg = self.segment(handle)
         return self._listener(seg, "install grants").grant(
-            seg.desc.host, seg.desc.port, blob, timeout)
+            Peer(seg.desc.host, seg.desc.port), blob, timeout)
 
     def via_listener(self, handle: int, remote: int, length: int) -> bool:
         """True when a READ of ``[remote, remote+length)`` in segment ``handle`` goes through
-        that segment's listener (TCP), which checks generations against its fence table
-        (retired ones included); shared memory and this engine's own memory are copied
-        directly and check only the fence floor."""
+        that segment's listener (a transport with ``Capabilities.via_listener``), which checks
+        generations against its fence table (retired ones included); shared memory and this
+        engine's own memory are copied directly and check only the fence floor."""
         seg = self._segments.get(handle)
-        tcp = self.transports.get("tcp")
-        if seg is None or tcp is None:
+        if seg is None:
             return False
         try:
-            return self._pick(None, Route(seg.desc, seg.region(remote, length), seg.same_host)) is tcp
+            route = Route(seg.desc, seg.region(remote, length), seg.same_host)
+            return self._router.pick(None, route).capabilities.via_listener
         except KVPlaneError:
             return False
-
-    # -- planning --------------------------------------------------------------------------
-    def _pick(self, transport: str | None, route: Route) -> Transport:
-        """The transport for a request asking for ``transport`` (None: the engine's protocol)."""
-        want = transport or self.config.protocol
-        local = self.transports.get("local")
-        if local is not None and want != "file" and local.can_reach(route):
-            return local  # our own memory: one memcpy, whatever the protocol
-        if want != "auto":
-            t = self.transports.get(want)
-            if t is None or not t.can_reach(route):
-                raise InvalidArgument(f"transport {want!r} cannot reach segment "
-                                      f"{route.segment.name!r} for this request")
-            return t
-        best = None
-        for t in self.transports.values():
-            if (best is None or t.capabilities.priority > best.capabilities.priority) and \
-                    t.can_reach(route):
-                best = t
-        if best is None:
-            raise Unavailable(f"no transport reaches segment {route.segment.name!r}")
-        return best
-
-    def _plan(self, tasks: list[Task]) -> dict[tuple[Any, ...], tuple[Transport, Route, list[Slice]]]:
-        groups: dict[tuple[Any, ...], tuple[Transport, Route, list[Slice]]] = {}
-        chosen: dict[tuple[Any, ...], tuple[Route, Transport]] = {}  # per (segment, region, hint)
-        for task in tasks:
-            req = task.req
-            try:
-                if req.length <= 0:
-                    raise InvalidArgument(f"length must be > 0, got {req.length}")
-                local = self.memory.view(req.source, req.length)
-                seg = self.segment(req.target)
-                region = seg.region(req.target_offset, req.length)
-                pick = chosen.get((req.target, region.addr, req.transport))
-                if pick is None:
-                    route = Route(seg.desc, region, seg.same_host)
-                    pick = chosen[(req.target, region.addr, req.transport)] = (route, self._pick(req.transport, route))
-                route, t = pick
-            except KVPlaneError as exc:
-                status = TransferStatus.TIMEOUT if isinstance(exc, Timeout) else TransferStatus.FAILED
-                task.batch.fail(task, status, str(exc))
-                task.code = exc.code
-                continue
-            key = (req.target, t.name, region.addr if t.capabilities.same_host_only else 0,
-                   req.transport is None and self.config.protocol == "auto")
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = (t, route, [])
-            size = self.config.slice_size if t.name == "tcp" else max(req.length, 1)
-            slices = cut(task, local, req.target_offset, req.length, size)
-            task.batch.expect(task, len(slices))
-            group[2].extend(slices)
-        return groups
-
-    def _run(self, groups: dict[tuple[Any, ...], tuple[Transport, Route, list[Slice]]],
-             deadline: Deadline, inline: bool) -> None:
-        items = list(groups.values())
-        if not items:
-            return
-        keys = list(groups)
-        fallbacks = [self._fallback(k, groups[k]) for k in keys]
-        first = 0 if inline else None
-        futs = [self._exec.submit(_guarded, *items[i], deadline, fallbacks[i])
-                for i in range(len(items)) if i != first]
-        if first is not None:
-            _guarded(*items[first], deadline, fallbacks[first])
-        for f in futs:
-            f.result()
-
-    def _fallback(self, key: tuple[Any, ...], group: tuple[Transport, Route, list[Slice]]
-                  ) -> Transport | None:
-        """TCP, for a same-host transport chosen under protocol "auto" (TENT-style failover)."""
-        t, route, _ = group
-        tcp = self.transports["tcp"]
-        if key[3] and t.capabilities.same_host_only and t.name != "local" and tcp.can_reach(route):
-            return tcp
-        return None
 
     # -- batch API (Mooncake's shape) -------------------------------------------------------
     def allocate_batch(self, capacity: int) -> int:
@@ -434,18 +357,18 @@ class TransferEngine:
         batch = self._batch(batch_id)
         tasks = batch.add(requests)
         deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
-        groups = self._plan(tasks)
-        batch.on_done(_count_done)
+        groups = self._router.plan(tasks)
+        batch.on_done(count_done)
         if groups:
-            self._exec.submit(self._run, groups, deadline, False)
+            self._exec.submit(self._router.run, groups, deadline, False)
 
-    def status(self, batch_id: int, task_id: int) -> tuple[TransferStatus, int]:
+    def status(self, batch_id: int, task_id: int) -> TaskStatus:
         """(status, transferred bytes) of one request of a batch."""
         tasks = self._batch(batch_id).tasks
         if not 0 <= task_id < len(tasks):
             raise InvalidArgument(f"batch {batch_id} has no request {task_id}")
         t = tasks[task_id]
-        return t.status, t.transferred
+        return TaskStatus(t.status, t.transferred)
 
     def batch_status(self, batch_id: int) -> list[TransferStatus]:
         """Status of every request in the batch, in submission order."""
@@ -481,162 +404,49 @@ class TransferEngine:
         batch = Batch(0, max(1, len(requests)))
         tasks = batch.add(requests)
         deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
-        self._run(self._plan(tasks), deadline, inline=True)
-        _count_done(batch)
+        self._router.run(self._router.plan(tasks), deadline, inline=True)
+        count_done(batch)
         if check:
             _raise_first(tasks)
         return [t.status for t in tasks]
 
-    def read_many(self, reads: list[tuple[int, int, int, int, int]],
-                  timeout: float | None = None) -> list[TransferStatus]:
-        """READs only, each ``(handle, local, remote, length, gen)``: the same outcome as
-        :meth:`transfer` of the equivalent requests, with less Python per request.
+    def read_many(self, reads: Sequence[ItemLike], timeout: float | None = None
+                  ) -> list[TransferStatus]:
+        """READs only, each an :class:`~kvplane.transfer.jobs.Item` (or the plain tuple
+        ``(handle, local, remote, length, gen)``): the same outcome as :meth:`transfer` of the
+        equivalent requests, with less Python per request.
 
-        Reads that TCP serves skip the batch/slice bookkeeping: per peer they go as READV
-        frames straight into the local views (``TcpTransport.read_scatter``), the peers in
-        parallel. Any other read (same-process memory, shared memory, files) goes through
-        :meth:`transfer`. Nothing raises for one read; its status says how it ended.
+        Reads that a vectored transport (``VectoredIO``) serves skip the batch/slice
+        bookkeeping: per peer they go as one job straight into the local views (over TCP:
+        READV frames), the peers in parallel. Any other read (same-process memory, shared
+        memory, files) goes through :meth:`transfer`. Nothing raises for one read; its status
+        says how it ended.
         """
-        return self._many(OpCode.READ, reads, timeout)
+        return self._items.many(OpCode.READ, reads, self._deadline(timeout))
 
     def read_one(self, handle: int, local: int, remote: int, length: int, gen: int = 0,
                  timeout: float | None = None) -> TransferStatus:
         """One READ, ending as :meth:`read_many` of that one item would (its status, the same
-        counters), with the least Python: a plain READ frame when TCP serves it."""
-        return self._one(OpCode.READ, handle, local, remote, length, gen, timeout)
+        counters), with the least Python: the transport's one-item path (``OneItemIO``; over
+        TCP a plain READ frame) when it has one."""
+        return self._items.one(OpCode.READ, (handle, local, remote, length, gen),
+                               self._deadline(timeout))
 
     def write_one(self, handle: int, local: int, remote: int, length: int, gen: int = 0,
                   timeout: float | None = None) -> TransferStatus:
         """One WRITE, ending as :meth:`write_many` of that one item would, with the least
-        Python: a plain WRITE frame when TCP serves it."""
-        return self._one(OpCode.WRITE, handle, local, remote, length, gen, timeout)
+        Python: the transport's one-item path (over TCP a plain WRITE frame)."""
+        return self._items.one(OpCode.WRITE, (handle, local, remote, length, gen),
+                               self._deadline(timeout))
 
-    def _one(self, op: OpCode, handle: int, local: int, remote: int, length: int, gen: int,
-             timeout: float | None) -> TransferStatus:
-        seg = self._segments.get(handle)
-        tcp = self.transports.get("tcp")
-        if seg is not None and tcp is not None and length > 0:
-            try:
-                route = Route(seg.desc, seg.region(remote, length), seg.same_host)
-                view = self.memory.view(local, length) if self._pick(None, route) is tcp else None
-            except KVPlaneError:
-                view = None
-            if view is not None:
-                deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
-                one = tcp.read_one if op == OpCode.READ else tcp.write_one  # type: ignore[attr-defined]
-                st = one((seg.desc.host, seg.desc.port), view, remote, gen, deadline)
-                _count({(op, st): 1}, {op: length if st == TransferStatus.COMPLETED else 0})
-                return st
-        return self._many(op, [(handle, local, remote, length, gen)], timeout)[0]
+    def write_many(self, writes: Sequence[ItemLike], timeout: float | None = None
+                   ) -> list[TransferStatus]:
+        """WRITEs only, items as in :meth:`read_many`; a vectored transport's writes go out
+        as one job per peer (over TCP: windows of WRITEV frames, one ``sendmsg`` each)."""
+        return self._items.many(OpCode.WRITE, writes, self._deadline(timeout))
 
-    def write_many(self, writes: list[tuple[int, int, int, int, int]],
-                   timeout: float | None = None) -> list[TransferStatus]:
-        """WRITEs only, each ``(handle, local, remote, length, gen)``: as :meth:`read_many`,
-        with TCP writes going out in windows of frames, one ``sendmsg`` each
-        (``TcpTransport.write_gather``)."""
-        return self._many(OpCode.WRITE, writes, timeout)
-
-    def _many(self, op: OpCode, items: list[tuple[int, int, int, int, int]],
-              timeout: float | None) -> list[TransferStatus]:
-        deadline = Deadline.after(self.config.timeout if timeout is None else timeout)
-        out: list[TransferStatus] = [TransferStatus.FAILED] * len(items)
-        tcp = self.transports.get("tcp")
-        jobs: dict[int, tuple[PeerJob, list[int]]] = {}  # handle -> (job, item indexes)
-        rest: list[int] = []
-        views = _Views(self.memory)
-        for h, idx in _by_handle(items).items():
-            seg = self._segments.get(h)
-            if seg is None or tcp is None:
-                rest += idx  # transfer() reports it with its own status and counters
-                continue
-            group = [items[i] for i in idx]
-            job = self._whole_job(seg, tcp, group)
-            if job is not None:  # every item in one local and one remote region, over TCP
-                jobs[h] = (job, idx)
-                continue
-            job, taken = self._item_job(seg, tcp, group, views)
-            if taken:
-                jobs[h] = (job, [idx[k] for k in taken])
-            chosen = set(taken)
-            rest += [i for k, i in enumerate(idx) if k not in chosen]
-        if jobs:
-            run = tcp.read_scatter if op == OpCode.READ else tcp.write_gather  # type: ignore[union-attr]
-            run([job for job, _ in jobs.values()], deadline)
-            done: dict[tuple[OpCode, TransferStatus], int] = {}
-            moved = 0
-            ok = TransferStatus.COMPLETED
-            for job, where in jobs.values():
-                status = job.status
-                if status.count(ok) == len(status):  # the usual case: no per-entry work
-                    for i in where:
-                        out[i] = ok
-                    done[(op, ok)] = done.get((op, ok), 0) + len(where)
-                    moved += sum(job.lengths)
-                    continue
-                for i, st, n in zip(where, status, job.lengths):
-                    out[i] = st = st or TransferStatus.FAILED
-                    done[(op, st)] = done.get((op, st), 0) + 1
-                    moved += n if st == ok else 0
-            _count(done, {op: moved})
-        if rest:
-            left = max(deadline.remaining(), 1e-3)
-            got = self.transfer([TransferRequest(op, items[i][1], items[i][0], items[i][2],
-                                                 items[i][3], gen=items[i][4]) for i in rest], left)
-            for i, st in zip(rest, got):
-                out[i] = st
-        return out
-
-    def _item_job(self, seg: OpenSegment, tcp: Transport,
-                  items: list[tuple[int, int, int, int, int]], views: "_Views"
-                  ) -> tuple[PeerJob, list[int]]:
-        """The job of those ``items`` (all for ``seg``) that TCP serves, item by item, and
-        their positions in ``items`` (the others go through :meth:`transfer`)."""
-        job = PeerJob((seg.desc.host, seg.desc.port), [], [], [], [])
-        taken: list[int] = []
-        region: Any = None  # the peer's region of the previous item, when TCP serves it
-        for k, (_, addr, remote, n, gen) in enumerate(items):
-            try:
-                if n <= 0:
-                    raise InvalidArgument(f"length must be > 0, got {n}")
-                if region is None or not (region.addr <= remote
-                                          and remote + n <= region.addr + region.length):
-                    region = None
-                    found = seg.region(remote, n)
-                    if self._pick(None, Route(seg.desc, found, seg.same_host)) is not tcp:
-                        continue
-                    region = found
-                view = views.at(addr, n)
-            except KVPlaneError:
-                continue
-            job.views.append(view)  # type: ignore[union-attr]
-            job.remote.append(remote)
-            job.lengths.append(n)
-            job.gens.append(gen)
-            taken.append(k)
-        return job, taken
-
-    def _whole_job(self, seg: OpenSegment, tcp: Transport,
-                   items: list[tuple[int, int, int, int, int]]) -> PeerJob | None:
-        """The job of ``items`` (all for ``seg``) built a list at a time, when every local
-        range lies in one registered memory region, every remote range in one region the
-        peer published, and TCP serves that region; else None (then item by item)."""
-        locs = [it[1] for it in items]
-        rems = [it[2] for it in items]
-        lens = [it[3] for it in items]
-        if min(lens) <= 0:
-            return None
-        lo, hi = min(locs), max(map(operator.add, locs, lens))
-        rlo, rhi = min(rems), max(map(operator.add, rems, lens))
-        try:
-            local = self.memory.find(lo, hi - lo)
-            remote = seg.region(rlo, rhi - rlo)
-        except KVPlaneError:
-            return None
-        if local.view is None or self._pick(None, Route(seg.desc, remote, seg.same_host)) is not tcp:
-            return None
-        base = local.addr
-        return PeerJob((seg.desc.host, seg.desc.port), rems, lens, [it[4] for it in items],
-                       Span(local.view, [a - base for a in locs], lens))
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline.after(self.config.timeout if timeout is None else timeout)
 
     async def transfer_async(self, requests: list[TransferRequest],
                              timeout: float | None = None) -> list[TransferStatus]:
@@ -696,61 +506,6 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _by_handle(items: list[tuple[int, int, int, int, int]]) -> dict[int, list[int]]:
-    """The indexes of ``items`` per segment handle (their first field), in order."""
-    handles = [it[0] for it in items]
-    if items and handles.count(handles[0]) == len(handles):  # one peer (the usual case)
-        return {handles[0]: list(range(len(items)))}
-    out: dict[int, list[int]] = {}
-    for i, h in enumerate(handles):
-        out.setdefault(h, []).append(i)
-    return out
-
-
-class _Views:
-    """Local views for many requests: the region of the previous one is tried first."""
-
-    __slots__ = ("memory", "region")
-
-    def __init__(self, memory: MemoryTable) -> None:
-        self.memory = memory
-        self.region: Any = None
-
-    def at(self, addr: int, n: int) -> memoryview:
-        r = self.region
-        if r is None or not (r.addr <= addr and addr + n <= r.end) or r.view is None:
-            r = self.region = self.memory.find(addr, n)
-            if r.view is None:
-                raise InvalidArgument(f"{addr:#x} is in a file region; it has no memory view")
-        off = addr - r.addr
-        return r.view[off:off + n]
-
-
-_REQ_COUNTERS = {(op, st): metrics.TRANSFER_REQUESTS.labels(op.name.lower(), st.name.lower())
-                 for op in OpCode for st in TransferStatus}
-_BYTE_COUNTERS = {op: metrics.TRANSFER_BYTES.labels(op.name.lower(), "any") for op in OpCode}
-
-
-def _count_done(batch: Batch) -> None:
-    done: dict[tuple[OpCode, TransferStatus], int] = {}
-    moved: dict[OpCode, int] = {}
-    for t in batch.tasks:  # one counter update per kind, not per request
-        key = (t.req.op, t.status)
-        done[key] = done.get(key, 0) + 1
-        if t.transferred:
-            moved[t.req.op] = moved.get(t.req.op, 0) + t.transferred
-    _count(done, moved)
-
-
-def _count(done: dict[tuple[OpCode, TransferStatus], int], moved: dict[OpCode, int]) -> None:
-    """Bump the request counters by kind and the byte counters by op (one update each)."""
-    for key, n in done.items():
-        _REQ_COUNTERS[key].inc(n)
-    for op, n in moved.items():
-        if n:
-            _BYTE_COUNTERS[op].inc(n)
 
 
 def _raise_first(tasks: list[Task]) -> None:

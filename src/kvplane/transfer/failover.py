@@ -10,7 +10,7 @@ import logging
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
-from kvplane.transfer.transports import Route, Transport
+from kvplane.transfer.seam import Route, Transport
 from kvplane.transfer.types import TransferStatus
 
 log = logging.getLogger("kvplane.transfer.engine")  # the engine's log, as before the split

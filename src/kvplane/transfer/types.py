@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
@@ -33,6 +34,13 @@ class TransferStatus(enum.IntEnum):
     def done(self) -> bool:
         """True for terminal states."""
         return self not in (TransferStatus.WAITING, TransferStatus.PENDING)
+
+
+class TaskStatus(NamedTuple):
+    """Where one request of a batch stands (``TransferEngine.status``)."""
+
+    status: TransferStatus
+    transferred: int  # bytes moved so far
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,9 @@ from kvplane.testing.fake_data_socket import FakeDataPeer
 from kvplane.testing.faults import FaultKind, FaultPlan
 from kvplane.transfer.batch import Batch, Slice
 from kvplane.transfer.transports.base import Route, TransportContext
-from kvplane.transfer.transports.tcp import WINDOW, Conn, PeerJob, Span, TcpTransport, _Broken
+from kvplane.transfer.jobs import PeerJob, Span
+from kvplane.transfer.transports.tcp import TcpTransport
+from kvplane.transfer.transports.tcp_conn import WINDOW, Broken, Conn
 from kvplane.transfer.types import OpCode, RegionDesc, SegmentDesc, TransferRequest, TransferStatus
 
 pytestmark = pytest.mark.timeout(20)
@@ -110,7 +112,7 @@ def test_a_peer_that_hangs_up_reports_the_unfinished_slices():
     peer = FakeDataPeer(size=5 * 64, plan=plan)
     slices = make_slices([OpCode.READ] * 5, 64, bytearray(5 * 64))
     conn = Conn(peer.connect(), ADDR, readv=False)
-    with pytest.raises(_Broken) as info:
+    with pytest.raises(Broken) as info:
         conn.execute(slices, Deadline.after(5))
     assert info.value.left == slices[2:]
     assert isinstance(info.value.__cause__, Unavailable)
@@ -123,7 +125,7 @@ def test_unconfirmed_writes_are_handed_back_even_if_the_peer_applied_them():
     plan = FaultPlan(seed=2).disconnect(op="write", after=2)
     peer = FakeDataPeer(size=5 * 64, plan=plan)
     slices = make_slices([OpCode.WRITE] * 5, 64, bytearray(5 * 64))
-    with pytest.raises(_Broken) as info:
+    with pytest.raises(Broken) as info:
         Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     done = [s for s in slices if s.task.status == TransferStatus.COMPLETED]
     assert set(map(id, done)).isdisjoint(map(id, info.value.left))
@@ -136,7 +138,7 @@ def test_a_corrupt_response_header_breaks_the_connection(at, match):
     plan = FaultPlan(seed=3).corrupt(op="read", after=1, at=at)
     peer = FakeDataPeer(size=3 * 64, plan=plan)
     slices = make_slices([OpCode.READ] * 3, 64, bytearray(3 * 64))
-    with pytest.raises(_Broken) as info:
+    with pytest.raises(Broken) as info:
         Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
     assert isinstance(info.value.__cause__, ProtocolError) and match in str(info.value)
     assert info.value.left == slices[1:]
@@ -146,7 +148,7 @@ def test_a_read_answered_with_the_wrong_length_is_a_protocol_error():
     plan = FaultPlan(seed=4).corrupt(op="read", at=16)  # low byte of the length field
     peer = FakeDataPeer(size=64, plan=plan)
     slices = make_slices([OpCode.READ], 64, bytearray(64))
-    with pytest.raises(_Broken, match="READ returned"):
+    with pytest.raises(Broken, match="READ returned"):
         Conn(peer.connect(), ADDR, readv=False).execute(slices, Deadline.after(5))
 
 
@@ -292,7 +294,7 @@ def test_a_rejected_token_fails_the_slices_without_retrying(lane_peer):
 # -- READV: many READs in one frame ----------------------------------------------------------------
 def test_reads_go_as_readv_frames_and_move_the_bytes():
     from kvplane.transfer import protocol
-    from kvplane.transfer.transports.tcp import READV_WINDOW
+    from kvplane.transfer.transports.tcp_conn import READV_WINDOW
     n = 3 * protocol.MAX_READV + 7
     peer = FakeDataPeer(size=n * 16, recv_chunk=100)  # partial scatter receives too
     fill(peer, n * 16)
@@ -325,7 +327,7 @@ def test_a_hang_up_inside_a_readv_hands_back_every_slice_of_unanswered_frames():
     plan = FaultPlan(seed=2).disconnect(op="read", after=protocol.MAX_READV + 3)
     peer = FakeDataPeer(size=n * 8, plan=plan)
     slices = make_slices([OpCode.READ] * n, 8, bytearray(n * 8))
-    with pytest.raises(_Broken) as info:
+    with pytest.raises(Broken) as info:
         Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
     assert info.value.left == slices[protocol.MAX_READV:]
     assert statuses(slices[:protocol.MAX_READV]) == [TransferStatus.COMPLETED] * protocol.MAX_READV
@@ -347,7 +349,7 @@ def test_a_corrupt_readv_answer_breaks_the_connection(at, match):
     plan = FaultPlan(seed=4).corrupt(op="read", after=0, at=at)
     peer = FakeDataPeer(size=3 * 32, plan=plan)
     slices = make_slices([OpCode.READ] * 3, 32, bytearray(3 * 32))
-    with pytest.raises(_Broken) as info:
+    with pytest.raises(Broken) as info:
         Conn(peer.connect(), ADDR).execute(slices, Deadline.after(5))
     assert isinstance(info.value.__cause__, ProtocolError) and match in str(info.value)
     assert info.value.left == slices

@@ -1,16 +1,12 @@
-"""Transports behind one seam. Built-ins are registered here by name and imported lazily.
+"""Transport plugins. Built-ins are registered by name in ``kvplane.transfer.plugins`` and
+imported only when an engine loads them.
 
-An RDMA (or any other) transport is added by registering ``name -> "module:Class"`` with
-:data:`TRANSPORTS`; the engine needs no change.
+A new transport (RDMA, NIXL, CUDA IPC) is a module here (or anywhere) registered with
+``TRANSPORTS.register(name, "module:Class")``; the engine needs no change (docs/transfer.md,
+"Adding a transport").
 """
 
-from kvplane.common.registry import Registry
-from kvplane.transfer.transports.base import Transport, Capabilities, Route
+from kvplane.transfer.plugins import TRANSPORTS
+from kvplane.transfer.seam import Capabilities, Route, Transport
 
-TRANSPORTS: Registry[Transport] = Registry("transport")
-TRANSPORTS.register("tcp", "kvplane.transfer.transports.tcp:TcpTransport")
-TRANSPORTS.register("shm", "kvplane.transfer.transports.shm:ShmTransport")
-TRANSPORTS.register("file", "kvplane.transfer.transports.file:FileTransport")
-TRANSPORTS.register("local", "kvplane.transfer.transports.local:LocalTransport")
-
-__all__ = ["TRANSPORTS", "Transport", "Capabilities", "Route"]
+__all__ = ["TRANSPORTS", "Capabilities", "Route", "Transport"]

@@ -15,7 +15,7 @@ import threading
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.memory import file_identity
-from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
+from kvplane.transfer.seam import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, TransferStatus
 
 
@@ -24,7 +24,7 @@ class FileTransport(Transport):
     """``os.preadv``/``os.pwritev`` between a same-host file segment and registered memory."""
 
     name = "file"
-    capabilities = Capabilities(same_host_only=True, priority=2)
+    capabilities = Capabilities(same_host_only=True, priority=2, fallbacks=("tcp",))
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)

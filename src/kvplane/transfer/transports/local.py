@@ -14,7 +14,7 @@ import numpy as np
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.memory import view_at
-from kvplane.transfer.transports.base import Capabilities, Route, Transport
+from kvplane.transfer.seam import Capabilities, Route, Transport
 from kvplane.transfer.types import OpCode, TransferStatus
 
 
@@ -23,7 +23,7 @@ class LocalTransport(Transport):
     """memcpy between two registered regions of this process."""
 
     name = "local"
-    capabilities = Capabilities(same_host_only=True, priority=4)
+    capabilities = Capabilities(same_host_only=True, priority=4, any_protocol=True)
 
     def can_reach(self, route: Route) -> bool:
         return (route.same_host and route.segment.pid == os.getpid()

@@ -30,7 +30,7 @@ import numpy as np
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.fence import admits
-from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
+from kvplane.transfer.seam import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, RegionDesc, TransferStatus
 
 SHM_DIR = "/dev/shm"
@@ -100,7 +100,7 @@ class ShmTransport(Transport):
     """Copies between same-host processes without touching a socket."""
 
     name = "shm"
-    capabilities = Capabilities(same_host_only=True, priority=3)
+    capabilities = Capabilities(same_host_only=True, priority=3, fallbacks=("tcp",))
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)

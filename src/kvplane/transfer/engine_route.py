@@ -1,0 +1,150 @@
+"""The engine's batch planning: which transport serves each request, cut into slices, and run.
+
+Owns :class:`Router`: the choice of transport per request (a transport chosen whatever the
+protocol, else the protocol's, else under "auto" the first of the preference order that
+reaches the target), the grouping of slices per target and transport (:class:`GroupKey`,
+:class:`Group`), the failover a transport declares (``Capabilities.fallbacks``) and the run of
+groups on the engine's executor. Knows transports only through the seam and the
+:class:`~kvplane.transfer.plugins.TransportSet`; never imports a transport module.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvplane.common.deadline import Deadline
+from kvplane.common.errors import InvalidArgument, KVPlaneError, Timeout, Unavailable
+from kvplane.transfer.batch import Slice, Task, cut
+from kvplane.transfer.failover import guarded
+from kvplane.transfer.memory import MemoryTable
+from kvplane.transfer.plugins import TransportSet
+from kvplane.transfer.seam import Route, Transport
+from kvplane.transfer.segments import OpenSegment
+from kvplane.transfer.types import TransferStatus
+
+
+class GroupKey(NamedTuple):
+    """What the slices of one group share: target handle, transport, region (for a same-host
+    transport, else 0), and whether the transport was chosen under protocol "auto"."""
+
+    target: int
+    transport: str
+    region: int
+    auto: bool
+
+
+class Group(NamedTuple):
+    """The slices one transport runs along one route, in one call."""
+
+    transport: Transport
+    route: Route
+    slices: list[Slice]
+
+
+class _Choice(NamedTuple):
+    route: Route
+    transport: Transport
+
+
+class Router:
+    """Plans and runs batches for one engine.
+
+    Args:
+        transports: the engine's loaded transports.
+        memory: its memory table (local ranges are checked and viewed here).
+        segment: the open segment of a handle (raises NotFound).
+        protocol: the engine's protocol ("auto" or a registry name).
+        slice_size: bytes per slice for transports that cut requests (``Capabilities.sliced``).
+        executor: where groups run beyond the first (and whole background batches).
+    """
+
+    def __init__(self, transports: TransportSet, memory: MemoryTable,
+                 segment: Callable[[int], OpenSegment], protocol: str, slice_size: int,
+                 executor: cf.Executor) -> None:
+        self.transports = transports
+        self.memory = memory
+        self.segment = segment
+        self.protocol = protocol
+        self.slice_size = slice_size
+        self.executor = executor
+
+    def pick(self, transport: str | None, route: Route) -> Transport:
+        """The transport for a request asking for ``transport`` (None: the engine's protocol).
+
+        Raises:
+            InvalidArgument: the asked-for transport is not loaded or cannot reach the target.
+            Unavailable: under "auto", no transport reaches it.
+        """
+        for t in self.transports.first:
+            if t.can_reach(route):
+                return t  # e.g. our own memory: one memcpy, whatever the protocol
+        want = transport or self.protocol
+        if want != "auto":
+            t = self.transports.by_name.get(want)
+            if t is None or not t.can_reach(route):
+                raise InvalidArgument(f"transport {want!r} cannot reach segment "
+                                      f"{route.segment.name!r} for this request")
+            return t
+        for t in self.transports.ranked:
+            if t.can_reach(route):
+                return t
+        raise Unavailable(f"no transport reaches segment {route.segment.name!r}")
+
+    def plan(self, tasks: list[Task]) -> dict[GroupKey, Group]:
+        """Group ``tasks`` into slices per target and transport; a task that cannot be
+        planned (bad length or range, unknown handle, no transport) is failed here."""
+        groups: dict[GroupKey, Group] = {}
+        chosen: dict[tuple[int, int, str | None], _Choice] = {}  # per (segment, region, hint)
+        auto = self.protocol == "auto"
+        for task in tasks:
+            req = task.req
+            try:
+                if req.length <= 0:
+                    raise InvalidArgument(f"length must be > 0, got {req.length}")
+                local = self.memory.view(req.source, req.length)
+                seg = self.segment(req.target)
+                region = seg.region(req.target_offset, req.length)
+                pick = chosen.get((req.target, region.addr, req.transport))
+                if pick is None:
+                    route = Route(seg.desc, region, seg.same_host)
+                    pick = chosen[(req.target, region.addr, req.transport)] = _Choice(
+                        route, self.pick(req.transport, route))
+                route, t = pick
+            except KVPlaneError as exc:
+                status = TransferStatus.TIMEOUT if isinstance(exc, Timeout) else TransferStatus.FAILED
+                task.batch.fail(task, status, str(exc))
+                task.code = exc.code
+                continue
+            caps = t.capabilities
+            key = GroupKey(req.target, t.name, region.addr if caps.same_host_only else 0,
+                           req.transport is None and auto)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = Group(t, route, [])
+            size = self.slice_size if caps.sliced else max(req.length, 1)
+            slices = cut(task, local, req.target_offset, req.length, size)
+            task.batch.expect(task, len(slices))
+            group.slices.extend(slices)
+        return groups
+
+    def run(self, groups: dict[GroupKey, Group], deadline: Deadline, inline: bool) -> None:
+        """Run every group, in parallel on the executor (the first on this thread when
+        ``inline``); returns when all have finished."""
+        if not groups:
+            return
+        items = [(g, self._fallback(k, g)) for k, g in groups.items()]
+        first = 0 if inline else None
+        futs = [self.executor.submit(guarded, *g, deadline, fb)
+                for i, (g, fb) in enumerate(items) if i != first]
+        if first is not None:
+            g, fb = items[first]
+            guarded(*g, deadline, fb)
+        for f in futs:
+            f.result()
+
+    def _fallback(self, key: GroupKey, group: Group) -> Transport | None:
+        """Where a group chosen under protocol "auto" fails over to (the transport's own
+        ``Capabilities.fallbacks``); None for a group asked of one transport."""
+        return self.transports.fallback(group.transport, group.route) if key.auto else None

@@ -1,0 +1,148 @@
+"""The transport seam: what the engine asks of every way of moving bytes, and what it may ask.
+
+Owns the required plugin base (:class:`Transport`: ``can_reach``, ``run``, ``close``), the
+declared properties every transport carries (:class:`Capabilities`), the optional
+capabilities a transport may implement (runtime-checkable protocols: :class:`VectoredIO`,
+:class:`OneItemIO`, :class:`ControlChannel`, :class:`Prunable`) and the records passed
+across (:class:`Route`, :class:`TransportContext`). The engine discovers the optional ones
+once per transport (``kvplane.transfer.plugins.TransportSet``) and never names a transport.
+
+Imports only the batch, job and type records; never a transport module nor the engine.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from kvplane.common.deadline import Deadline
+from kvplane.transfer.batch import Slice
+from kvplane.transfer.jobs import Peer, PeerJob
+from kvplane.transfer.types import RegionDesc, SegmentDesc, TransferStatus
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """How the engine treats a transport's requests (declared by the transport class).
+
+    Attributes:
+        same_host_only: it needs the target on this host (its groups are kept per region).
+        priority: higher wins under protocol "auto".
+        any_protocol: chosen before the protocol's transport wherever it reaches (this
+            process's own memory: one memcpy, whatever the protocol says).
+        sliced: requests are cut into ``slice_size`` slices (pipelined over a stream);
+            False: one slice per request.
+        via_listener: its frames are served by the target's data listener, which checks
+            generations against its fence table (retired ones included) and tenant grants.
+        fallbacks: transports (registry names, in order) that slices it FAILED go to under
+            protocol "auto" (TENT-style failover); the first loaded one reaching the target.
+    """
+
+    same_host_only: bool = False
+    priority: int = 0
+    any_protocol: bool = False
+    sliced: bool = False
+    via_listener: bool = False
+    fallbacks: tuple[str, ...] = ()
+
+
+class Route(NamedTuple):
+    """Where one request goes: the target segment and the region holding the range."""
+
+    segment: SegmentDesc
+    region: RegionDesc
+    same_host: bool
+
+
+@dataclass(frozen=True)
+class TransportContext:
+    """What the engine hands every transport at construction."""
+
+    host_id: str
+    token: str
+    slice_size: int
+    streams: int
+    file_root: str
+    connect_timeout: float = 5.0
+    retries: int = 2
+    segment: str = ""  # this engine's own segment name
+
+
+class Transport(abc.ABC):
+    """Moves slices between local registered memory and one target segment (the required
+    protocol every plugin implements).
+
+    Implementations are thread-safe: ``run`` may be called from many threads at once.
+    """
+
+    name = "abstract"
+    capabilities = Capabilities()
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def can_reach(self, route: Route) -> bool:
+        """Cheap check: can this transport serve requests along ``route``? Never blocks."""
+
+    @abc.abstractmethod
+    def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
+        """Execute ``slices`` to ``route.segment``; blocks until each slice has reported.
+
+        Every slice must be finished through ``slice.done(status)`` by the time this returns:
+        COMPLETED, FAILED (peer gone, rejected) or TIMEOUT (``deadline`` passed). Never raises
+        for transfer failures; never blocks past ``deadline`` by more than one socket timeout.
+        """
+
+    def close(self) -> None:  # noqa: B027  (optional hook: most transports hold nothing)
+        """Release connections and mappings (idempotent)."""
+
+
+@runtime_checkable
+class VectoredIO(Protocol):
+    """Many items per peer with no per-slice bookkeeping (``read_many``/``write_many``)."""
+
+    def read_scatter(self, jobs: list[PeerJob], deadline: Deadline) -> None:
+        """Run READ-only jobs (one per peer); every entry ends with a status in ``job.status``:
+        COMPLETED, FAILED or TIMEOUT. Never raises for transfer failures."""
+
+    def write_gather(self, jobs: list[PeerJob], deadline: Deadline) -> None:
+        """Run WRITE-only jobs (``views`` are the sources), as :meth:`read_scatter`."""
+
+
+@runtime_checkable
+class OneItemIO(Protocol):
+    """One READ or WRITE with the least Python (``read_one``/``write_one``)."""
+
+    def read_one(self, peer: Peer, view: memoryview, remote: int, gen: int,
+                 deadline: Deadline) -> TransferStatus:
+        """Read ``len(view)`` bytes at ``remote`` into ``view``: COMPLETED, FAILED or TIMEOUT."""
+
+    def write_one(self, peer: Peer, view: memoryview, remote: int, gen: int,
+                  deadline: Deadline) -> TransferStatus:
+        """Write ``view`` to ``remote``: COMPLETED, FAILED or TIMEOUT."""
+
+
+@runtime_checkable
+class ControlChannel(Protocol):
+    """Requests to a peer's data listener that move no bytes: the P2P handshake, retiring
+    store generations (fences) and installing tenant grants. An engine needs one."""
+
+    def describe(self, peer: Peer, timeout: float) -> bytes:
+        """The peer's encoded segment descriptor. Raises Unavailable."""
+
+    def retire(self, peer: Peer, gens: list[int], timeout: float) -> None:
+        """Have the peer's listener refuse frames of ``gens``. Raises Unavailable."""
+
+    def grant(self, peer: Peer, blob: bytes, timeout: float) -> bytes:
+        """Install packed grants at the peer's listener; one status byte per grant (0: kept).
+        Raises Unavailable."""
+
+
+@runtime_checkable
+class Prunable(Protocol):
+    """Holds per-peer state (mappings) that a peer's exit makes stale."""
+
+    def prune(self) -> int:
+        """Drop the state of peers whose process has exited; returns how many."""
