@@ -13,13 +13,12 @@ from kvplane.common.errors import Conflict, InvalidArgument
 from kvplane.transfer.types import OpCode, TransferRequest, TransferStatus
 
 
-
 class Task:
     """One request's state inside a batch."""
 
     __slots__ = ("req", "status", "pending", "error", "code", "transferred", "batch")
 
-    def __init__(self, req: TransferRequest, batch: "Batch") -> None:
+    def __init__(self, req: TransferRequest, batch: Batch) -> None:
         self.req = req
         self.status = TransferStatus.WAITING
         self.pending = 0
@@ -108,7 +107,7 @@ class Batch:
         with self._lock:
             task.pending += slices
         if slices == 0:
-            self.finish_slice(task, TransferStatus.COMPLETED)
+            self.finish_slice(task, TransferStatus.COMPLETED, 0, "")
 
     def finish_slice(self, task: Task, status: TransferStatus, nbytes: int, error: str) -> None:
         """Fold one slice result into its task; fires callbacks when the batch completes."""
@@ -138,7 +137,7 @@ class Batch:
             task.pending = 1
         self.finish_slice(task, status, 0, error)
 
-    def on_done(self, cb: Callable[["Batch"], None]) -> None:
+    def on_done(self, cb: Callable[[Batch], None]) -> None:
         """Call ``cb(batch)`` when every task is terminal (at once if already so)."""
         with self._lock:
             self._callbacks.append(cb)

@@ -66,7 +66,7 @@ class EngineConfig:
             raise InvalidArgument("streams must be >= 1 and timeout > 0")
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "EngineConfig":
+    def from_env(cls, **overrides: Any) -> EngineConfig:
         """Defaults, then KVPLANE_* environment, then explicit ``overrides`` (which win)."""
         base = cls(
             timeout=envs.get("KVPLANE_TRANSFER_TIMEOUT"),

@@ -455,8 +455,12 @@ class TransferEngine:
         fut: asyncio.Future[None] = loop.create_future()
         bid = self.allocate_batch(max(1, len(requests)))
 
+        def settle() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
         def done(_: Batch) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+            loop.call_soon_threadsafe(settle)
 
         try:
             self.submit(bid, requests, timeout)
@@ -501,7 +505,7 @@ class TransferEngine:
             if r.fd >= 0:
                 os.close(r.fd)
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,7 +21,7 @@ from kvplane.transfer.batch import Batch
 from kvplane.transfer.engine_route import Router
 from kvplane.transfer.jobs import ItemLike, Peer, PeerJob, Span
 from kvplane.transfer.memory import MemoryTable, Region
-from kvplane.transfer.seam import Route, Transport, VectoredIO
+from kvplane.transfer.seam import Route, Transport
 from kvplane.transfer.segments import OpenSegment
 from kvplane.transfer.types import OpCode, RegionDesc, TransferRequest, TransferStatus
 

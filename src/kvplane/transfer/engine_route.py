@@ -82,11 +82,11 @@ class Router:
                 return t  # e.g. our own memory: one memcpy, whatever the protocol
         want = transport or self.protocol
         if want != "auto":
-            t = self.transports.by_name.get(want)
-            if t is None or not t.can_reach(route):
+            asked = self.transports.by_name.get(want)
+            if asked is None or not asked.can_reach(route):
                 raise InvalidArgument(f"transport {want!r} cannot reach segment "
                                       f"{route.segment.name!r} for this request")
-            return t
+            return asked
         for t in self.transports.ranked:
             if t.can_reach(route):
                 return t

@@ -39,7 +39,7 @@ def guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline,
     """
     if fallback is not None:
         shadows = [_Shadow(s) for s in slices]
-        guarded(t, route, shadows, deadline)  # type: ignore[arg-type]
+        guarded(t, route, shadows, deadline)  # type: ignore[arg-type]  # a _Shadow stands in for its Slice
         retry = [sh.orig for sh in shadows if sh.status == TransferStatus.FAILED and not deadline.expired()]
         for sh in shadows:
             if sh.status != TransferStatus.FAILED or deadline.expired():

@@ -146,7 +146,7 @@ class GrantTable:
         ``gens`` (always, for an exempt identity)."""
         if self.exempt(tenant):
             return True
-        table = self._by_tenant.get(tenant) or {}
+        table: dict[int, list[tuple[int, int, int, int]]] = self._by_tenant.get(tenant) or {}
         now = self._clock() * 1000
         for g in gens:
             if not any(m & RETIRE and now <= until for _, _, m, until in table.get(g, ())):

@@ -177,7 +177,7 @@ class ManagedBuffer:
         if self._mmap is None:
             return
         self._unlink()
-        self.array = None  # type: ignore[assignment]
+        self.array = None  # type: ignore[assignment]  # closed: a later use fails loudly
         mm, self._mmap = self._mmap, None
         try:
             mm.close()

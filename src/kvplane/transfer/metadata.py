@@ -31,7 +31,10 @@ CONNECT_ATTEMPT = 1.0  # HTTP metadata: the longest single connect, seconds
 
 
 class MetadataBackend(abc.ABC):
-    """A small key -> UTF-8 text store (descriptors are JSON). Methods block for at most ``timeout`` seconds, any thread."""
+    """A small key -> UTF-8 text store (descriptors are JSON).
+
+    Methods block for at most ``timeout`` seconds, from any thread.
+    """
 
     name = "abstract"
 
@@ -47,7 +50,7 @@ class MetadataBackend(abc.ABC):
     def delete(self, key: str, timeout: float = 5.0) -> None:
         """Remove ``key`` (absent is fine). Raises Unavailable."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional hook: most backends hold nothing)
         """Release connections (idempotent)."""
 
     def _count(self, op: str) -> None:
@@ -199,7 +202,7 @@ class RedisMetadata(MetadataBackend):
             raise Unavailable(f"redis {op}: {exc}") from exc
 
     def get(self, key: str, timeout: float = 5.0) -> bytes | None:
-        return self._wrap("get", self._redis.get, key)  # type: ignore[no-any-return]
+        return self._wrap("get", self._redis.get, key)  # type: ignore[no-any-return]  # redis-py types get() as Any
 
     def put(self, key: str, value: bytes, timeout: float = 5.0) -> None:
         self._wrap("put", self._redis.set, key, value)
@@ -242,4 +245,4 @@ def open_metadata(conn: str, token: str = "") -> MetadataBackend | None:
 
         host, port = parse_hostport(rest.split("/")[0].split(",")[0], 2379)
         return EtcdMetadata(host, port)
-    return cls(conn)  # type: ignore[call-arg]
+    return cls(conn)  # type: ignore[call-arg]  # the registered backends take the address; the ABC does not say so

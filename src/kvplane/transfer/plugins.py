@@ -16,7 +16,14 @@ from collections.abc import Iterable
 from kvplane.common.errors import InvalidArgument
 from kvplane.common.registry import Registry
 from kvplane.transfer.seam import (
-    Capabilities, ControlChannel, OneItemIO, Prunable, Route, Transport, TransportContext, VectoredIO,
+    Capabilities,
+    ControlChannel,
+    OneItemIO,
+    Prunable,
+    Route,
+    Transport,
+    TransportContext,
+    VectoredIO,
 )
 
 TRANSPORTS: Registry[Transport] = Registry("transport")

@@ -3,7 +3,8 @@
 Request (40 bytes, little endian): magic u32, version u8, op u8, flags u16, id u64, addr u64,
 length u64, gen u64. ``gen`` is the store allocation's generation (0: unfenced; see
 ``kvplane.transfer.fence``): the listener refuses a READ or WRITE whose generation was fenced or
-belongs to another master epoch. A WRITE is followed by ``length`` payload bytes; HELLO by a ``length``-byte token.
+belongs to another master epoch. A WRITE is followed by ``length`` payload bytes; HELLO by a
+``length``-byte token.
 Response (24 bytes): magic u32, status i32 (0 ok, else a kvplane error code), id u64, length
 u64, followed by ``length`` bytes (READ data, a DESCRIBE descriptor, or an error message).
 
@@ -39,7 +40,9 @@ import socket
 import struct
 
 from kvplane.common.errors import ProtocolError, Unavailable
-from kvplane.common.sockets import recv_exact, recv_spin, set_io_timeout  # noqa: F401 (re-exported)
+from kvplane.common.sockets import recv_exact as recv_exact  # re-exported: the wire helpers
+from kvplane.common.sockets import recv_spin as recv_spin
+from kvplane.common.sockets import set_io_timeout as set_io_timeout
 
 MAGIC = 0x4C50564B  # "KVPL"
 RESP_MAGIC = 0x5250564B  # "KVPR"

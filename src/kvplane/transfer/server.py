@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable
 
 from kvplane.common import metrics
+from kvplane.common.errors import Fenced, KVPlaneError, ProtocolError, Unauthorized
 from kvplane.common.guard import Limits, PeerLog
 from kvplane.common.listener import Listener
-from kvplane.common.errors import Fenced, KVPlaneError, ProtocolError, Unauthorized
-from kvplane.transfer import grants as grant_mod, protocol
+from kvplane.transfer import grants as grant_mod
+from kvplane.transfer import protocol
 from kvplane.transfer.fence import Fence
 from kvplane.transfer.memory import MemoryTable, Region
 
@@ -236,7 +237,8 @@ class DataServer:
             _sendfile(conn, region, addr - region.addr, length)
             return
         off = addr - region.addr
-        protocol.send_all(conn, [protocol.pack_resp(0, rid, length), region.view[off:off + length]])  # type: ignore[index]
+        protocol.send_all(conn, [protocol.pack_resp(0, rid, length),
+                                 region.view[off:off + length]])  # type: ignore[index]  # file regions returned above
 
     def _readv(self, conn: socket.socket, rid: int, count: int, length: int,
                tid: bytes | None = None) -> None:
@@ -261,11 +263,12 @@ class DataServer:
         codes: list[int] = []
         parts: list[bytes | memoryview] = []
         total = 0
-        region = None
+        region: Region | None = None
         lo = hi = 0  # the bounds of ``region`` (the entries of one frame mostly share one)
-        view = None
+        fd = -1
+        view: memoryview | None = None
         limit = self.max_frame
-        for addr, n, gen, ok in zip(rows[0::3], rows[1::3], rows[2::3], admitted):
+        for addr, n, _gen, ok in zip(rows[0::3], rows[1::3], rows[2::3], admitted):
             if n > limit:
                 self._check_length(n)
             if not (lo <= addr and addr + n <= hi) or view is None:
@@ -274,15 +277,14 @@ class DataServer:
                 except KVPlaneError as exc:
                     codes.append(exc.code)
                     continue
-                lo, hi, view = region.addr, region.end, region.view
+                lo, hi, view, fd = region.addr, region.end, region.view, region.fd
                 if region.kind == "file":
                     view = None
             if not ok:
                 codes.append(refused)
                 continue
             off = addr - lo
-            parts.append(region.view[off:off + n] if view is not None  # type: ignore[union-attr]
-                         else os.pread(region.fd, n, off))  # type: ignore[union-attr]
+            parts.append(view[off:off + n] if view is not None else os.pread(fd, n, off))
             codes.append(0)
             total += n
         self._check_length(total)
@@ -324,7 +326,7 @@ class DataServer:
             if region.kind == "file":
                 _recv_to_file(conn, region, off, length)
             else:
-                protocol.recv_exact(conn, region.view[off:off + length])  # type: ignore[index]
+                protocol.recv_exact(conn, region.view[off:off + length])  # type: ignore[index]  # not a file region: it has a view
         finally:
             self.fence.end_write(gen)
         conn.sendall(protocol.pack_resp(0, rid, 0))
@@ -390,7 +392,7 @@ class DataServer:
                     files.append((region, off, buf))
                     views.append(memoryview(buf))
                 else:
-                    views.append(region.view[off:off + n])  # type: ignore[index]
+                    views.append(region.view[off:off + n])  # type: ignore[index]  # not a file region: it has a view
             protocol.recv_scatter(conn, views)
             for file_region, off, buf in files:
                 os.pwrite(file_region.fd, buf, off)

@@ -8,7 +8,14 @@ module under ``kvplane.transfer.transports``).
 from __future__ import annotations
 
 from kvplane.transfer.seam import (
-    Capabilities, ControlChannel, OneItemIO, Prunable, Route, Transport, TransportContext, VectoredIO,
+    Capabilities,
+    ControlChannel,
+    OneItemIO,
+    Prunable,
+    Route,
+    Transport,
+    TransportContext,
+    VectoredIO,
 )
 
 __all__ = ["Capabilities", "ControlChannel", "OneItemIO", "Prunable", "Route", "Transport",

@@ -19,7 +19,6 @@ from kvplane.transfer.seam import Capabilities, Route, Transport, TransportConte
 from kvplane.transfer.types import OpCode, TransferStatus
 
 
-
 class FileTransport(Transport):
     """``os.preadv``/``os.pwritev`` between a same-host file segment and registered memory."""
 

@@ -18,7 +18,6 @@ from kvplane.transfer.seam import Capabilities, Route, Transport
 from kvplane.transfer.types import OpCode, TransferStatus
 
 
-
 class LocalTransport(Transport):
     """memcpy between two registered regions of this process."""
 

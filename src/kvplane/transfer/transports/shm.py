@@ -10,10 +10,11 @@ it fail (the engine then tries TCP, which is refused) instead of landing in a de
 memory, and the mapping is dropped, so dead segments cost no memory (``prune`` drops every
 dead one). In a ``fenced`` region (a store segment) a slice's generation is checked against the
 owner's fence floor, published in the region's first 8 bytes, before and after the copy: a
-writer holding an allocation of a deposed master or of an older mount is refused. A slice that carries a store generation is checked against its deadline before
-and after the copy: no server mediates here, so a copy that finished past the allocation's
-window is reported TIMEOUT, never COMPLETED (the master keeps freed space out of reuse until
-every window granted on it has passed).
+writer holding an allocation of a deposed master or of an older mount is refused. A slice that
+carries a store generation is checked against its deadline before and after the copy: no
+server mediates here, so a copy that finished past the allocation's window is reported
+TIMEOUT, never COMPLETED (the master keeps freed space out of reuse until every window granted
+on it has passed).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class Conn:
         self.alive = True
 
     @classmethod
-    def open(cls, host: str, port: int, token: str, timeout: float) -> "Conn":
+    def open(cls, host: str, port: int, token: str, timeout: float) -> Conn:
         """Connect to ``host:port`` and, when ``token`` is set, say HELLO with it.
 
         Raises:
@@ -238,7 +238,7 @@ class Conn:
         """
         status, length = self.read_resp(rid)
         if status:  # the whole frame was refused
-            return [status] * len(views), str(self.read_error(status, length))
+            return [status] * len(lengths), str(self.read_error(status, length))
         raw = bytearray(4 * len(lengths))
         protocol.recv_exact(self.sock, memoryview(raw))
         codes = list(struct.unpack(f"<{len(lengths)}i", raw))
