@@ -133,3 +133,62 @@ def test_importing_the_store_client_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=30, check=True).stdout.strip()
     assert out == "[]"
+
+
+# -- transfer: the engine knows transports only through the seam (issue 29) --------------------
+ENGINE_MODULES = sorted(m for m in MODULES if m.rsplit(".", 1)[-1].startswith("engine")
+                        and within(m, "kvplane.transfer"))
+
+
+def transport_imports(importer: str, imported: set[str]) -> list[str]:
+    """The imports of ``importer`` (a ``kvplane.transfer.engine*`` module) that reach a
+    transport module: the engine must go through ``kvplane.transfer.seam`` and
+    ``kvplane.transfer.plugins``, so a new transport needs no engine change."""
+    if not (within(importer, "kvplane.transfer")
+            and importer.rsplit(".", 1)[-1].startswith("engine")):
+        return []
+    return [f"{importer} imports {mod}: the engine must not import a transport module"
+            for mod in sorted(imported) if within(mod, "kvplane.transfer.transports")]
+
+
+def test_engine_transport_rule_catches_a_forbidden_edge():
+    """The rule itself can fail: made-up engine -> transport edges are reported."""
+    assert transport_imports("kvplane.transfer.engine", {"kvplane.transfer.transports.tcp"})
+    assert transport_imports("kvplane.transfer.engine_items",
+                             {"kvplane.transfer.transports.tcp.TcpTransport"})
+    assert transport_imports("kvplane.transfer.engine_route", {"kvplane.transfer.transports"})
+    assert not transport_imports("kvplane.transfer.engine", {"kvplane.transfer.seam"})
+    assert not transport_imports("kvplane.transfer.plugins", {"kvplane.transfer.transports.tcp"})
+    assert "kvplane.transfer.engine" in ENGINE_MODULES and len(ENGINE_MODULES) >= 3
+
+
+@pytest.mark.parametrize("module", ENGINE_MODULES)
+def test_engine_imports_no_transport_module(module):
+    assert transport_imports(module, imports_of(MODULES[module])) == []
+
+
+def transport_names(source: str) -> list[str]:
+    """The registry names of built-in transports that ``source`` spells as string constants
+    (docstrings aside)."""
+    names = {"tcp", "shm", "file", "local"}
+    tree = ast.parse(source)
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and id(n) not in docs and n.value in names]
+
+
+def test_transport_name_rule_catches_a_named_transport():
+    """The rule itself can fail: code that picks a transport by name is reported."""
+    assert transport_names('def f(ts):\n    """Uses tcp."""\n    return ts["tcp"]\n') == ["tcp"]
+    assert transport_names('def f():\n    """tcp"""\n    return 1\n') == []
+
+
+@pytest.mark.parametrize("module", ENGINE_MODULES)
+def test_engine_names_no_transport(module):
+    """No registry name of a built-in transport appears as a string in the engine's code:
+    choices go by capability and the transports' own preferences, not by name."""
+    found = transport_names(MODULES[module].read_text(encoding="utf-8"))
+    assert found == [], f"{module} names transports {found}"

@@ -38,7 +38,14 @@ from kvplane.transfer.plugins import TransportSet
 from kvplane.transfer.seam import ControlChannel, Route, Transport, TransportContext
 from kvplane.transfer.segments import OpenSegment, check_name, decode_desc, encode_desc, host_identity
 from kvplane.transfer.server import DataServer
-from kvplane.transfer.types import OpCode, SegmentDesc, TaskStatus, TransferRequest, TransferStatus
+from kvplane.transfer.types import (
+    OpCode,
+    RegionKind,
+    SegmentDesc,
+    TaskStatus,
+    TransferRequest,
+    TransferStatus,
+)
 
 log = logging.getLogger(__name__)
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
@@ -195,7 +202,7 @@ class TransferEngine:
         never pays the first-touch cost). ``fenced``: the first 8 bytes become this engine's
         fence word (the floor same-host writers check; the caller must not use them)."""
         buf = ManagedBuffer(length, populate)
-        self.memory.add(Region(buf.addr, length, view_at(buf.addr, length), kind="shm",
+        self.memory.add(Region(buf.addr, length, view_at(buf.addr, length), kind=RegionKind.SHM,
                                shm=buf.name, keep=buf, fenced=fenced))
         if fenced:
             self.fence.attach(view_at(buf.addr, 8))
@@ -231,7 +238,7 @@ class TransferEngine:
         try:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
-            region = self.memory.add(Region(self.memory.next_file_base(), size, None, kind="file",
+            region = self.memory.add(Region(self.memory.next_file_base(), size, None, kind=RegionKind.FILE,
                                             path=path, fd=fd))
         except BaseException:
             os.close(fd)

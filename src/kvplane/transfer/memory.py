@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvplane.common.errors import AddressNotRegistered, Conflict, InvalidArgument, NotFound
-from kvplane.transfer.types import RegionDesc
+from kvplane.transfer.types import RegionDesc, RegionKind
 
 FILE_BASE = 0x7E00_0000_0000_0000  # synthetic address space for file-backed regions
 FILE_STRIDE = 1 << 44
@@ -33,7 +33,7 @@ class Region:
     addr: int
     length: int
     view: memoryview | None
-    kind: str = "mem"
+    kind: str = RegionKind.MEM  # a RegionKind value
     shm: str = ""
     path: str = ""
     fd: int = -1

@@ -36,6 +36,14 @@ class TransferStatus(enum.IntEnum):
         return self not in (TransferStatus.WAITING, TransferStatus.PENDING)
 
 
+class RegionKind(enum.StrEnum):
+    """What backs a registered region (a ``str``: descriptors carry the plain value)."""
+
+    MEM = "mem"  # process memory: TCP, or same-host cross-memory attach
+    SHM = "shm"  # POSIX shared memory that same-host peers map
+    FILE = "file"  # a file under the owner's file root (offsets map onto the file)
+
+
 class TaskStatus(NamedTuple):
     """Where one request of a batch stands (``TransferEngine.status``)."""
 
@@ -82,7 +90,7 @@ class RegionDesc(msgspec.Struct, frozen=True):
 
     addr: int
     length: int
-    kind: str = "mem"
+    kind: str = RegionKind.MEM  # a RegionKind value (plain str on the wire)
     shm: str = ""
     path: str = ""
     file_id: str = ""
