@@ -17,8 +17,8 @@ from kvplane.common.errors import AddressNotRegistered, ProtocolError, Timeout, 
 from kvplane.testing.fake_data_socket import FakeDataPeer
 from kvplane.testing.faults import FaultKind, FaultPlan
 from kvplane.transfer.batch import Batch, Slice
-from kvplane.transfer.transports.base import Route, TransportContext
 from kvplane.transfer.jobs import PeerJob, Span
+from kvplane.transfer.transports.base import Route, TransportContext
 from kvplane.transfer.transports.tcp import TcpTransport
 from kvplane.transfer.transports.tcp_conn import WINDOW, Broken, Conn
 from kvplane.transfer.types import OpCode, RegionDesc, SegmentDesc, TransferRequest, TransferStatus
