@@ -104,18 +104,23 @@ class TransferEngine:
         self._closed = False
         self._republisher: threading.Thread | None = None
         if self._meta is not None:
-            try:
-                self.publish()
-            except BaseException:
-                self._closed = True
-                self._abort_start()
-                self._exec.shutdown(wait=True)
-                self._meta.close()
-                raise
-            self._republisher = threading.Thread(target=self._republish_loop, daemon=True,
-                                                 name=f"te-republish-{self.port}")
-            self._republisher.start()
+            self._start_publishing(self._meta)
         klog.event("engine_started", segment=self.name, port=self.port, metadata=cfg.metadata)
+
+    def _start_publishing(self, meta: MetadataBackend) -> None:
+        """Publish the descriptor and start the republisher; a failed first publish undoes
+        the whole start (listener, transports, executor, backend)."""
+        try:
+            self.publish()
+        except BaseException:
+            self._closed = True
+            self._abort_start()
+            self._exec.shutdown(wait=True)
+            meta.close()
+            raise
+        self._republisher = threading.Thread(target=self._republish_loop, daemon=True,
+                                             name=f"te-republish-{self.port}")
+        self._republisher.start()
 
     def _open_transports(self, cfg: EngineConfig) -> TransportSet:
         """Load ``cfg.transports`` (InvalidArgument: none has a control channel)."""
