@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 READ, WRITE, RETIRE = 1, 2, 4
 HEAD = struct.Struct("<QQQQB7x")  # gen, base, span, until (ms since the epoch), mode
@@ -62,6 +63,23 @@ class _Segment:
     key: bytes
 
 
+class MountedSegment(NamedTuple):
+    """A store segment a listener checks grants for (``GrantTable.mounted``)."""
+
+    name: str
+    base: int
+    size: int
+
+
+class Held(NamedTuple):
+    """One installed grant: ``mode`` on ``[lo, hi)`` until ``until`` (ms since the epoch)."""
+
+    lo: int
+    hi: int
+    mode: int
+    until: float
+
+
 class GrantTable:
     """The grants one data listener holds, per tenant. Thread-safe.
 
@@ -80,11 +98,11 @@ class GrantTable:
         self._clock = clock
         self._segments: tuple[_Segment, ...] = ()
         self._tenants: frozenset[bytes] | None = None  # None: not mounted yet
-        self._by_tenant: dict[bytes, OrderedDict[int, list[tuple[int, int, int, int]]]] = {}
+        self._by_tenant: dict[bytes, OrderedDict[int, list[Held]]] = {}
         self.refused = 0  # frames refused for want of a grant
         self.bad = 0  # grants that failed to install
 
-    def mounted(self, secret: bytes, segments: list[tuple[str, int, int]],
+    def mounted(self, secret: bytes, segments: list[MountedSegment] | list[tuple[str, int, int]],
                 tenants: list[bytes]) -> None:
         """Check grants for ``segments`` (name, base, size) with the master's ``secret``;
         ``tenants``: the identities of the master's tenants."""
@@ -119,8 +137,8 @@ class GrantTable:
             return EXPIRED
         with self._lock:
             table = self._by_tenant.setdefault(tenant, OrderedDict())
-            entries = [e for e in table.pop(gen, ()) if e[3] >= now][-(PER_GEN - 1):]
-            table[gen] = entries + [(base, base + span, mode, until)]
+            entries = [e for e in table.pop(gen, []) if e.until >= now][-(PER_GEN - 1):]
+            table[gen] = entries + [Held(base, base + span, mode, until)]
             while len(table) > self._keep:
                 table.popitem(last=False)
         return OK
@@ -146,7 +164,7 @@ class GrantTable:
         ``gens`` (always, for an exempt identity)."""
         if self.exempt(tenant):
             return True
-        table: dict[int, list[tuple[int, int, int, int]]] = self._by_tenant.get(tenant) or {}
+        table: dict[int, list[Held]] = self._by_tenant.get(tenant) or {}
         now = self._clock() * 1000
         for g in gens:
             if not any(m & RETIRE and now <= until for _, _, m, until in table.get(g, ())):
