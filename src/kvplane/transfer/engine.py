@@ -311,8 +311,7 @@ class TransferEngine:
         if seg.name == self.name:
             self.fence.retire(gens)
             return
-        self._listener(seg, "retire generations").retire(Peer(seg.desc.host, seg.desc.port),
-                                                         gens, timeout)
+        self._listener(seg, "retire generations").retire(seg.peer, gens, timeout)
 
     def _listener(self, seg: OpenSegment, what: str) -> ControlChannel:
         """The control channel, to reach ``seg``'s listener (Unavailable: it has none)."""
@@ -330,7 +329,7 @@ class TransferEngine:
         """
         seg = self.segment(handle)
         return self._listener(seg, "install grants").grant(
-            Peer(seg.desc.host, seg.desc.port), blob, timeout)
+            seg.peer, blob, timeout)
 
     def via_listener(self, handle: int, remote: int, length: int) -> bool:
         """True when a READ of ``[remote, remote+length)`` in segment ``handle`` goes through

@@ -19,7 +19,7 @@ from kvplane.common.deadline import Deadline
 from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.transfer.batch import Batch
 from kvplane.transfer.engine_route import Router
-from kvplane.transfer.jobs import ItemLike, Peer, PeerJob, Span
+from kvplane.transfer.jobs import ItemLike, PeerJob, Span
 from kvplane.transfer.memory import MemoryTable, Region
 from kvplane.transfer.seam import Route, Transport
 from kvplane.transfer.segments import OpenSegment
@@ -70,7 +70,7 @@ class ItemPaths:
                 fast = view = None
             if fast is not None and view is not None:
                 go = fast.read_one if op == OpCode.READ else fast.write_one
-                st = go(Peer(seg.desc.host, seg.desc.port), view, remote, gen, deadline)
+                st = go(seg.peer, view, remote, gen, deadline)
                 count({(op, st): 1}, {op: length if st == TransferStatus.COMPLETED else 0})
                 return st
         return self.many(op, [item], deadline)[0]
@@ -151,7 +151,7 @@ class ItemPaths:
         """The job of those ``items`` (all for ``seg``) that one vectored transport serves,
         item by item, and their positions in ``items`` (the others go through ``transfer``);
         None when it serves none."""
-        job = PeerJob(Peer(seg.desc.host, seg.desc.port), [], [], [], [])
+        job = PeerJob(seg.peer, [], [], [], [])
         local_views: list[memoryview] = []
         job.views = local_views
         taken: list[int] = []
@@ -200,7 +200,7 @@ class ItemPaths:
         if t is None or local.view is None:
             return None
         base = local.addr
-        return t, PeerJob(Peer(seg.desc.host, seg.desc.port), rems, lens, [it[4] for it in items],
+        return t, PeerJob(seg.peer, rems, lens, [it[4] for it in items],
                           Span(local.view, [a - base for a in locs], lens))
 
 

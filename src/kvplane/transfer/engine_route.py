@@ -24,23 +24,20 @@ from kvplane.transfer.seam import Route, Transport
 from kvplane.transfer.segments import OpenSegment
 from kvplane.transfer.types import TransferStatus
 
-
-class GroupKey(NamedTuple):
-    """What the slices of one group share: target handle, transport, region (for a same-host
-    transport, else 0), and whether the transport was chosen under protocol "auto"."""
-
-    target: int
-    transport: str
-    region: int
-    auto: bool
+GroupKey = tuple[int, str, int, bool]
+"""What the slices of one group share: target handle, transport name, region (for a same-host
+transport, else 0), and whether the transport was chosen under protocol "auto". A plain tuple:
+one is built per request, and a NamedTuple costs several times a tuple to build."""
 
 
 class Group(NamedTuple):
-    """The slices one transport runs along one route, in one call."""
+    """The slices one transport runs along one route, in one call; ``auto``: chosen under
+    protocol "auto" (then the transport's fallbacks apply)."""
 
     transport: Transport
     route: Route
     slices: list[Slice]
+    auto: bool
 
 
 class _Choice(NamedTuple):
@@ -118,11 +115,11 @@ class Router:
                 task.code = exc.code
                 continue
             caps = t.capabilities
-            key = GroupKey(req.target, t.name, region.addr if caps.same_host_only else 0,
-                           req.transport is None and auto)
+            chosen_auto = req.transport is None and auto
+            key = (req.target, t.name, region.addr if caps.same_host_only else 0, chosen_auto)
             group = groups.get(key)
             if group is None:
-                group = groups[key] = Group(t, route, [])
+                group = groups[key] = Group(t, route, [], chosen_auto)
             size = self.slice_size if caps.sliced else max(req.length, 1)
             slices = cut(task, local, req.target_offset, req.length, size)
             task.batch.expect(task, len(slices))
@@ -134,17 +131,17 @@ class Router:
         ``inline``); returns when all have finished."""
         if not groups:
             return
-        items = [(g, self._fallback(k, g)) for k, g in groups.items()]
+        items = [(g, self._fallback(g)) for g in groups.values()]
         first = 0 if inline else None
-        futs = [self.executor.submit(guarded, *g, deadline, fb)
+        futs = [self.executor.submit(guarded, g.transport, g.route, g.slices, deadline, fb)
                 for i, (g, fb) in enumerate(items) if i != first]
         if first is not None:
             g, fb = items[first]
-            guarded(*g, deadline, fb)
+            guarded(g.transport, g.route, g.slices, deadline, fb)
         for f in futs:
             f.result()
 
-    def _fallback(self, key: GroupKey, group: Group) -> Transport | None:
+    def _fallback(self, group: Group) -> Transport | None:
         """Where a group chosen under protocol "auto" fails over to (the transport's own
         ``Capabilities.fallbacks``); None for a group asked of one transport."""
-        return self.transports.fallback(group.transport, group.route) if key.auto else None
+        return self.transports.fallback(group.transport, group.route) if group.auto else None

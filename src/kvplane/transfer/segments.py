@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvplane.common.errors import AddressNotRegistered, InvalidArgument, ProtocolError
+from kvplane.transfer.jobs import Peer
 from kvplane.transfer.types import RegionDesc, SegmentDesc
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:\-\[\]@/]{1,255}")
@@ -60,6 +61,7 @@ class OpenSegment:
     name: str
     desc: SegmentDesc
     same_host: bool
+    peer: Peer = Peer("", 0)  # the listener's address (set from ``desc``)
     _starts: list[int] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -73,6 +75,7 @@ class OpenSegment:
             self.desc = SegmentDesc(desc.name, desc.host, desc.port, desc.host_id, desc.pid,
                                     desc.transports, regions, desc.version)
             self._starts = [r.addr for r in regions]
+            self.peer = Peer(desc.host, desc.port)
 
     def region(self, addr: int, length: int) -> RegionDesc:
         """The published region holding [addr, addr+length).
