@@ -12,8 +12,7 @@ import pytest
 from kvplane.testing import spawn_target
 from kvplane.testing.services import wait_until
 from kvplane.testing.target import pattern
-from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
-from kvplane.transfer import protocol
+from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus, protocol
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 MB = 1 << 20
@@ -40,7 +39,8 @@ def test_kill9_target_mid_batch_fails_within_timeout(engine):
         elapsed = time.monotonic() - t0
         assert all(s.done for s in statuses), statuses
         assert elapsed < 10.5
-        assert TransferStatus.FAILED in statuses or TransferStatus.TIMEOUT in statuses  # the dead peer shows up
+        # the dead peer shows up
+        assert TransferStatus.FAILED in statuses or TransferStatus.TIMEOUT in statuses
         errors = [e for e in engine.errors(bid) if e]
         assert errors and all(isinstance(e, str) for e in errors)
         engine.free_batch(bid)
@@ -50,8 +50,9 @@ def test_kill9_target_mid_batch_fails_within_timeout(engine):
         assert np.array_equal(local[:4 * MB], pattern(4 * MB))
         # and new transfers to the dead one fail fast (connection refused), not hang
         t1 = time.monotonic()
-        assert engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
-                                                victim.info["addr"], MB)], timeout=5) == [TransferStatus.FAILED]
+        got = engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
+                                               victim.info["addr"], MB)], timeout=5)
+        assert got == [TransferStatus.FAILED]
         assert time.monotonic() - t1 < 5
 
 

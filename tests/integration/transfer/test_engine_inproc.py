@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvplane.common.errors import InvalidArgument, NotFound, Unauthorized
+from kvplane.common.errors import AddressNotRegistered, InvalidArgument, NotFound, Unauthorized
 from kvplane.testing.services import wait_until
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from kvplane.transfer.metadata import open_metadata
@@ -183,7 +183,7 @@ def test_own_segment_is_a_memcpy_even_under_tcp():
         seg = te.open_segment(te.name)
         te.write(seg, a.ctypes.data, b.ctypes.data, MB)
         assert np.array_equal(a, b) and te._server.frames == 0
-        with pytest.raises(Exception):
+        with pytest.raises(AddressNotRegistered):
             te.write(seg, a.ctypes.data, b.ctypes.data + 10, MB)  # still bounds-checked
 
 
