@@ -1,8 +1,9 @@
-"""Copy and move tasks (Mooncake's CreateCopyTask / CreateMoveTask / QueryTask) on MasterState.
+"""Copy and move tasks (Mooncake's CreateCopyTask / CreateMoveTask / QueryTask) on the object table.
 
-Pure bookkeeping: no I/O, no threads, no clock reads (``now`` monotonic seconds and ``wall_ms``
-come from the caller). The master holds no bytes, so a task is carried out by a client, the
-*runner* (here: the client that created it), in three steps:
+A service of the master's ``ObjectTable`` (``table.py``): it must not import the state, an RPC
+module or the server. Pure bookkeeping: no I/O, no threads, no clock reads (``now`` monotonic
+seconds and ``wall_ms`` come from the caller). The master holds no bytes, so a task is carried
+out by a client, the *runner* (here: the client that created it), in three steps:
 
 1. ``create``: checks the key and segments (-704 OBJECT_NOT_FOUND, -600 INVALID_PARAMS for an
    unknown segment, a move onto its own source, or a source without a replica) and queues the
@@ -24,14 +25,11 @@ import itertools
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvplane.store import inventory
 from kvplane.store.errors import InvalidParams, ObjectNotFound
+from kvplane.store.master.table import Obj, ObjectTable, Rep
 from kvplane.store.replica_types import TaskId, TaskInfo, TaskWork
-
-if TYPE_CHECKING:
-    from kvplane.store.master.state import MasterState, Obj
 
 TASK_NOT_FOUND = -1400
 TASK_PENDING_LIMIT_EXCEEDED = -1401
@@ -51,16 +49,16 @@ class Task:
     status: str = "PENDING"
     message: str = ""
     size: int = 0
-    allocated: list[tuple[str, int, int]] = field(default_factory=list)  # (segment, offset, gen)
+    allocated: list[Rep] = field(default_factory=list)  # target allocations
 
 
 class Tasks:
     """The task table of one master. The caller holds the state lock around every call."""
 
-    def __init__(self, state: "MasterState", max_pending: int = 10000,
+    def __init__(self, table: ObjectTable, max_pending: int = 10000,
                  max_finished: int = 10000, pending_timeout: float = 300.0,
                  processing_timeout: float = 300.0) -> None:
-        self._st = state
+        self._st = table
         self.max_pending, self.max_finished = max_pending, max_finished
         self.pending_timeout, self.processing_timeout = pending_timeout, processing_timeout
         self.tasks: OrderedDict[tuple[int, int], Task] = OrderedDict()
@@ -93,7 +91,7 @@ class Tasks:
         if any(t not in self._st.segments for t in targets):
             return InvalidParams.code
         if kind == "move":
-            holders = {r[0] for r in obj.replicas}
+            holders = {r.segment for r in obj.replicas}
             if len(targets) != 1 or source == targets[0] or source not in holders:
                 return InvalidParams.code
         return 0
@@ -111,10 +109,10 @@ class Tasks:
         if obj is None or not obj.complete:
             self._fail(task, "object is gone", wall_ms)
             return TaskWork(ObjectNotFound.code)
-        if task.kind == "move" and task.source not in {r[0] for r in obj.replicas}:
+        if task.kind == "move" and task.source not in {r.segment for r in obj.replicas}:
             self._fail(task, "source replica is gone", wall_ms)
             return TaskWork(InvalidParams.code)
-        holders = {r[0] for r in obj.replicas}
+        holders = {r.segment for r in obj.replicas}
         task.size = obj.hdr + obj.size  # the whole allocation (fences and frees)
         for name in task.targets:
             seg = st.segments.get(name)
@@ -125,12 +123,12 @@ class Tasks:
                 self._free(task)
                 self._fail(task, "NO_AVAILABLE_HANDLE: no room on " + name, wall_ms)
                 return TaskWork(-200)
-            task.allocated.append((name, off, st._gen()))  # the runner's frames carry it
+            task.allocated.append(Rep(name, off, st.new_generation()))  # the runner's frames carry it
         task.status, task.updated_ms, task.since = "PROCESSING", wall_ms, now
         task.client_id = client_id
         obj.lease_until = max(obj.lease_until, now + self.processing_timeout)
         sources = obj.replicas_of(st.segments, [r for r in obj.replicas
-                                                if task.kind == "copy" or r[0] == task.source])
+                                                if task.kind == "copy" or r.segment == task.source])
         targets = obj.replicas_of(st.segments, task.allocated)
         headers = [inventory.pack(st.secret, task.key, g, obj.version, obj.size, obj.checksum,
                                   obj.want, obj.flags) if obj.hdr else b"" for _s, _o, g in
@@ -157,7 +155,7 @@ class Tasks:
             self._free(task)
             self._fail(task, "object removed during the task", wall_ms)
             return 0
-        obj.replicas += tuple(a for a in done if a[0] in st.segments)
+        obj.replicas += tuple(a for a in done if a.segment in st.segments)
         obj.want = max(obj.want, len(obj.replicas) - (task.kind == "move"))  # repairs keep them
         # the task's protection ends with it; a reader's lease taken meanwhile is kept
         obj.lease_until = min(obj.lease_until, now + st.config.lease_ttl)
@@ -172,7 +170,7 @@ class Tasks:
         self._prune()
         return 0
 
-    def _drop_source(self, obj: "Obj", source: str, now: float) -> None:
+    def _drop_source(self, obj: Obj, source: str, now: float) -> None:
         """Take the source replica out of ``obj``; a reader inside its lease may still be
         copying from it, so its space waits for the lease like a removed object's."""
         self._st.drop_replicas(obj, {source}, now)
@@ -190,7 +188,7 @@ class Tasks:
         n = 0
         for task in self.tasks.values():  # allocations on segments that went, went with them
             if task.allocated:
-                task.allocated = [a for a in task.allocated if a[0] in self._st.segments]
+                task.allocated = [a for a in task.allocated if a.segment in self._st.segments]
         for task in list(self.tasks.values()):
             limit = {"PENDING": self.pending_timeout,
                      "PROCESSING": self.processing_timeout}.get(task.status)
@@ -203,7 +201,7 @@ class Tasks:
     def drop_segment(self, name: str) -> None:
         """Segment ``name`` went away: its allocations went with it."""
         for task in self.tasks.values():
-            task.allocated = [a for a in task.allocated if a[0] != name]
+            task.allocated = [a for a in task.allocated if a.segment != name]
 
     def _free(self, task: Task, now: float | None = None) -> None:
         """Give a task's target space back: at once when its runner is not writing (never
