@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.inventory import FLAG_HARD_PIN, Record
-from kvplane.store.master.table import Obj, ObjectTable, Rep, Segment
+from kvplane.store.master.table import Obj, ObjectTable, Segment
 from kvplane.transfer.fence import COUNTER_MASK, epoch_of
 
 FORGETS_PER_PING = 4096
@@ -151,12 +151,12 @@ class Adoption:
             return 0
         gen = st.new_generation()
         if obj is not None and obj.complete and obj.version == rec.version:
-            obj.replicas += (Rep(seg.info.name, rec.offset, gen),)
+            obj.replicas += ((seg.info.name, rec.offset, gen),)
             return gen
         if obj is not None:
             st.drop_object(rec.key, obj, now)
         st.insert_complete(rec.key, Obj(
-            rec.size, (Rep(seg.info.name, rec.offset, gen),), True, 0.0,
+            rec.size, ((seg.info.name, rec.offset, gen),), True, 0.0,
             hard_pin=bool(rec.flags & FLAG_HARD_PIN), version=rec.version,
             checksum=rec.checksum, want=rec.want, hdr=rec.hdr, flags=rec.flags))
         return gen
@@ -167,5 +167,5 @@ class Adoption:
             return False
         if obj.version == rec.version:
             return len(obj.replicas) < max(rec.want, obj.want) and \
-                all(r.segment != segment for r in obj.replicas)
+                all(s != segment for s, _, _ in obj.replicas)
         return self.order.newer(rec.version, obj.version)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvplane.store import inventory
-from kvplane.store.master.table import ObjectTable, Rep
+from kvplane.store.master.table import ObjectTable
 from kvplane.store.types import RepairTask
 
 SCAN = 4096  # short keys looked at per planning pass
@@ -76,13 +76,13 @@ class Repairs:
                 continue
             if key in self.pending:
                 continue
-            target = self._target(obj.hdr + obj.size, {r.segment for r in obj.replicas})
+            target = self._target(obj.hdr + obj.size, {s for s, _, _ in obj.replicas})
             if target is None:
                 continue
             name, off = target
             seg = st.segments[name]
             gen = st.new_generation()
-            sources = sorted(obj.replicas, key=lambda r: st.segments[r.segment].suspect_since is not None)
+            sources = sorted(obj.replicas, key=lambda r: st.segments[r[0]].suspect_since is not None)
             header = inventory.pack(st.secret, key, gen, obj.version, obj.size, obj.checksum,
                                     obj.want, obj.flags) if obj.hdr else b""
             task = RepairTask(key, obj.version, gen, seg.info.base + off + obj.hdr, obj.size,
@@ -130,12 +130,12 @@ class Repairs:
             return False
         if ok and obj is not None and obj.complete and obj.version == p.task.version \
                 and (len(obj.replicas) >= obj.want  # came back meanwhile: one too many
-                     or any(r.segment == p.segment for r in obj.replicas)):  # or onto this segment
+                     or any(s == p.segment for s, _, _ in obj.replicas)):  # or onto this segment
             self.surplus += 1
             if len(obj.replicas) >= obj.want:
                 self.short.discard(key)
         elif ok and obj is not None and obj.complete and obj.version == p.task.version:
-            obj.replicas += (Rep(p.segment, p.offset, gen),)
+            obj.replicas += ((p.segment, p.offset, gen),)
             self.done_count += 1
             if len(obj.replicas) >= obj.want:
                 self.short.discard(key)

@@ -98,7 +98,7 @@ class ReplicaRpc:
             if not req.segment:
                 st.remove(key, False, now)
                 cleared.append(key)
-            elif any(r.segment == req.segment for r in obj.replicas):
+            elif any(s == req.segment for s, _, _ in obj.replicas):
                 st.drop_replicas(obj, {req.segment}, now)
                 if not obj.replicas:
                     st.remove(key, True, now)

@@ -56,7 +56,7 @@ def grant(state: ObjectTable, client_id: str, ask: SpareAsk, now: float,
         replicas = state.place(ask.hdr + ask.size, cfg, now, local, evict=False)
     except KVPlaneError:
         return None
-    version = replicas[0].gen
+    version = replicas[0][2]  # the put's generation
     obj = Obj(ask.size, tuple(replicas), False, now, hard_pin=cfg.with_hard_pin,
               version=version, want=cfg.replica_num, writer=client_id,
               window_until=now + state.write_window(window), hdr=ask.hdr,

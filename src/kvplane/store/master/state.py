@@ -160,7 +160,7 @@ class MasterState(ObjectTable):
             lost += 1
         for key in list(self.objects):
             obj = self.objects[key]
-            keep = [r for r in obj.replicas if r.segment != name]
+            keep = [r for r in obj.replicas if r[0] != name]  # r: Rep
             if len(keep) != len(obj.replicas):
                 obj.replicas = tuple(keep)
                 if not keep and not obj.disk:
@@ -281,7 +281,7 @@ class MasterState(ObjectTable):
         except KVPlaneError as exc:
             return KeyResult(exc.code)
         flags = inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0
-        version = replicas[0].gen
+        version = replicas[0][2]  # the put's generation
         obj = Obj(size, tuple(replicas), False, now, hard_pin=cfg.with_hard_pin, version=version,
                   want=cfg.replica_num, writer=client_id, checksum=checksum, nonce=nonce,
                   window_until=now + self.write_window(window), hdr=hdr, flags=flags,
@@ -310,8 +310,8 @@ class MasterState(ObjectTable):
         obj.lease_until = max(obj.lease_until, now + self.config.lease_ttl)
         self.objects.move_to_end(key)
         reps: Sequence[Rep] = obj.replicas
-        if len(reps) > 1 and any(self.segments[r.segment].suspect_since is not None for r in reps):
-            reps = sorted(reps, key=lambda r: self.segments[r.segment].suspect_since is not None)
+        if len(reps) > 1 and any(self.segments[s].suspect_since is not None for s, _, _ in reps):
+            reps = sorted(reps, key=lambda r: self.segments[r[0]].suspect_since is not None)
         return KeyResult(0, obj.replicas_of(self.segments, reps), obj.size, obj.version,
                          obj.checksum, disk=self.tiers.disk_replicas(key, obj) if obj.disk else [])
 

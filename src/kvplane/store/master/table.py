@@ -34,13 +34,11 @@ from kvplane.store.master.fences import Quarantine
 from kvplane.store.types import MAX_KEY, Replica, ReplicateConfig, SegmentInfo
 from kvplane.transfer.fence import EPOCH_SHIFT
 
-
-class Rep(NamedTuple):
-    """One memory replica of an object: where its allocation starts and its generation."""
-
-    segment: str
-    offset: int  # of the allocation ([header][value]) inside the segment
-    gen: int
+# One memory replica of an object: (segment, offset of its allocation, generation). A plain
+# tuple, not a NamedTuple, on purpose: every lookup unpacks one per key, and CPython's
+# specialised unpacking and indexing cover exact tuples only (a NamedTuple costs about four
+# times as much per unpack: 44 against 11 ns here). Read it by unpacking: ``seg, off, gen``.
+Rep = tuple[str, int, int]
 
 
 class Change(str, enum.Enum):
@@ -281,8 +279,8 @@ class ObjectTable:
     def drop_replicas(self, obj: Obj, segments: set[str], now: float) -> int:
         """Take the replicas on ``segments`` out of ``obj`` (the object stays, even with none
         left: the caller decides). Space under a live lease waits for it. Returns how many."""
-        gone = [r for r in obj.replicas if r.segment in segments]
-        obj.replicas = tuple(r for r in obj.replicas if r.segment not in segments)
+        gone = [r for r in obj.replicas if r[0] in segments]  # r: (segment, offset, gen)
+        obj.replicas = tuple(r for r in obj.replicas if r[0] not in segments)
         for seg, off, gen in gone:
             if seg not in self.segments:
                 continue
@@ -392,6 +390,8 @@ class ObjectTable:
         rest = names[start:] + names[:start]
         if self.config.allocation_strategy == "free_ratio_first":
             rest.sort(key=lambda n: -self.segments[n].alloc.free_bytes / self.segments[n].alloc.capacity)
+        if not pref:  # the common case: the names are distinct already
+            return rest
         return list(dict.fromkeys(pref + rest))  # first occurrence of each, in order
 
     def place(self, size: int, cfg: ReplicateConfig, now: float,
@@ -415,7 +415,7 @@ class ObjectTable:
             for name in self._candidates(cfg, local):
                 off = self.segments[name].alloc.allocate(size)
                 if off is not None:
-                    got.append(Rep(name, off, gen))
+                    got.append((name, off, gen))
                     if len(got) == cfg.replica_num:
                         break
             if got:  # best effort: at least one replica

@@ -91,7 +91,7 @@ class Tasks:
         if any(t not in self._st.segments for t in targets):
             return InvalidParams.code
         if kind == "move":
-            holders = {r.segment for r in obj.replicas}
+            holders = {s for s, _, _ in obj.replicas}
             if len(targets) != 1 or source == targets[0] or source not in holders:
                 return InvalidParams.code
         return 0
@@ -109,10 +109,10 @@ class Tasks:
         if obj is None or not obj.complete:
             self._fail(task, "object is gone", wall_ms)
             return TaskWork(ObjectNotFound.code)
-        if task.kind == "move" and task.source not in {r.segment for r in obj.replicas}:
+        if task.kind == "move" and task.source not in {s for s, _, _ in obj.replicas}:
             self._fail(task, "source replica is gone", wall_ms)
             return TaskWork(InvalidParams.code)
-        holders = {r.segment for r in obj.replicas}
+        holders = {s for s, _, _ in obj.replicas}
         task.size = obj.hdr + obj.size  # the whole allocation (fences and frees)
         for name in task.targets:
             seg = st.segments.get(name)
@@ -123,12 +123,12 @@ class Tasks:
                 self._free(task)
                 self._fail(task, "NO_AVAILABLE_HANDLE: no room on " + name, wall_ms)
                 return TaskWork(-200)
-            task.allocated.append(Rep(name, off, st.new_generation()))  # the runner's frames carry it
+            task.allocated.append((name, off, st.new_generation()))  # the runner's frames carry it
         task.status, task.updated_ms, task.since = "PROCESSING", wall_ms, now
         task.client_id = client_id
         obj.lease_until = max(obj.lease_until, now + self.processing_timeout)
         sources = obj.replicas_of(st.segments, [r for r in obj.replicas
-                                                if task.kind == "copy" or r.segment == task.source])
+                                                if task.kind == "copy" or r[0] == task.source])
         targets = obj.replicas_of(st.segments, task.allocated)
         headers = [inventory.pack(st.secret, task.key, g, obj.version, obj.size, obj.checksum,
                                   obj.want, obj.flags) if obj.hdr else b"" for _s, _o, g in
@@ -155,7 +155,7 @@ class Tasks:
             self._free(task)
             self._fail(task, "object removed during the task", wall_ms)
             return 0
-        obj.replicas += tuple(a for a in done if a.segment in st.segments)
+        obj.replicas += tuple(a for a in done if a[0] in st.segments)
         obj.want = max(obj.want, len(obj.replicas) - (task.kind == "move"))  # repairs keep them
         # the task's protection ends with it; a reader's lease taken meanwhile is kept
         obj.lease_until = min(obj.lease_until, now + st.config.lease_ttl)
@@ -188,7 +188,7 @@ class Tasks:
         n = 0
         for task in self.tasks.values():  # allocations on segments that went, went with them
             if task.allocated:
-                task.allocated = [a for a in task.allocated if a.segment in self._st.segments]
+                task.allocated = [a for a in task.allocated if a[0] in self._st.segments]
         for task in list(self.tasks.values()):
             limit = {"PENDING": self.pending_timeout,
                      "PROCESSING": self.processing_timeout}.get(task.status)
@@ -201,7 +201,7 @@ class Tasks:
     def drop_segment(self, name: str) -> None:
         """Segment ``name`` went away: its allocations went with it."""
         for task in self.tasks.values():
-            task.allocated = [a for a in task.allocated if a.segment != name]
+            task.allocated = [a for a in task.allocated if a[0] != name]
 
     def _free(self, task: Task, now: float | None = None) -> None:
         """Give a task's target space back: at once when its runner is not writing (never

@@ -39,7 +39,7 @@ from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, ObjectNotFound
 from kvplane.store.master.adopt import EpochOrder
 from kvplane.store.master.eviction import Verdict
-from kvplane.store.master.table import Obj, ObjectTable, Rep, Segment
+from kvplane.store.master.table import Obj, ObjectTable, Segment
 from kvplane.store.tier_types import DiskReplica, OffloadTask, PromoteTask, ticket_of
 from kvplane.transfer.fence import epoch_of
 
@@ -131,7 +131,7 @@ class DiskTier:
         gone = []
         for key, obj in self._st.objects.items():
             if obj.disk.pop(name, None) is not None and not obj.disk and \
-                    not any(r.segment != name for r in obj.replicas):
+                    not any(s != name for s, _, _ in obj.replicas):
                 gone.append(key)
                 self.orphans[key] = obj.version  # lost with the node, not removed
                 if len(self.orphans) > ORPHANS:
@@ -146,7 +146,7 @@ class DiskTier:
     def demote(self, key: str, obj: Obj, now: float) -> int:
         """Drop the memory replicas of an object that has a disk copy; returns bytes freed."""
         freed = (obj.hdr + obj.size) * len(obj.replicas)
-        self._st.drop_replicas(obj, {r.segment for r in obj.replicas}, now)
+        self._st.drop_replicas(obj, {s for s, _, _ in obj.replicas}, now)
         self._st.objects.move_to_end(key)  # out of the way of the memory LRU's oldest end
         self.demoted += 1
         return freed
@@ -185,7 +185,7 @@ class DiskTier:
                 break
             if not obj.replicas or not obj.complete or key in self.offloads or key in self.failed:
                 continue
-            over = next((r.segment for r in obj.replicas if want.get(r.segment, 0) > 0), None)
+            over = next((s for s, _, _ in obj.replicas if want.get(s, 0) > 0), None)
             if over is None:
                 continue
             if not obj.disk:
@@ -299,7 +299,7 @@ class DiskTier:
         if seg is None:
             return False
         if ok and obj is not None and obj.version == p.version and obj.complete:
-            obj.replicas += (Rep(p.segment, p.offset, gen),)
+            obj.replicas += ((p.segment, p.offset, gen),)
             st.objects.move_to_end(key)
             self.promoted += 1
             return True
