@@ -21,6 +21,7 @@ to ``max_finished``, oldest dropped first (then -1400 TASK_NOT_FOUND).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import secrets
 from collections import OrderedDict
@@ -35,6 +36,19 @@ TASK_NOT_FOUND = -1400
 TASK_PENDING_LIMIT_EXCEEDED = -1401
 
 
+class TaskStatus(str, enum.Enum):
+    """A task's state (``TaskInfo.status`` on the wire carries its value)."""
+
+    PENDING = "PENDING"
+    PROCESSING = "PROCESSING"
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+
+
+PENDING, PROCESSING = TaskStatus.PENDING, TaskStatus.PROCESSING
+FINISHED = (TaskStatus.SUCCESS, TaskStatus.FAILED)
+
+
 @dataclass
 class Task:
     id: TaskId
@@ -46,7 +60,7 @@ class Task:
     created_ms: int
     updated_ms: int
     since: float
-    status: str = "PENDING"
+    status: TaskStatus = PENDING
     message: str = ""
     size: int = 0
     allocated: list[Rep] = field(default_factory=list)  # target allocations
@@ -75,7 +89,7 @@ class Tasks:
         code = self._check(kind, key, targets, source)
         if code:
             return code, TaskId(0, 0)
-        if sum(1 for t in self.tasks.values() if t.status == "PENDING") >= self.max_pending:
+        if sum(1 for t in self.tasks.values() if t.status is PENDING) >= self.max_pending:
             return TASK_PENDING_LIMIT_EXCEEDED, TaskId(0, 0)
         tid = self._new_id()
         self.tasks[(tid.hi, tid.lo)] = Task(tid, kind, key, list(targets), source, client_id,
@@ -102,7 +116,7 @@ class Tasks:
         task = self.tasks.get((tid.hi, tid.lo))
         if task is None:
             return TaskWork(TASK_NOT_FOUND)
-        if task.status != "PENDING":
+        if task.status is not PENDING:
             return TaskWork(InvalidParams.code)
         st = self._st
         obj = st.objects.get(task.key)
@@ -124,7 +138,7 @@ class Tasks:
                 self._fail(task, "NO_AVAILABLE_HANDLE: no room on " + name, wall_ms)
                 return TaskWork(-200)
             task.allocated.append((name, off, st.new_generation()))  # the runner's frames carry it
-        task.status, task.updated_ms, task.since = "PROCESSING", wall_ms, now
+        task.status, task.updated_ms, task.since = PROCESSING, wall_ms, now
         task.client_id = client_id
         obj.lease_until = max(obj.lease_until, now + self.processing_timeout)
         sources = obj.replicas_of(st.segments, [r for r in obj.replicas
@@ -140,7 +154,7 @@ class Tasks:
         task = self.tasks.get((tid.hi, tid.lo))
         if task is None:
             return TASK_NOT_FOUND
-        if task.status != "PROCESSING" or len(ok) != len(task.allocated):
+        if task.status is not PROCESSING or len(ok) != len(task.allocated):
             return InvalidParams.code
         st = self._st
         obj = st.objects.get(task.key)
@@ -166,7 +180,7 @@ class Tasks:
         if task.kind == "move":
             self._drop_source(obj, task.source, now)
         task.allocated = []
-        task.status, task.updated_ms, task.message = "SUCCESS", wall_ms, message or "ok"
+        task.status, task.updated_ms, task.message = TaskStatus.SUCCESS, wall_ms, message or "ok"
         self._prune()
         return 0
 
@@ -180,7 +194,7 @@ class Tasks:
         task = self.tasks.get((tid.hi, tid.lo))
         if task is None:
             return TaskInfo(TASK_NOT_FOUND)
-        return TaskInfo(0, task.kind, task.status, task.created_ms, task.updated_ms,
+        return TaskInfo(0, task.kind, task.status.value, task.created_ms, task.updated_ms,
                         task.client_id, task.message)
 
     def expire(self, now: float, wall_ms: int) -> int:
@@ -190,11 +204,11 @@ class Tasks:
             if task.allocated:
                 task.allocated = [a for a in task.allocated if a[0] in self._st.segments]
         for task in list(self.tasks.values()):
-            limit = {"PENDING": self.pending_timeout,
-                     "PROCESSING": self.processing_timeout}.get(task.status)
+            limit = (self.pending_timeout if task.status is PENDING else
+                     self.processing_timeout if task.status is PROCESSING else None)
             if limit and now - task.since > limit:
                 self._free(task, now)
-                self._fail(task, f"timed out {task.status.lower()}", wall_ms)
+                self._fail(task, f"timed out {task.status.value.lower()}", wall_ms)
                 n += 1
         return n
 
@@ -212,17 +226,17 @@ class Tasks:
             if seg not in st.segments:
                 continue
             st.adoption.forget(st.segments[seg], off, gen)
-            if now is not None and task.status == "PROCESSING":
+            if now is not None and task.status is PROCESSING:
                 st.graveyard.hold(seg, off, task.size, now, gen)
             else:
                 st.segments[seg].alloc.free(off)
         task.allocated = []
 
     def _fail(self, task: Task, message: str, wall_ms: int) -> None:
-        task.status, task.message, task.updated_ms = "FAILED", message, wall_ms
+        task.status, task.message, task.updated_ms = TaskStatus.FAILED, message, wall_ms
         self._prune()
 
     def _prune(self) -> None:
-        finished = [k for k, t in self.tasks.items() if t.status in ("SUCCESS", "FAILED")]
+        finished = [k for k, t in self.tasks.items() if t.status in FINISHED]
         for k in finished[:max(0, len(finished) - self.max_finished)]:
             del self.tasks[k]
