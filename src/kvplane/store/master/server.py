@@ -11,6 +11,12 @@ after a restart the same way.
 Every RPC and admin request is authenticated (``kvplane.common.auth.TokenTable``: service,
 admin and tenant tokens) and checked by ``access.Access`` (tenant namespaces, segment
 ownership). The only module of the store master that binds sockets.
+
+Handlers: the server's own (``_handlers``) and each RPC module's ``handlers(serving)``
+(``replica_rpc``, ``tier_rpc``), registered once at start behind the lock, the counters and the
+access checks (``add_handler``). RPC modules get a ``serving.Serving`` (the state and the clock),
+never the server; a leader change swaps ``serving.state``. The top of the master's layers
+(``tests/unit/test_layering.py``): nothing in the master imports this module.
 """
 
 from __future__ import annotations
