@@ -192,3 +192,65 @@ def test_engine_names_no_transport(module):
     choices go by capability and the transports' own preferences, not by name."""
     found = transport_names(MODULES[module].read_text(encoding="utf-8"))
     assert found == [], f"{module} names transports {found}"
+
+
+# -- the store master's layers (issue 29) ------------------------------------------------------
+# Lowest first. A module of kvplane.store.master may import master modules of its own layer or
+# of layers below it, never one above: the object table knows no service, a service knows no
+# state, the state knows no RPC module, and nothing but the server knows the server.
+MASTER = "kvplane.store.master"
+MASTER_LAYERS = [
+    ("primitives", ("config", "allocator", "fences")),
+    ("policies", ("eviction",)),
+    ("table", ("table",)),
+    ("services", ("adopt", "repair", "tiers", "tasks", "spares", "grants")),
+    ("state", ("state",)),
+    ("serving", ("serving", "access", "status", "pool_events", "dashboard", "ha")),
+    ("front ends", ("replica_rpc", "tier_rpc", "admin")),
+    ("server", ("server",)),
+]
+MASTER_LAYER = {f"{MASTER}.{mod}": (rank, name)
+                for rank, (name, mods) in enumerate(MASTER_LAYERS) for mod in mods}
+# pure master modules (no sockets, threads or clocks), beside the PURE list above
+MASTER_PURE = ["config", "allocator", "fences", "eviction", "table", "adopt", "repair", "tiers",
+               "tasks", "spares", "state", "serving"]
+
+
+def master_up_imports(importer: str, imported: set[str]) -> list[str]:
+    """The imports of ``importer`` that reach a higher master layer than its own."""
+    if importer not in MASTER_LAYER:
+        return []
+    rank, layer = MASTER_LAYER[importer]
+    return [f"{importer} ({layer}) imports {mod} ({MASTER_LAYER[mod][1]}): imports go down "
+            "the master's layers only" for mod in sorted(imported)
+            if mod in MASTER_LAYER and MASTER_LAYER[mod][0] > rank]
+
+
+def test_master_layer_rule_can_fail():
+    """Made-up upward edges are reported; downward and same-layer ones are not."""
+    assert master_up_imports(f"{MASTER}.table", {f"{MASTER}.state"})
+    assert master_up_imports(f"{MASTER}.table", {f"{MASTER}.repair"})
+    assert master_up_imports(f"{MASTER}.repair", {f"{MASTER}.server", "kvplane.store.types"})
+    assert master_up_imports(f"{MASTER}.state", {f"{MASTER}.tier_rpc"})
+    assert master_up_imports(f"{MASTER}.tier_rpc", {f"{MASTER}.server"})
+    assert not master_up_imports(f"{MASTER}.server", {f"{MASTER}.table", f"{MASTER}.tier_rpc"})
+    assert not master_up_imports(f"{MASTER}.tiers", {f"{MASTER}.adopt", f"{MASTER}.eviction"})
+    assert not master_up_imports("kvplane.store.client.client", {f"{MASTER}.server"})
+
+
+def test_every_master_module_has_a_layer():
+    """A new master module must be placed in MASTER_LAYERS (so the rule sees it)."""
+    found = {m for m in MODULES if within(m, MASTER) and m != MASTER}
+    assert found == set(MASTER_LAYER), (sorted(found - set(MASTER_LAYER)),
+                                        sorted(set(MASTER_LAYER) - found))
+
+
+@pytest.mark.parametrize("module", sorted(MASTER_LAYER))
+def test_master_module_imports_no_higher_layer(module):
+    assert master_up_imports(module, imports_of(MODULES[module])) == []
+
+
+@pytest.mark.parametrize("module", MASTER_PURE)
+def test_master_pure_module_has_no_io_or_clock(module):
+    used = {m.split(".")[0] for m in imports_of(MODULES[f"{MASTER}.{module}"])}
+    assert not used & set(IMPURE), f"{module} imports {sorted(used & set(IMPURE))}"

@@ -34,20 +34,17 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvplane.common.auth import DEFAULT_TENANT, Principal
 from kvplane.common.errors import InvalidArgument, Unauthorized
 from kvplane.common.rpc import current_principal
 from kvplane.store import types as store_types
 from kvplane.store.errors import InvalidKey, InvalidParams
-from kvplane.store.master.state import MasterState
+from kvplane.store.master.grants import MasterGrants
+from kvplane.store.master.serving import Serving
 from kvplane.store.replica_types import TaskId, TaskInfo
 from kvplane.store.types import ListKeysRep, ListKeysReq, MountReq
-
-if TYPE_CHECKING:
-    from kvplane.store.master.grants import MasterGrants
-    from kvplane.store.master.tasks import Tasks
 
 SEP = "\x00"
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -136,13 +133,12 @@ class Access:
     """Wraps master handlers with tenant scoping and ownership checks (see module docstring).
 
     Args:
-        state: the master's state (the caller holds its lock around every wrapped call).
+        serving: the state being served (the caller holds its lock around every wrapped call).
     """
 
-    def __init__(self, state: MasterState, tasks: "Tasks | None" = None) -> None:
-        self.state = state
-        self.tasks = tasks  # the master's copy/move task table (set once it exists)
-        self.grants: "MasterGrants | None" = None  # tenants' data-plane grants (set by the server)
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.grants: MasterGrants | None = None  # tenants' data-plane grants (set by the server)
 
     def guard(self, method: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` wrapped for ``method``: keys scoped, mounts and unmounts checked."""
@@ -157,7 +153,7 @@ class Access:
                 req.keys = [scoped(tenant, k) for k in req.keys]
                 out = fn(req)
                 if method in GRANTED and self.grants is not None:
-                    self.grants.attach(method, self.state, req, out, tenant)
+                    self.grants.attach(method, self.serving.state, req, out, tenant)
                 if method in RETURNS_KEYS:  # the caller's own spelling back
                     out = [unscoped(k)[1] for k in out]
                 return out
@@ -182,9 +178,10 @@ class Access:
                 orphans = self._check_unmount(req, current_principal())
                 out = fn(req)
                 for cid in orphans:
-                    client = self.state.clients.get(cid)
+                    clients = self.serving.state.clients
+                    client = clients.get(cid)
                     if client is not None and not client.segments:
-                        del self.state.clients[cid]  # its next ping says need_remount
+                        del clients[cid]  # its next ping says need_remount
                 return out
             return unmount
         return fn
@@ -208,13 +205,14 @@ class Access:
         """Another tenant's task does not exist for the caller; its runner stays hidden."""
         def task(req: Any) -> Any:
             who = current_principal()
-            found = self.tasks.tasks.get((req.task.hi, req.task.lo)) if self.tasks else None
+            tasks = self.serving.state.tasks
+            found = tasks.tasks.get((req.task.hi, req.task.lo))
             if found is not None and unscoped(found.key)[0] != who.tenant:
                 req.task = NO_TASK  # answered as TASK_NOT_FOUND, like an unknown id
             out = fn(req)
-            if (method == "task_start" and self.grants is not None and self.tasks is not None
+            if (method == "task_start" and self.grants is not None
                     and who.tenant != DEFAULT_TENANT):
-                self.grants.attach_work(out, who.tenant, self.tasks.processing_timeout)
+                self.grants.attach_work(out, who.tenant, tasks.processing_timeout)
             if isinstance(out, TaskInfo) and not who.admin and out.assigned_client != req.client_id:
                 out.assigned_client = ""  # a client id is an owner's credential (unmount)
             return out
@@ -229,7 +227,7 @@ class Access:
         would acknowledge its fences or take its repair work)."""
         if getattr(req, "segments", None):
             raise Unauthorized("tenants cannot mount segments: mount them with the service token")
-        client = self.state.clients.get(req.client_id)
+        client = self.serving.state.clients.get(req.client_id)
         if client is not None and client.segments:
             raise Unauthorized("that client id holds segments; a tenant cannot act as it")
 
@@ -237,7 +235,7 @@ class Access:
         """Raise unless ``who`` may unmount every named segment; owners other than the caller."""
         others = set()
         for info in req.segments:
-            seg = self.state.segments.get(info.name)
+            seg = self.serving.state.segments.get(info.name)
             if seg is None:
                 continue
             owner = seg.info.client_id
@@ -256,14 +254,14 @@ class Access:
         except re.error as exc:
             raise InvalidArgument(f"bad regex {pattern!r}: {exc}") from exc
         tenant = current_principal().tenant
-        return sum(1 for internal, key in keys_of(self.state.objects, tenant)
-                   if rx.search(key) and self.state.remove(internal, force, now) == 0)
+        return sum(1 for internal, key in keys_of(self.serving.state.objects, tenant)
+                   if rx.search(key) and self.serving.state.remove(internal, force, now) == 0)
 
     def remove_all(self, force: bool, now: float) -> int:
         """Remove every removable key of the caller's tenant; returns how many went."""
         tenant = current_principal().tenant
-        return sum(1 for internal, _ in keys_of(self.state.objects, tenant)
-                   if self.state.remove(internal, force, now) == 0)
+        return sum(1 for internal, _ in keys_of(self.serving.state.objects, tenant)
+                   if self.serving.state.remove(internal, force, now) == 0)
 
     def list_keys(self, req: ListKeysReq) -> ListKeysRep:
         """One page of the caller's complete keys (``ListKeysReq``), as the caller wrote them.
@@ -282,7 +280,7 @@ class Access:
             if SEP in text or len(text.encode()) > most:
                 raise InvalidKey(f"list_keys prefix and cursor: no NUL, at most {most} bytes")
         cap = min(req.limit or store_types.MAX_LIST_KEYS, store_types.MAX_LIST_KEYS)
-        objects, prefix, after = self.state.objects, req.prefix, req.after
+        objects, prefix, after = self.serving.state.objects, req.prefix, req.after
         found = (key for internal, key in keys_of(objects, current_principal().tenant)
                  if key.startswith(prefix) and (after is None or key > after)
                  and objects[internal].complete)

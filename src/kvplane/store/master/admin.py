@@ -103,7 +103,7 @@ def _key_routes(app: FastAPI, state_of: Callable[[], MasterState], lock: threadi
         name = _tenant(request, tenant)
         with lock:
             state = state_of()
-            out = []
+            out: list[str] = []
             for internal, key in keys_of(state.objects, name):
                 if len(out) >= limit:
                     break

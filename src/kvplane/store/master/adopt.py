@@ -1,6 +1,7 @@
 """Adoption: a master takes over the objects that segments already hold (issue 10).
 
-Pure bookkeeping on a ``MasterState`` (no I/O, no clock), like ``repair.py``. A segment that
+Pure bookkeeping on the master's ``ObjectTable`` (no I/O, no clock), like ``repair.py``; a
+service of the table (``table.py``): it must not import the state, an RPC module or the server. A segment that
 mounts with a master that does not know it (a new leader, a restarted master, a remount after
 its TTL ran out) scans its memory (``kvplane.store.inventory``) and re-registers every intact
 record; ``Adoption.adopt`` takes each record's exact space in that segment's allocator, gives it a
@@ -29,14 +30,11 @@ from __future__ import annotations
 
 import graphlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.inventory import FLAG_HARD_PIN, Record
+from kvplane.store.master.table import Obj, ObjectTable, Segment
 from kvplane.transfer.fence import COUNTER_MASK, epoch_of
-
-if TYPE_CHECKING:
-    from kvplane.store.master.state import MasterState, Obj, Segment
 
 FORGETS_PER_PING = 4096
 
@@ -86,15 +84,15 @@ class EpochOrder:
 class Adoption:
     """Re-registration of segments' records, and the forget queue."""
 
-    def __init__(self, state: "MasterState") -> None:
-        self._st = state
-        self.order = EpochOrder(state.epoch)
+    def __init__(self, table: ObjectTable) -> None:
+        self._st = table
+        self.order = EpochOrder(table.epoch)
         self._forgets: dict[str, dict[int, int]] = {}  # segment -> gen -> header address
         self.adopted = 0
         self.refused = 0
 
     # -- forgets -----------------------------------------------------------------------------
-    def forget(self, seg: "Segment", off: int, gen: int) -> None:
+    def forget(self, seg: Segment, off: int, gen: int) -> None:
         """The allocation at ``off`` (generation ``gen``) was freed: its header must go."""
         if gen:
             self._forgets.setdefault(seg.info.name, {})[gen] = seg.info.base + off
@@ -123,7 +121,7 @@ class Adoption:
         return sum(len(p) for p in self._forgets.values())
 
     # -- adoption ----------------------------------------------------------------------------
-    def adopt(self, seg: "Segment", records: list[Record], history: list[int],
+    def adopt(self, seg: Segment, records: list[Record], history: list[int],
               now: float) -> list[int]:
         """Take over ``records`` held by ``seg``; per record its new generation, or 0 (refused:
         the segment must invalidate that header)."""
@@ -133,10 +131,10 @@ class Adoption:
         self.refused += sum(1 for g in out if not g)
         return out
 
-    def _one(self, seg: "Segment", rec: Record, now: float) -> int:
+    def _one(self, seg: Segment, rec: Record, now: float) -> int:
         st = self._st
         try:
-            st._check_key(rec.key)
+            st.check_key(rec.key)
         except KVPlaneError:  # a key the master would refuse is simply not adopted
             return 0
         obj = st.objects.get(rec.key)
@@ -151,20 +149,23 @@ class Adoption:
         if obj is not None and not self._better(rec, obj, seg.info.name):
             seg.alloc.free(rec.offset)
             return 0
-        gen = st._gen()
+        gen = st.new_generation()
         if obj is not None and obj.complete and obj.version == rec.version:
             obj.replicas += ((seg.info.name, rec.offset, gen),)
             return gen
         if obj is not None:
-            st._drop(rec.key, obj, now)
-        st.adopted_object(rec, seg.info.name, gen, bool(rec.flags & FLAG_HARD_PIN))
+            st.drop_object(rec.key, obj, now)
+        st.insert_complete(rec.key, Obj(
+            rec.size, ((seg.info.name, rec.offset, gen),), True, 0.0,
+            hard_pin=bool(rec.flags & FLAG_HARD_PIN), version=rec.version,
+            checksum=rec.checksum, want=rec.want, hdr=rec.hdr, flags=rec.flags))
         return gen
 
-    def _better(self, rec: Record, obj: "Obj", segment: str) -> bool:
+    def _better(self, rec: Record, obj: Obj, segment: str) -> bool:
         """Whether ``rec`` may join or replace the known object ``obj``."""
         if not obj.complete:  # a put of this master is under way: it is newer
             return False
         if obj.version == rec.version:
             return len(obj.replicas) < max(rec.want, obj.want) and \
-                all(r[0] != segment for r in obj.replicas)
+                all(s != segment for s, _, _ in obj.replicas)
         return self.order.newer(rec.version, obj.version)

@@ -8,20 +8,20 @@ window ends (PutStart), RETIRE of a replaced generation. Expiries are wall-clock
 as the segments compare them (hosts must keep their clocks in step, e.g. NTP). Service callers
 get none: their connections need no grant.
 
-Pure apart from its clocks (injected): reads the master's state, owns no sockets or threads.
+Pure apart from its clocks (injected): reads the master's object table (``table.py``), owns no
+sockets or threads; a service of the table, it must not import the state, an RPC module or the
+server.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvplane.store.master.table import ObjectTable
 from kvplane.store.types import Grant
 from kvplane.transfer import grants as g
-
-if TYPE_CHECKING:
-    from kvplane.store.master.state import MasterState
 
 RETIRE_TTL = 30.0  # seconds a RETIRE grant lasts (the caller retires at once)
 
@@ -53,7 +53,7 @@ class MasterGrants:
             key = self._keys[segment] = g.segment_key(self._secret, segment)
         return key
 
-    def attach(self, method: str, state: "MasterState", req: Any, out: Any, tenant: str) -> None:
+    def attach(self, method: str, state: ObjectTable, req: Any, out: Any, tenant: str) -> None:
         """Add ``tenant``'s grants to ``out``, the answer of ``method`` to ``req`` (keys
         already scoped)."""
         tid = self._ids.get(tenant)
@@ -98,7 +98,7 @@ class MasterGrants:
                                             r.size + n, until, g.WRITE)))
         work.grants = found or None
 
-    def _replicas(self, state: "MasterState", tid: bytes, obj: Any, skip: int, span: int,
+    def _replicas(self, state: ObjectTable, tid: bytes, obj: Any, skip: int, span: int,
                   until: int, mode: int) -> list[Grant]:
         """Grants on ``[skip, skip+span)`` of each memory replica's allocation."""
         out = []

@@ -73,7 +73,7 @@ class Election:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="master-election", daemon=True)
 
-    def start(self) -> "Election":
+    def start(self) -> Election:
         self._thread.start()
         return self
 

@@ -14,6 +14,9 @@ tenant's events only.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+
+import msgspec
 
 from kvplane.common.auth import DEFAULT_TENANT, TokenTable
 from kvplane.kvevents.codec import removed, stored
@@ -51,15 +54,16 @@ class PoolEvents:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, topic: str = "",
                  auth: TokenTable | None = None) -> None:
         self.secure: SecurePublisher | None = None
+        self.plain: KVEventPublisher | None = None
         self.pub: KVEventPublisher | SecurePublisher
         if auth is not None and auth.token:
             self.secure = self.pub = SecurePublisher(auth, host, port)
         else:
-            self.pub = KVEventPublisher(host=host, port=port or None, topic=topic)
+            self.plain = self.pub = KVEventPublisher(host=host, port=port or None, topic=topic)
         self.endpoint = self.pub.endpoint
         self.replay_endpoint = self.pub.replay_endpoint
 
-    def publish(self, changes: list[tuple[str, str]]) -> int:
+    def publish(self, changes: Sequence[tuple[str, str]]) -> int:
         """Send one batch per tenant for ``changes`` ((kind, key) pairs); returns events sent."""
         by_tenant: dict[str, list[tuple[str, str]]] = {}
         for kind, internal in changes:
@@ -74,8 +78,8 @@ class PoolEvents:
                 continue
             if self.secure is not None:
                 self.secure.publish(tenant, events)
-            else:
-                self.pub.publish(events)  # type: ignore[call-arg]
+            elif self.plain is not None:
+                self.plain.publish(events)
             sent += n
         return sent
 
@@ -83,10 +87,10 @@ class PoolEvents:
         self.pub.close()
 
 
-def _events(items: list[tuple[str, str]]) -> tuple[list, int]:  # type: ignore[type-arg]
+def _events(items: list[tuple[str, str]]) -> tuple[list[msgspec.Struct], int]:
     put = [h for kind, k in items if kind == "stored" and (h := key_hash(k)) is not None]
     gone = [h for kind, k in items if kind == "removed" and (h := key_hash(k)) is not None]
-    events = []
+    events: list[msgspec.Struct] = []
     if gone:
         events.append(removed(gone, medium="CPU"))
     if put:

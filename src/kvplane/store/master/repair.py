@@ -1,6 +1,7 @@
 """Re-replication: objects that lost replicas get them back, copied by the segments themselves.
 
-Pure bookkeeping on a ``MasterState`` (no I/O, no clock). The master holds no bytes, so a
+Pure bookkeeping on the master's ``ObjectTable`` (no I/O, no clock); a service of the table
+(``table.py``): it must not import the state, an RPC module or the server. The master holds no bytes, so a
 repair is a task for the owner of the target segment: "read object K (version V, checksum C)
 from one of these replicas into your memory at ADDR (allocation GEN), then report". The task
 rides that client's heartbeat reply; the client reads, verifies the checksum and answers with
@@ -13,7 +14,7 @@ The target allocation has room for the inventory header too; the task carries th
 repaired replica is re-registered like any other after a failover (``adopt.py``).
 
 Never more replicas than asked for (issue 28): nothing is planned while the master recovers
-(``MasterState.recovering``: a restart or a new leadership, until every segment it expects has
+(``ObjectTable.recovering``: a restart or a new leadership, until every segment it expects has
 re-registered or the grace ends) or while any segment is still re-registering, since the
 replica an object seems to lack may be on its way back; and a copy that completes when the
 object already holds its replicas (one came back by re-registration meanwhile) is dropped and
@@ -23,13 +24,10 @@ its space freed (``surplus`` counts them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvplane.store import inventory
+from kvplane.store.master.table import ObjectTable
 from kvplane.store.types import RepairTask
-
-if TYPE_CHECKING:
-    from kvplane.store.master.state import MasterState
 
 SCAN = 4096  # short keys looked at per planning pass
 
@@ -46,8 +44,8 @@ class _Pending:
 class Repairs:
     """Objects short of replicas and the repair tasks in flight."""
 
-    def __init__(self, state: "MasterState") -> None:
-        self._st = state
+    def __init__(self, table: ObjectTable) -> None:
+        self._st = table
         self.short: set[str] = set()  # keys that may have fewer replicas than asked for
         self.pending: dict[str, _Pending] = {}
         self.done_count = 0
@@ -78,12 +76,12 @@ class Repairs:
                 continue
             if key in self.pending:
                 continue
-            target = self._target(obj.hdr + obj.size, {r[0] for r in obj.replicas})
+            target = self._target(obj.hdr + obj.size, {s for s, _, _ in obj.replicas})
             if target is None:
                 continue
             name, off = target
             seg = st.segments[name]
-            gen = st._gen()
+            gen = st.new_generation()
             sources = sorted(obj.replicas, key=lambda r: st.segments[r[0]].suspect_since is not None)
             header = inventory.pack(st.secret, key, gen, obj.version, obj.size, obj.checksum,
                                     obj.want, obj.flags) if obj.hdr else b""
@@ -132,7 +130,7 @@ class Repairs:
             return False
         if ok and obj is not None and obj.complete and obj.version == p.task.version \
                 and (len(obj.replicas) >= obj.want  # came back meanwhile: one too many
-                     or any(r[0] == p.segment for r in obj.replicas)):  # or onto this segment
+                     or any(s == p.segment for s, _, _ in obj.replicas)):  # or onto this segment
             self.surplus += 1
             if len(obj.replicas) >= obj.want:
                 self.short.discard(key)

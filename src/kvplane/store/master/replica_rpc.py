@@ -1,71 +1,73 @@
 """The master's replica RPCs: descriptors, replica clear, copy/move tasks (Mooncake's
 GetReplicaList-for-introspection, BatchReplicaClear, CreateCopyTask/CreateMoveTask/QueryTask).
 
-``install(server)`` registers them on a ``MasterServer``; each runs under the server's state lock
-like every other handler. Descriptors take no lease. The disk tier, when it comes, adds its
-replicas in ``_replica_infos`` (the one place that lists an object's replicas by tier).
+``handlers(serving)`` returns them for the server to register (once, at start); each runs
+under the server's state lock like every other handler. Descriptors take no lease. The disk
+tier adds its replicas in ``_replica_infos`` (the one place that lists an object's replicas by
+tier). The task table is the served state's (``MasterState.tasks``): tasks do not survive a
+leader change (their runners see TASK_NOT_FOUND and the targets were never joined).
 
-Imports the master state and wire types; binds nothing itself.
+An RPC module: imports the state, the table's records and the wire types; never the server.
+Binds nothing itself.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from kvplane.store.errors import ObjectNotFound
-from kvplane.store.master.state import Obj
-from kvplane.store.master.tasks import Tasks
+from kvplane.store.master.serving import Handlers, Serving
+from kvplane.store.master.table import Obj
 from kvplane.store.replica_types import (
-    LOCAL_DISK, MEMORY, DescRep, DescResult, ReplicaClearReq, ReplicaInfo, TaskCreateRep, TaskCreateReq,
-    TaskDoneReq, TaskInfo, TaskReq, TaskWork,
+    LOCAL_DISK,
+    MEMORY,
+    DescRep,
+    DescResult,
+    ReplicaClearReq,
+    ReplicaInfo,
+    TaskCreateRep,
+    TaskCreateReq,
+    TaskDoneReq,
+    TaskInfo,
+    TaskReq,
+    TaskWork,
 )
 from kvplane.store.types import KeysReq
-
-if TYPE_CHECKING:
-    from kvplane.store.master.server import MasterServer
-    from kvplane.store.master.state import MasterState
 
 
 def _wall_ms() -> int:
     return int(time.time() * 1000)
 
 
+def handlers(serving: Serving) -> Handlers:
+    """The replica RPCs, by method name, for the server to register."""
+    rpc = ReplicaRpc(serving)
+    return {
+        "replica_descs": (rpc.descs, KeysReq), "replica_clear": (rpc.clear, ReplicaClearReq),
+        "task_create": (rpc.task_create, TaskCreateReq), "task_start": (rpc.task_start, TaskReq),
+        "task_done": (rpc.task_done, TaskDoneReq), "task_query": (rpc.task_query, TaskReq),
+    }
+
+
+def tick(serving: Serving) -> None:
+    """Timer pass (under the lock): expire stuck copy/move tasks."""
+    serving.state.tasks.expire(serving.clock(), _wall_ms())
+
+
 class ReplicaRpc:
-    """Handlers bound to one master (see the module docstring)."""
+    """Handlers over the served state (see the module docstring).
 
-    def __init__(self, server: "MasterServer") -> None:
-        self.server = server
-        self._tasks = Tasks(server.state)
+    Args:
+        serving: the state being served and the clock.
+    """
 
-    @property
-    def state(self) -> "MasterState":
-        """The server's current state (a new leader term starts a new one)."""
-        return self.server.state
-
-    @property
-    def tasks(self) -> Tasks:
-        """The task table of the current state (tasks do not survive a leader change: their
-        runners see TASK_NOT_FOUND and the targets were never joined)."""
-        if self._tasks._st is not self.server.state:
-            self._tasks = Tasks(self.server.state)
-        return self._tasks
-
-    def install(self) -> None:
-        for name, fn, typ in (
-            ("replica_descs", self.descs, KeysReq),
-            ("replica_clear", self.clear, ReplicaClearReq),
-            ("task_create", self.task_create, TaskCreateReq),
-            ("task_start", self.task_start, TaskReq),
-            ("task_done", self.task_done, TaskDoneReq),
-            ("task_query", self.task_query, TaskReq),
-        ):
-            self.server.add_handler(name, fn, typ)
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
 
     # -- descriptors -------------------------------------------------------------------------------
     def _replica_infos(self, obj: Obj) -> list[ReplicaInfo]:
         status = "COMPLETE" if obj.complete else "PROCESSING"
-        segs = self.state.segments
+        segs = self.serving.state.segments
         return [ReplicaInfo(MEMORY, status, obj.size, rep) for rep in
                 obj.replicas_of(segs, [r for r in obj.replicas if r[0] in segs])] + \
             [ReplicaInfo(LOCAL_DISK, status, obj.size, None, path)  # SSD copies (tiers.py)
@@ -74,7 +76,7 @@ class ReplicaRpc:
     def descs(self, req: KeysReq) -> DescRep:
         out = []
         for key in req.keys:
-            obj = self.state.objects.get(key)
+            obj = self.serving.state.objects.get(key)
             if obj is None:
                 out.append(DescResult(ObjectNotFound.code))
             else:
@@ -85,7 +87,7 @@ class ReplicaRpc:
     def clear(self, req: ReplicaClearReq) -> list[str]:
         """Keys whose replicas went: only the caller's own, complete objects with no live
         lease; with a segment name only the replicas there (an object left with none goes)."""
-        st, now = self.state, self.server.clock()
+        st, now = self.serving.state, self.serving.clock()
         cleared = []
         for key in req.keys:
             obj = st.objects.get(key)
@@ -96,7 +98,7 @@ class ReplicaRpc:
             if not req.segment:
                 st.remove(key, False, now)
                 cleared.append(key)
-            elif any(r[0] == req.segment for r in obj.replicas):
+            elif any(s == req.segment for s, _, _ in obj.replicas):
                 st.drop_replicas(obj, {req.segment}, now)
                 if not obj.replicas:
                     st.remove(key, True, now)
@@ -107,19 +109,17 @@ class ReplicaRpc:
 
     # -- tasks ---------------------------------------------------------------------------------------
     def task_create(self, req: TaskCreateReq) -> TaskCreateRep:
-        code, tid = self.tasks.create(req.kind, req.key, req.targets, req.source, req.client_id,
-                                      self.server.clock(), _wall_ms())
+        code, tid = self.serving.state.tasks.create(req.kind, req.key, req.targets, req.source,
+                                                    req.client_id, self.serving.clock(), _wall_ms())
         return TaskCreateRep(code, tid)
 
     def task_start(self, req: TaskReq) -> TaskWork:
-        return self.tasks.start(req.task, req.client_id, self.server.clock(), _wall_ms())
+        return self.serving.state.tasks.start(req.task, req.client_id, self.serving.clock(),
+                                              _wall_ms())
 
     def task_done(self, req: TaskDoneReq) -> int:
-        return self.tasks.finish(req.task, req.ok, req.message, self.server.clock(), _wall_ms())
+        return self.serving.state.tasks.finish(req.task, req.ok, req.message,
+                                               self.serving.clock(), _wall_ms())
 
     def task_query(self, req: TaskReq) -> TaskInfo:
-        return self.tasks.query(req.task)
-
-    def tick(self) -> None:
-        """Timer pass (under the lock): expire stuck tasks."""
-        self.tasks.expire(self.server.clock(), _wall_ms())
+        return self.serving.state.tasks.query(req.task)

@@ -11,6 +11,12 @@ after a restart the same way.
 Every RPC and admin request is authenticated (``kvplane.common.auth.TokenTable``: service,
 admin and tenant tokens) and checked by ``access.Access`` (tenant namespaces, segment
 ownership). The only module of the store master that binds sockets.
+
+Handlers: the server's own (``_handlers``) and each RPC module's ``handlers(serving)``
+(``replica_rpc``, ``tier_rpc``), registered once at start behind the lock, the counters and the
+access checks (``add_handler``). RPC modules get a ``serving.Serving`` (the state and the clock),
+never the server; a leader change swaps ``serving.state``. The top of the master's layers
+(``tests/unit/test_layering.py``): nothing in the master imports this module.
 """
 
 from __future__ import annotations
@@ -20,34 +26,53 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from kvplane.common import log as klog
 from kvplane.common import envs, metrics
+from kvplane.common import log as klog
 from kvplane.common.auth import TokenTable
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.http import ServerThread
 from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
 from kvplane.store.errors import (
-    InvalidParams, NoAvailableHandle, NotLeader, ObjectNotFound, Recovering,
+    InvalidParams,
+    NoAvailableHandle,
+    NotLeader,
+    ObjectNotFound,
+    Recovering,
 )
-from kvplane.store.master import admin, status
+from kvplane.store.master import admin, replica_rpc, spares, status, tier_rpc
 from kvplane.store.master.access import Access, is_service, require_service
-from kvplane.store.master.grants import MasterGrants
-from kvplane.store.master import spares
 from kvplane.store.master.config import MasterConfig
+from kvplane.store.master.grants import MasterGrants
 from kvplane.store.master.pool_events import PoolEvents
-from kvplane.store.master.replica_rpc import ReplicaRpc
+from kvplane.store.master.serving import Handlers, Serving
 from kvplane.store.master.state import MasterState
-from kvplane.store.master import tier_rpc
-from kvplane.store.master.tier_rpc import TierRpc
 from kvplane.store.types import (
-    AdoptReq, CodesRep, KeysReq, ListKeysRep, ListKeysReq, MountRep, MountReq, PingRep, PingReq,
-    PutEndReq, PutStartReq, RegexReq, RemoveReq, RepairDoneReq, ResultsRep, Retire, Spare,
+    AdoptReq,
+    CodesRep,
+    KeysReq,
+    ListKeysRep,
+    ListKeysReq,
+    MountRep,
+    MountReq,
+    PingRep,
+    PingReq,
+    PutEndReq,
+    PutStartReq,
+    RegexReq,
+    RemoveReq,
+    RepairDoneReq,
+    ResultsRep,
+    Retire,
+    Spare,
 )
+
+if TYPE_CHECKING:  # imported when HA is on (it needs an etcd client)
+    from kvplane.store.master.ha import Election
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +128,10 @@ class MasterServer:
         self.config = config or MasterConfig()
         self._secret = inventory.secret_of(token)
         self.state = self._fresh_state(secrets.randbits(23) | 1)  # epoch: new on every start
+        self.serving = Serving(self.state, clock)  # what the RPC modules and access checks see
         self._evicted_seen = 0
         self.auth = TokenTable(token, admin_token, tenants)
-        self.access = Access(self.state)
+        self.access = Access(self.serving)
         self.access.grants = MasterGrants(self._secret, tenants or {}, clock)
         self.events: PoolEvents | None = None
         if kv_events_port is not None:
@@ -122,24 +148,13 @@ class MasterServer:
         self.rpc = RpcServer(host, port, authenticate=self.auth,
                              spin=envs.get("KVPLANE_MASTER_SPIN"), listen=False)
         self.port = self.rpc.port
-        for name, fn, typ in (
-            ("mount", self._mount, MountReq), ("unmount", self._unmount, MountReq),
-            ("ping", self._ping, PingReq), ("put_start", self._put_start, PutStartReq),
-            ("put_end", self._put_end, PutEndReq), ("put_revoke", self._put_revoke, PutEndReq),
-            ("get_replicas", self._get_replicas, KeysReq), ("exist", self._exist, KeysReq),
-            ("get_size", self._get_size, KeysReq), ("remove", self._remove, RemoveReq),
-            ("remove_regex", self._remove_regex, RegexReq), ("remove_all", self._remove_all, RegexReq),
-            ("repair_done", self._repair_done, RepairDoneReq), ("adopt", self._adopt, AdoptReq),
-            ("list_keys", self._list_keys, ListKeysReq), ("whoami", self.access.whoami, str),
-        ):
-            self.add_handler(name, fn, typ)
-        self.replicas = ReplicaRpc(self)
-        self.access.tasks = self.replicas.tasks
-        self.replicas.install()
-        TierRpc(self).install()
+        for table in (self._handlers(), replica_rpc.handlers(self.serving),
+                      tier_rpc.handlers(self.serving)):
+            for name, (fn, typ) in table.items():
+                self.add_handler(name, fn, typ)
         self.rpc.start()
         self.host = host
-        self.election: Any = None
+        self.election: Election | None = None
         if ha:
             self.election = self._election(ha, cluster, advertise or f"{host}:{self.port}",
                                            lease_ttl)
@@ -156,7 +171,7 @@ class MasterServer:
                    admin_port=self.http.port if self.http else None)
 
     # -- roles -----------------------------------------------------------------------------------
-    def _election(self, ha: str, cluster: str | None, advertise: str, lease_ttl: int) -> Any:
+    def _election(self, ha: str, cluster: str | None, advertise: str, lease_ttl: int) -> Election:
         from kvplane.store.etcd import HaAddress
         from kvplane.store.master.ha import Election
 
@@ -196,10 +211,23 @@ class MasterServer:
     def _switch(self, state: MasterState) -> None:
         """Serve ``state`` from now on (under the lock): handlers, access checks and tasks."""
         self.state = state
-        self.access.state = state
-        self.access.tasks = self.replicas.tasks  # a new table for the new state
+        self.serving.state = state
 
     # -- rpc handlers (each under the state lock) --------------------------------------------
+    def _handlers(self) -> Handlers:
+        """The server's own RPCs (the replica and SSD-tier ones come from their modules)."""
+        return {
+            "mount": (self._mount, MountReq), "unmount": (self._unmount, MountReq),
+            "ping": (self._ping, PingReq), "put_start": (self._put_start, PutStartReq),
+            "put_end": (self._put_end, PutEndReq), "put_revoke": (self._put_revoke, PutEndReq),
+            "get_replicas": (self._get_replicas, KeysReq), "exist": (self._exist, KeysReq),
+            "get_size": (self._get_size, KeysReq), "remove": (self._remove, RemoveReq),
+            "remove_regex": (self._remove_regex, RegexReq),
+            "remove_all": (self._remove_all, RegexReq),
+            "repair_done": (self._repair_done, RepairDoneReq), "adopt": (self._adopt, AdoptReq),
+            "list_keys": (self._list_keys, ListKeysReq), "whoami": (self.access.whoami, str),
+        }
+
     def add_handler(self, name: str, fn: Callable[[Any], Any], request_type: type[Any]) -> None:
         """Serve ``name`` with ``fn(request)`` under the state lock (counted like the others),
         behind the access checks (tenant key scoping, ownership)."""
@@ -253,8 +281,7 @@ class MasterServer:
 
     def _unmount(self, req: MountReq) -> int:
         for s in req.segments:
-            self.state.unmount(s.name)
-            self.replicas.tasks.drop_segment(s.name)
+            self.state.unmount(s.name)  # its copy/move task allocations go with it
         return 0
 
     def _ping(self, req: PingReq) -> PingRep:
@@ -322,7 +349,7 @@ class MasterServer:
         for i in range(n):
             out.append(op(i))
             if retiring:
-                retire += [(i, seg, gen) for seg, gen, _ in retiring]
+                retire += [(i, r.segment, r.gen) for r in retiring]
                 retiring.clear()
         return out, retire
 
@@ -447,7 +474,7 @@ class MasterServer:
                 EXPIRED.inc()
                 klog.event("client_expired", client_id=cid)
             st.reclaim(now)
-            self.replicas.tick()
+            replica_rpc.tick(self.serving)
             n = st.evict(now)
             if n:
                 klog.event("evicted", count=n)
@@ -528,7 +555,7 @@ class MasterServer:
             self.events.close()
             self.events = None
 
-    def __enter__(self) -> "MasterServer":
+    def __enter__(self) -> MasterServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

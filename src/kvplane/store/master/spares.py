@@ -13,20 +13,17 @@ must begin its copies inside the spare's write window, and the object is readabl
 commit says so. A commit under a key that exists or is being written drops the spare (its
 record is forgotten at the segment) and answers ObjectExists, as PutStart would have.
 
-Pure: operates on a ``MasterState`` (the server holds its lock), no I/O, no clocks.
+Pure: operates on the master's ``ObjectTable`` (the server holds its lock), no I/O, no clocks;
+a service of the table (``table.py``): it must not import the state, an RPC module or the server.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvplane.common.errors import KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import InvalidParams, ObjectExists, ObjectNotFound
+from kvplane.store.master.table import Obj, ObjectTable
 from kvplane.store.types import KeyResult, SpareAsk
-
-if TYPE_CHECKING:
-    from kvplane.store.master.state import MasterState
 
 PREFIX = "\x00\x00spare\x00"  # NUL: never a user key; the empty tenant: never a tenant's key
 MAX_SPARE = 1 << 20  # bytes of value: larger puts gain nothing from one round trip less
@@ -39,13 +36,11 @@ def name_of(client_id: str, version: int) -> str:
     return f"{PREFIX}{client_id}\x00{version}"
 
 
-def grant(state: "MasterState", client_id: str, ask: SpareAsk, now: float,
+def grant(state: ObjectTable, client_id: str, ask: SpareAsk, now: float,
           local: frozenset[str], window: float) -> tuple[str, KeyResult] | None:
     """Place a spare for ``client_id``'s next put (``ask``); None when it cannot be placed
     without evicting or without taking the pool past its eviction watermark, or is out of
     range (the key table full, a config PutStart would refuse)."""
-    from kvplane.store.master.state import Obj
-
     cfg = ask.config
     if not (0 < ask.size <= MAX_SPARE and _MIN_HDR <= ask.hdr <= _MAX_HDR
             and ask.hdr % inventory.ALIGN == 0 and cfg.replica_num >= 1):
@@ -57,11 +52,11 @@ def grant(state: "MasterState", client_id: str, ask: SpareAsk, now: float,
     if not cap or state.used_ratio() + want / cap > state.config.high_watermark:
         return None  # a spare never makes the master evict: only space the pool does not need
     try:
-        pin = state._soft_pin_ttl(cfg)
-        replicas = state._place(ask.hdr + ask.size, cfg, now, local, evict=False)
+        pin = state.soft_pin_ttl(cfg)
+        replicas = state.place(ask.hdr + ask.size, cfg, now, local, evict=False)
     except KVPlaneError:
         return None
-    version = replicas[0][2]
+    version = replicas[0][2]  # the put's generation
     obj = Obj(ask.size, tuple(replicas), False, now, hard_pin=cfg.with_hard_pin,
               version=version, want=cfg.replica_num, writer=client_id,
               window_until=now + state.write_window(window), hdr=ask.hdr,
@@ -72,7 +67,8 @@ def grant(state: "MasterState", client_id: str, ask: SpareAsk, now: float,
     return name, KeyResult(0, obj.replicas_of(state.segments), ask.size, version)
 
 
-def _mine(state: "MasterState", client_id: str, name: str, version: int):  # type: ignore[no-untyped-def]
+def _mine(state: ObjectTable, client_id: str, name: str, version: int) -> Obj | None:
+    """Spare ``name`` if it is still ``client_id``'s unwritten one of ``version``."""
     obj = state.objects.get(name)
     if (not name.startswith(PREFIX) or obj is None or obj.complete or obj.writer != client_id
             or obj.version != version):
@@ -80,7 +76,7 @@ def _mine(state: "MasterState", client_id: str, name: str, version: int):  # typ
     return obj
 
 
-def commit(state: "MasterState", client_id: str, name: str, key: str, version: int,
+def commit(state: ObjectTable, client_id: str, name: str, key: str, version: int,
            checksum: int, now: float) -> int:
     """Make spare ``name`` (written by ``client_id`` with ``version``) the object ``key``:
     0, or ObjectNotFound (no such spare: pre-empted, dropped with its segment, or a master
@@ -89,7 +85,7 @@ def commit(state: "MasterState", client_id: str, name: str, key: str, version: i
     if obj is None:
         return ObjectNotFound.code
     try:
-        state._check_key(key)
+        state.check_key(key)
         if inventory.header_len(key) != obj.hdr:
             raise InvalidParams("the key's header does not fit the spare")
         old = state.objects.get(key)
@@ -98,10 +94,10 @@ def commit(state: "MasterState", client_id: str, name: str, key: str, version: i
                 raise ObjectExists(f"{key!r} exists")
             if now - old.started < state.config.put_discard_timeout:
                 raise ObjectExists(f"{key!r} is being written")
-            state._drop(key, old, now)
+            state.drop_object(key, old, now)
     except KVPlaneError as exc:  # its record names a key that stays as it was: drop it, its
         obj.window_until = now  # writer's copies over (only frames may be in flight: fenced)
-        state._drop(name, obj, now)
+        state.drop_object(name, obj, now)
         return exc.code
     del state.objects[name]
     state.open_puts.pop(name, None)
@@ -110,7 +106,7 @@ def commit(state: "MasterState", client_id: str, name: str, key: str, version: i
     return state.put_end(key, now, version, checksum)
 
 
-def give_back(state: "MasterState", client_id: str, name: str, version: int, written: bool,
+def give_back(state: ObjectTable, client_id: str, name: str, version: int, written: bool,
               now: float) -> int:
     """``client_id`` gives its spare ``name`` back (0, or ObjectNotFound). One it ``written``
     into (a write that failed) is revoked: its space waits for the segment's fence. One it never

@@ -110,9 +110,9 @@ def segments(state: MasterState, now: float, admin: bool) -> list[dict[str, Any]
     """One row per mounted segment (``client_id`` only for the admin)."""
     held: dict[str, int] = {n: 0 for n in state.segments}
     for obj in state.objects.values():
-        for seg, _off, _gen in obj.replicas:
-            if seg in held:
-                held[seg] += 1
+        for name, _off, _gen in obj.replicas:
+            if name in held:
+                held[name] += 1
     rows = []
     for name, seg in state.segments.items():
         status, age = liveness(state, name, now)

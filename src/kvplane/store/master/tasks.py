@@ -1,8 +1,9 @@
-"""Copy and move tasks (Mooncake's CreateCopyTask / CreateMoveTask / QueryTask) on MasterState.
+"""Copy and move tasks (Mooncake's CreateCopyTask / CreateMoveTask / QueryTask) on the object table.
 
-Pure bookkeeping: no I/O, no threads, no clock reads (``now`` monotonic seconds and ``wall_ms``
-come from the caller). The master holds no bytes, so a task is carried out by a client, the
-*runner* (here: the client that created it), in three steps:
+A service of the master's ``ObjectTable`` (``table.py``): it must not import the state, an RPC
+module or the server. Pure bookkeeping: no I/O, no threads, no clock reads (``now`` monotonic
+seconds and ``wall_ms`` come from the caller). The master holds no bytes, so a task is carried
+out by a client, the *runner* (here: the client that created it), in three steps:
 
 1. ``create``: checks the key and segments (-704 OBJECT_NOT_FOUND, -600 INVALID_PARAMS for an
    unknown segment, a move onto its own source, or a source without a replica) and queues the
@@ -20,21 +21,32 @@ to ``max_finished``, oldest dropped first (then -1400 TASK_NOT_FOUND).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvplane.store import inventory
 from kvplane.store.errors import InvalidParams, ObjectNotFound
+from kvplane.store.master.table import Obj, ObjectTable, Rep
 from kvplane.store.replica_types import TaskId, TaskInfo, TaskWork
-
-if TYPE_CHECKING:
-    from kvplane.store.master.state import MasterState, Obj
 
 TASK_NOT_FOUND = -1400
 TASK_PENDING_LIMIT_EXCEEDED = -1401
+
+
+class TaskStatus(str, enum.Enum):
+    """A task's state (``TaskInfo.status`` on the wire carries its value)."""
+
+    PENDING = "PENDING"
+    PROCESSING = "PROCESSING"
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+
+
+PENDING, PROCESSING = TaskStatus.PENDING, TaskStatus.PROCESSING
+FINISHED = (TaskStatus.SUCCESS, TaskStatus.FAILED)
 
 
 @dataclass
@@ -48,19 +60,19 @@ class Task:
     created_ms: int
     updated_ms: int
     since: float
-    status: str = "PENDING"
+    status: TaskStatus = PENDING
     message: str = ""
     size: int = 0
-    allocated: list[tuple[str, int, int]] = field(default_factory=list)  # (segment, offset, gen)
+    allocated: list[Rep] = field(default_factory=list)  # target allocations
 
 
 class Tasks:
     """The task table of one master. The caller holds the state lock around every call."""
 
-    def __init__(self, state: "MasterState", max_pending: int = 10000,
+    def __init__(self, table: ObjectTable, max_pending: int = 10000,
                  max_finished: int = 10000, pending_timeout: float = 300.0,
                  processing_timeout: float = 300.0) -> None:
-        self._st = state
+        self._st = table
         self.max_pending, self.max_finished = max_pending, max_finished
         self.pending_timeout, self.processing_timeout = pending_timeout, processing_timeout
         self.tasks: OrderedDict[tuple[int, int], Task] = OrderedDict()
@@ -77,7 +89,7 @@ class Tasks:
         code = self._check(kind, key, targets, source)
         if code:
             return code, TaskId(0, 0)
-        if sum(1 for t in self.tasks.values() if t.status == "PENDING") >= self.max_pending:
+        if sum(1 for t in self.tasks.values() if t.status is PENDING) >= self.max_pending:
             return TASK_PENDING_LIMIT_EXCEEDED, TaskId(0, 0)
         tid = self._new_id()
         self.tasks[(tid.hi, tid.lo)] = Task(tid, kind, key, list(targets), source, client_id,
@@ -93,7 +105,7 @@ class Tasks:
         if any(t not in self._st.segments for t in targets):
             return InvalidParams.code
         if kind == "move":
-            holders = {r[0] for r in obj.replicas}
+            holders = {s for s, _, _ in obj.replicas}
             if len(targets) != 1 or source == targets[0] or source not in holders:
                 return InvalidParams.code
         return 0
@@ -104,17 +116,17 @@ class Tasks:
         task = self.tasks.get((tid.hi, tid.lo))
         if task is None:
             return TaskWork(TASK_NOT_FOUND)
-        if task.status != "PENDING":
+        if task.status is not PENDING:
             return TaskWork(InvalidParams.code)
         st = self._st
         obj = st.objects.get(task.key)
         if obj is None or not obj.complete:
             self._fail(task, "object is gone", wall_ms)
             return TaskWork(ObjectNotFound.code)
-        if task.kind == "move" and task.source not in {r[0] for r in obj.replicas}:
+        if task.kind == "move" and task.source not in {s for s, _, _ in obj.replicas}:
             self._fail(task, "source replica is gone", wall_ms)
             return TaskWork(InvalidParams.code)
-        holders = {r[0] for r in obj.replicas}
+        holders = {s for s, _, _ in obj.replicas}
         task.size = obj.hdr + obj.size  # the whole allocation (fences and frees)
         for name in task.targets:
             seg = st.segments.get(name)
@@ -125,8 +137,8 @@ class Tasks:
                 self._free(task)
                 self._fail(task, "NO_AVAILABLE_HANDLE: no room on " + name, wall_ms)
                 return TaskWork(-200)
-            task.allocated.append((name, off, st._gen()))  # the runner's frames carry it
-        task.status, task.updated_ms, task.since = "PROCESSING", wall_ms, now
+            task.allocated.append((name, off, st.new_generation()))  # the runner's frames carry it
+        task.status, task.updated_ms, task.since = PROCESSING, wall_ms, now
         task.client_id = client_id
         obj.lease_until = max(obj.lease_until, now + self.processing_timeout)
         sources = obj.replicas_of(st.segments, [r for r in obj.replicas
@@ -142,7 +154,7 @@ class Tasks:
         task = self.tasks.get((tid.hi, tid.lo))
         if task is None:
             return TASK_NOT_FOUND
-        if task.status != "PROCESSING" or len(ok) != len(task.allocated):
+        if task.status is not PROCESSING or len(ok) != len(task.allocated):
             return InvalidParams.code
         st = self._st
         obj = st.objects.get(task.key)
@@ -168,11 +180,11 @@ class Tasks:
         if task.kind == "move":
             self._drop_source(obj, task.source, now)
         task.allocated = []
-        task.status, task.updated_ms, task.message = "SUCCESS", wall_ms, message or "ok"
+        task.status, task.updated_ms, task.message = TaskStatus.SUCCESS, wall_ms, message or "ok"
         self._prune()
         return 0
 
-    def _drop_source(self, obj: "Obj", source: str, now: float) -> None:
+    def _drop_source(self, obj: Obj, source: str, now: float) -> None:
         """Take the source replica out of ``obj``; a reader inside its lease may still be
         copying from it, so its space waits for the lease like a removed object's."""
         self._st.drop_replicas(obj, {source}, now)
@@ -182,7 +194,7 @@ class Tasks:
         task = self.tasks.get((tid.hi, tid.lo))
         if task is None:
             return TaskInfo(TASK_NOT_FOUND)
-        return TaskInfo(0, task.kind, task.status, task.created_ms, task.updated_ms,
+        return TaskInfo(0, task.kind, task.status.value, task.created_ms, task.updated_ms,
                         task.client_id, task.message)
 
     def expire(self, now: float, wall_ms: int) -> int:
@@ -192,11 +204,11 @@ class Tasks:
             if task.allocated:
                 task.allocated = [a for a in task.allocated if a[0] in self._st.segments]
         for task in list(self.tasks.values()):
-            limit = {"PENDING": self.pending_timeout,
-                     "PROCESSING": self.processing_timeout}.get(task.status)
+            limit = (self.pending_timeout if task.status is PENDING else
+                     self.processing_timeout if task.status is PROCESSING else None)
             if limit and now - task.since > limit:
                 self._free(task, now)
-                self._fail(task, f"timed out {task.status.lower()}", wall_ms)
+                self._fail(task, f"timed out {task.status.value.lower()}", wall_ms)
                 n += 1
         return n
 
@@ -214,17 +226,17 @@ class Tasks:
             if seg not in st.segments:
                 continue
             st.adoption.forget(st.segments[seg], off, gen)
-            if now is not None and task.status == "PROCESSING":
+            if now is not None and task.status is PROCESSING:
                 st.graveyard.hold(seg, off, task.size, now, gen)
             else:
                 st.segments[seg].alloc.free(off)
         task.allocated = []
 
     def _fail(self, task: Task, message: str, wall_ms: int) -> None:
-        task.status, task.message, task.updated_ms = "FAILED", message, wall_ms
+        task.status, task.message, task.updated_ms = TaskStatus.FAILED, message, wall_ms
         self._prune()
 
     def _prune(self) -> None:
-        finished = [k for k, t in self.tasks.items() if t.status in ("SUCCESS", "FAILED")]
+        finished = [k for k, t in self.tasks.items() if t.status in FINISHED]
         for k in finished[:max(0, len(finished) - self.max_finished)]:
             del self.tasks[k]

@@ -1,7 +1,8 @@
 """The SSD tier, master side: which objects have disk copies, offload, demotion, promotion.
 
-Pure bookkeeping on a ``MasterState`` (no I/O, no clock), like ``repair.py``. A segment whose
-owner runs an SSD tier mounts with ``disk_size > 0``; the master then:
+Pure bookkeeping on the master's ``ObjectTable`` (no I/O, no clock), like ``repair.py``; a
+service of the table (``table.py``): it must not import the state, an RPC module or the
+server. A segment whose owner runs an SSD tier mounts with ``disk_size > 0``; the master then:
 
 * **offloads**: picks objects with a memory replica on that segment and no disk copy, and
   hands them to the owner as ``OffloadTask`` s (``disk_sync``). With write-through, every
@@ -32,16 +33,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, ObjectNotFound
+from kvplane.store.master.adopt import EpochOrder
+from kvplane.store.master.eviction import Verdict
+from kvplane.store.master.table import Obj, ObjectTable, Segment
 from kvplane.store.tier_types import DiskReplica, OffloadTask, PromoteTask, ticket_of
 from kvplane.transfer.fence import epoch_of
-
-if TYPE_CHECKING:
-    from kvplane.store.master.state import MasterState, Obj, Segment
 
 OFFLOAD_TIMEOUT = 30.0  # seconds an offload may take before the object is evictable again
 PROMOTE_TIMEOUT = 10.0  # seconds a promotion may take before it is abandoned
@@ -71,8 +71,9 @@ class _Promotion:
 class DiskTier:
     """Disk copies of objects, and the offload and promotion tasks in flight."""
 
-    def __init__(self, state: "MasterState") -> None:
-        self._st = state
+    def __init__(self, table: ObjectTable, order: EpochOrder) -> None:
+        self._st = table
+        self._order = order  # adoption's age order of past masters' epochs
         self.offloads: dict[str, _Offload] = {}
         self.promotions: dict[str, _Promotion] = {}
         self.failed: set[str] = set()  # offload failed: evicted like an object without disk
@@ -90,28 +91,29 @@ class DiskTier:
         seg = self._st.segments.get(name)
         return seg is not None and seg.info.disk_size > 0
 
-    def stored(self, key: str, obj: "Obj") -> None:
+    def stored(self, key: str, obj: Obj) -> None:
         """``key`` was committed: a write-through segment copies it to disk at once."""
         if any(self._st.segments[s].info.write_through for s, _, _ in obj.replicas
                if s in self._st.segments):
             self.unsaved.add(key)
 
-    def verdict(self, key: str, obj: "Obj", now: float) -> str:
-        """How eviction treats ``obj``: "demote" (drop memory, keep disk), "keep" (its disk copy
-        is being made, or will be), or "drop" (no disk tier for it)."""
+    def verdict(self, key: str, obj: Obj, now: float) -> Verdict:
+        """How eviction treats ``obj``: DEMOTE (drop memory, keep disk), KEEP (its disk copy
+        is being made, or will be: an offload is queued now if none is), or DROP (no disk
+        tier for it)."""
         if obj.disk:
-            return "demote"
+            return Verdict.DEMOTE
         if key in self.failed:
-            return "drop"
+            return Verdict.DROP
         if not any(self.disk_segment(s) for s, _, _ in obj.replicas):
-            return "drop"
+            return Verdict.DROP
         p = self.offloads.get(key)
         if p is None:
             self._queue(key, obj, now)
-            return "keep" if key in self.offloads else "drop"
-        return "keep"
+            return Verdict.KEEP if key in self.offloads else Verdict.DROP
+        return Verdict.KEEP
 
-    def dropped(self, key: str, obj: "Obj", now: float) -> None:
+    def dropped(self, key: str, obj: Obj, now: float) -> None:
         """``obj`` left the store: its disk copies are deleted, its tasks forgotten."""
         for seg, _path in obj.disk.items():
             self._forgets.setdefault(seg, {})[key] = obj.version
@@ -129,7 +131,7 @@ class DiskTier:
         gone = []
         for key, obj in self._st.objects.items():
             if obj.disk.pop(name, None) is not None and not obj.disk and \
-                    not any(r[0] != name for r in obj.replicas):
+                    not any(s != name for s, _, _ in obj.replicas):
                 gone.append(key)
                 self.orphans[key] = obj.version  # lost with the node, not removed
                 if len(self.orphans) > ORPHANS:
@@ -141,10 +143,10 @@ class DiskTier:
         self._forgets.pop(name, None)
         return gone
 
-    def demote(self, key: str, obj: "Obj", now: float) -> int:
+    def demote(self, key: str, obj: Obj, now: float) -> int:
         """Drop the memory replicas of an object that has a disk copy; returns bytes freed."""
         freed = (obj.hdr + obj.size) * len(obj.replicas)
-        self._st.drop_replicas(obj, {r[0] for r in obj.replicas}, now)
+        self._st.drop_replicas(obj, {s for s, _, _ in obj.replicas}, now)
         self._st.objects.move_to_end(key)  # out of the way of the memory LRU's oldest end
         self.demoted += 1
         return freed
@@ -183,15 +185,15 @@ class DiskTier:
                 break
             if not obj.replicas or not obj.complete or key in self.offloads or key in self.failed:
                 continue
-            seg = next((r[0] for r in obj.replicas if want.get(r[0], 0) > 0), None)
-            if seg is None:
+            over = next((s for s, _, _ in obj.replicas if want.get(s, 0) > 0), None)
+            if over is None:
                 continue
             if not obj.disk:
                 made += self._queue(key, obj, now)
-            want[seg] -= obj.hdr + obj.size
+            want[over] -= obj.hdr + obj.size
         return made
 
-    def _queue(self, key: str, obj: "Obj", now: float) -> int:
+    def _queue(self, key: str, obj: Obj, now: float) -> int:
         st = self._st
         for seg, off, gen in obj.replicas:
             s = st.segments.get(seg)
@@ -244,7 +246,7 @@ class DiskTier:
         if obj is None or obj.version != version or obj.disk.pop(segment, None) is None:
             return False
         if not obj.disk and not obj.replicas:
-            self._st._drop(key, obj, now)
+            self._st.drop_object(key, obj, now)
             return True
         return False
 
@@ -273,11 +275,11 @@ class DiskTier:
         if off is None:  # the reader is served from disk (inline) instead
             self.refused += 1
             return PromoteTask(NoAvailableHandle.code)
-        gen = st._gen()
+        gen = st.new_generation()
         self.promotions[key] = _Promotion(segment, off, gen, version, now + PROMOTE_TIMEOUT)
         return PromoteTask(0, seg.info.base + off, gen, obj.hdr, obj.size)
 
-    def _over(self, seg: "Segment", need: int) -> int:
+    def _over(self, seg: Segment, need: int) -> int:
         """Bytes by which promoting ``need`` bytes would take ``seg`` past the eviction
         watermark. Promoted copies are leased by their readers, and eviction skips leased
         objects: promotion never takes a segment past the watermark, so that much of memory
@@ -315,27 +317,26 @@ class DiskTier:
             st.graveyard.hold(p.segment, p.offset, size, now, p.gen)  # fenced before reuse
 
     # -- reads and re-adoption ------------------------------------------------------------------
-    def disk_replicas(self, key: str, obj: "Obj") -> list[DiskReplica]:
+    def disk_replicas(self, key: str, obj: Obj) -> list[DiskReplica]:
         st = self._st
         return [DiskReplica(s, st.segments[s].info.disk_endpoint, path, obj.size, key,
                             ticket_of(st.secret, key, obj.version, s))
                 for s, path in obj.disk.items() if s in st.segments]
 
-    def adopt(self, seg: "Segment", records: list[inventory.Record], paths: list[str],
+    def adopt(self, seg: Segment, records: list[inventory.Record], paths: list[str],
               history: list[int], now: float) -> list[int]:
         """Re-register the disk copies ``seg``'s owner holds; per record 1 (taken) or 0 (the
         owner deletes that file)."""
-        st = self._st
-        st.adoption.order.add(history)
+        self._order.add(history)
         out = []
         for rec, path in zip(records, paths, strict=True):
             out.append(1 if self._adopt_one(seg, rec, path, now) else 0)
         return out
 
-    def _adopt_one(self, seg: "Segment", rec: inventory.Record, path: str, now: float) -> bool:
+    def _adopt_one(self, seg: Segment, rec: inventory.Record, path: str, now: float) -> bool:
         st = self._st
         try:
-            st._check_key(rec.key)
+            st.check_key(rec.key)
         except KVPlaneError:
             return False
         name = seg.info.name
@@ -345,11 +346,13 @@ class DiskTier:
             return True
         if epoch_of(rec.version) == st.epoch and self.orphans.get(rec.key) != rec.version:
             return False  # this master put it and removed or replaced it since: not back
-        if obj is not None and (not obj.complete or not st.adoption.order.newer(rec.version,
-                                                                               obj.version)):
+        if obj is not None and (not obj.complete or not self._order.newer(rec.version, obj.version)):
             return False
         if obj is not None:
-            st._drop(rec.key, obj, now)
-        st.disk_object(rec, name, path)
+            st.drop_object(rec.key, obj, now)
+        st.insert_complete(rec.key, Obj(  # no memory replica until a read promotes it
+            rec.size, (), True, 0.0, hard_pin=bool(rec.flags & inventory.FLAG_HARD_PIN),
+            version=rec.version, checksum=rec.checksum, want=rec.want, hdr=rec.hdr,
+            flags=rec.flags, disk={name: path}))
         self.orphans.pop(rec.key, None)
         return True

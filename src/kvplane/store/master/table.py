@@ -1,0 +1,441 @@
+"""The master's object table: records, the maps that hold them, and the operations every part
+of the master shares. Pure: no I/O, no threads, no clock reads (``now`` comes from the caller).
+
+:class:`ObjectTable` holds segments (with their allocators), clients, and objects (with their
+replicas, leases, pins and LRU order), issues generations, places, commits, drops and evicts
+objects. It is the layer the master's services build on (adoption ``adopt.py``, repair
+``repair.py``, the disk tier ``tiers.py``, spares ``spares.py``, copy/move tasks ``tasks.py``,
+data-plane grants ``grants.py``); :class:`~kvplane.store.master.state.MasterState` composes
+them over it and adds the per-RPC operations.
+
+The table tells three services what happens to objects (a drop, a commit, an eviction) through
+the small protocols below (``ReplicaRepairs``, ``HeaderForgets``, ``TierHooks``); the state
+plugs the real ones in. Imports only the master's primitives (config, allocator, fences) and
+the eviction policy, never a service, the state, an RPC module or the server.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import msgspec
+
+from kvplane.store.errors import InvalidKey, InvalidParams, NoAvailableHandle, ObjectNotFound
+from kvplane.store.master import eviction
+from kvplane.store.master.allocator import OffsetAllocator
+from kvplane.store.master.config import MasterConfig
+from kvplane.store.master.eviction import Verdict
+from kvplane.store.master.fences import Quarantine
+from kvplane.store.types import MAX_KEY, Replica, ReplicateConfig, SegmentInfo
+from kvplane.transfer.fence import EPOCH_SHIFT
+
+# One memory replica of an object: (segment, offset of its allocation, generation). A plain
+# tuple, not a NamedTuple, on purpose: every lookup unpacks one per key, and CPython's
+# specialised unpacking and indexing cover exact tuples only (a NamedTuple costs about four
+# times as much per unpack: 44 against 11 ns here). Read it by unpacking: ``seg, off, gen``.
+Rep = tuple[str, int, int]
+
+
+class Change(str, enum.Enum):
+    """What happened to a key, for the pool's KV events (``ObjectTable.changes``)."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+class Retiring(NamedTuple):
+    """A leased object's replica dropped: the caller retires its generation at its segment."""
+
+    segment: str
+    gen: int
+    lease_until: float
+
+
+STORED, REMOVED = Change.STORED, Change.REMOVED
+
+
+@dataclass
+class Segment:
+    """One mounted segment: its registration, its allocator, and its health."""
+
+    info: SegmentInfo
+    alloc: OffsetAllocator
+    suspect_since: float | None = None  # a client reported a failed transfer to it
+    adopting: bool = False  # re-registering what it holds: no new placements yet
+
+    def replica(self, off: int, size: int, gen: int = 0, hdr: int = 0) -> Replica:
+        """The replica whose allocation starts at ``off``: its value follows the header."""
+        return Replica(self.info.name, self.info.base + off + hdr, size, self.info.endpoint,
+                       self.info.host_id, gen)
+
+
+class Obj(msgspec.Struct, gc=False):
+    """One object's metadata. Not tracked by Python's cyclic GC (it holds no cycle, and its
+    replicas are a tuple): a full collection in a master holding millions of objects would
+    otherwise walk every one of them, under the lock every RPC takes."""
+
+    size: int
+    replicas: tuple[Rep, ...]
+    complete: bool
+    started: float
+    lease_until: float = 0.0
+    hard_pin: bool = False
+    soft_pin_until: float = 0.0
+    soft_pin_ttl: float = 0.0
+    version: int = 0  # generation of the put that made it
+    checksum: int = 0
+    want: int = 1  # replicas asked for
+    writer: str = ""  # client id of the put
+    window_until: float = 0.0  # the writer may copy into its replicas until then
+    owner: str = ""  # client id of the put that made it (Mooncake's metadata.client_id)
+    hdr: int = 0  # bytes of the inventory header in front of the value in every replica
+    header: bytes = b""  # that header, while the put is unfinished
+    flags: int = 0  # inventory flags (hard pin)
+    nonce: int = 0  # id of the PutStart call that made it (a retry of it resumes the put)
+    disk: dict[str, str] = msgspec.field(default_factory=dict)  # SSD copies: segment -> path
+
+    def replicas_of(self, segments: dict[str, Segment], reps: Sequence[Rep] | None = None
+                    ) -> list[Replica]:
+        """The wire form of ``reps`` (default: every replica) of this object."""
+        return [segments[s].replica(o, self.size, g, self.hdr) for s, o, g in
+                (self.replicas if reps is None else reps)]
+
+
+@dataclass
+class Client:
+    """One client that mounted segments or heartbeats: when it was last heard of."""
+
+    last_seen: float
+    segments: set[str] = field(default_factory=set)
+
+
+class ReplicaRepairs(Protocol):
+    """What the table tells re-replication (``repair.Repairs``)."""
+
+    short: set[str]  # keys that may hold fewer replicas than asked for
+
+    def forget(self, key: str, now: float) -> None:
+        """``key`` was dropped: abandon its repair."""
+
+
+class HeaderForgets(Protocol):
+    """What the table tells adoption (``adopt.Adoption``) when space that may hold an inventory
+    header is freed."""
+
+    def forget(self, seg: Segment, off: int, gen: int) -> None:
+        """The allocation at ``off`` of ``seg`` (generation ``gen``) was freed."""
+
+
+class TierHooks(Protocol):
+    """What the table asks and tells the disk tier (``tiers.DiskTier``)."""
+
+    def stored(self, key: str, obj: Obj) -> None:
+        """``key`` was committed."""
+
+    def dropped(self, key: str, obj: Obj, now: float) -> None:
+        """``obj`` left the store."""
+
+    def verdict(self, key: str, obj: Obj, now: float) -> Verdict:
+        """How eviction treats ``obj``."""
+
+    def demote(self, key: str, obj: Obj, now: float) -> int:
+        """Drop ``obj``'s memory replicas (it has a disk copy); bytes freed."""
+
+
+class ObjectTable:
+    """Segments, clients and objects, and the operations the master's services share.
+
+    The caller serialises access (the server's lock). ``repairs``, ``adoption`` and ``tiers``
+    are the services the table notifies; :class:`~kvplane.store.master.state.MasterState`
+    sets them right after construction.
+
+    Args:
+        config: master semantics (leases, watermarks, placement).
+        seed: seeds placement's random start.
+        epoch: this master's epoch: every generation it issues carries it.
+    """
+
+    repairs: ReplicaRepairs
+    adoption: HeaderForgets
+    tiers: TierHooks
+
+    def __init__(self, config: MasterConfig | None = None, seed: int = 0, epoch: int = 1) -> None:
+        self.config = config or MasterConfig()
+        self.rng = random.Random(seed)
+        self.epoch = epoch
+        self.secret = b""  # keys the inventory headers' tags (``inventory.secret_of``)
+        self._next_gen = epoch << EPOCH_SHIFT
+        self.objects: OrderedDict[str, Obj] = OrderedDict()  # LRU order: oldest first
+        # puts started and not ended (entries of ended or dropped ones are pruned by
+        # ``MasterState.reclaim``): the timer looks at these, never at every object
+        self.open_puts: dict[str, Obj] = {}
+        self.segments: dict[str, Segment] = {}
+        self.clients: dict[str, Client] = {}
+        self.graveyard = Quarantine()  # freed space not yet reusable
+        self.gate_until = 0.0  # recovering until then ...
+        self.awaiting: set[str] | None = None  # ... or until these segments re-registered
+        self.evicted = 0
+        self.alloc_failures = 0
+        self.largest = 0  # bytes of the largest segment mounted (0: none)
+        self.puts = 0  # objects committed (PutEnd or a spare's commit; once each)
+        self.changes: list[tuple[Change, str]] = []  # drained by the server (KV events)
+        # replicas of leased objects dropped since the server last took them: the caller
+        # retires them at their segments (held reads, ``drop_object``)
+        self.retiring: list[Retiring] = []
+
+    # -- generations and the recovery gate ---------------------------------------------------
+    def new_generation(self) -> int:
+        """A generation for a new allocation: this master's epoch and the next counter. Data
+        frames carry it; segments refuse fenced or older ones (``kvplane.transfer.fence``)."""
+        self._next_gen += 1
+        return self._next_gen
+
+    def floor(self) -> int:
+        """The lowest generation this master can issue from now on."""
+        return self._next_gen + 1
+
+    def recover(self, now: float, grace: float, awaiting: set[str] | None) -> None:
+        """Answer misses with ``Recovering`` for up to ``grace`` seconds, or until every segment
+        in ``awaiting`` (None: unknown) has re-registered."""
+        self.gate_until = now + grace
+        self.awaiting = None if awaiting is None else set(awaiting)
+
+    def recovering(self, now: float) -> bool:
+        """True while misses may still be objects that segments have not re-registered."""
+        return now < self.gate_until and (self.awaiting is None or bool(self.awaiting))
+
+    # -- lookups -------------------------------------------------------------------------------
+    @staticmethod
+    def check_key(key: str) -> None:
+        """Refuse a key the master does not store.
+
+        Raises:
+            InvalidKey: empty, or longer than ``MAX_KEY`` bytes.
+        """
+        if not key or len(key.encode()) > MAX_KEY:
+            raise InvalidKey(f"keys must be 1..{MAX_KEY} bytes")
+
+    def segments_of(self, client_id: str) -> set[str]:
+        """Names of the segments ``client_id`` mounted (a copy; empty for an unknown client)."""
+        client = self.clients.get(client_id)
+        return set(client.segments) if client is not None else set()
+
+    def used_ratio(self) -> float:
+        """Bytes allocated over bytes mounted, every segment together (0: none mounted)."""
+        cap = sum(s.alloc.capacity for s in self.segments.values())
+        return sum(s.alloc.used for s in self.segments.values()) / cap if cap else 0.0
+
+    # -- commits and drops ---------------------------------------------------------------------
+    def insert_complete(self, key: str, obj: Obj) -> None:
+        """Add ``obj`` as the committed object ``key`` (re-registered by a segment or a disk
+        node): announced like a put, marked for repair when short of replicas."""
+        self.objects[key] = obj
+        self.changes.append((STORED, key))
+        if 0 < len(obj.replicas) < obj.want:
+            self.repairs.short.add(key)
+    def write_window(self, asked: float) -> float:
+        """The write window granted for a client's ``asked`` seconds (0: the default)."""
+        return min(asked or self.config.write_window, self.config.put_discard_timeout)
+
+    def put_end(self, key: str, now: float, version: int = 0, checksum: int = 0) -> int:
+        """Make a written object visible (0, or an error code).
+
+        ``version``: the one PutStart gave (0: not checked). A put that was pre-empted, revoked
+        or lost with its segments gets ObjectNotFound: it was not committed.
+        """
+        obj = self.objects.get(key)
+        if obj is None or (version and obj.version != version):
+            return ObjectNotFound.code
+        if not obj.complete:
+            obj.complete = True
+            self.puts += 1
+            self.open_puts.pop(key, None)
+            obj.checksum = obj.checksum or checksum
+            obj.writer, obj.header = "", b""
+            self.changes.append((STORED, key))
+            if obj.soft_pin_ttl:
+                obj.soft_pin_until = now + obj.soft_pin_ttl
+            self.objects.move_to_end(key)
+            if len(obj.replicas) < obj.want:
+                self.repairs.short.add(key)
+            self.tiers.stored(key, obj)
+        return 0
+
+    def put_revoke(self, key: str, now: float, version: int = 0) -> int:
+        """Abandon an unfinished put. Its space is fenced on its segments before reuse."""
+        obj = self.objects.get(key)
+        if obj is None or obj.complete or (version and obj.version != version):
+            return ObjectNotFound.code
+        obj.window_until = now  # the writer's own copies are over; only frames may be in flight
+        self.drop_object(key, obj, now)
+        return 0
+
+
+    def drop_replicas(self, obj: Obj, segments: set[str], now: float) -> int:
+        """Take the replicas on ``segments`` out of ``obj`` (the object stays, even with none
+        left: the caller decides). Space under a live lease waits for it. Returns how many."""
+        gone = [r for r in obj.replicas if r[0] in segments]  # r: (segment, offset, gen)
+        obj.replicas = tuple(r for r in obj.replicas if r[0] not in segments)
+        for seg, off, gen in gone:
+            if seg not in self.segments:
+                continue
+            self.adoption.forget(self.segments[seg], off, gen)
+            if obj.lease_until > now:
+                self._hold_for_readers(seg, off, gen, obj)
+            else:
+                self.segments[seg].alloc.free(off)
+        return len(gone)
+
+    def drop_object(self, key: str, obj: Obj, now: float) -> None:
+        """Forget an object. Space under a live lease is freed only once the lease ends; space of
+        an unfinished put only once its write window is over and its segment fenced it."""
+        self.objects.pop(key, None)
+        if self.open_puts.get(key) is obj:
+            del self.open_puts[key]
+        self.repairs.forget(key, now)
+        self.tiers.dropped(key, obj, now)
+        if obj.complete:
+            self.changes.append((REMOVED, key))
+        for seg, off, gen in obj.replicas:
+            if seg not in self.segments:
+                continue
+            self.adoption.forget(self.segments[seg], off, gen)
+            if not obj.complete:
+                self.graveyard.hold(seg, off, obj.hdr + obj.size, max(obj.window_until, now), gen)
+            elif obj.lease_until > now:
+                self._hold_for_readers(seg, off, gen, obj)
+            else:
+                self.segments[seg].alloc.free(off)
+
+    def _hold_for_readers(self, seg: str, off: int, gen: int, obj: Obj) -> None:
+        """Hold the space of a complete object's replica until its read lease ends. Clients
+        holding that lease may read there without asking again (held reads), so its
+        generation is also fenced at the segment (the heartbeat path: early reuse waits for
+        it) and queued in ``retiring`` for the caller to retire at once."""
+        self.graveyard.hold(seg, off, obj.hdr + obj.size, obj.lease_until, gen, readers_only=True)
+        self.retiring.append(Retiring(seg, gen, obj.lease_until))
+
+    # -- eviction ------------------------------------------------------------------------------
+    def evict(self, now: float, need: int = 0) -> int:
+        """Approximate-LRU eviction down from the high watermark (or to make room for ``need``),
+        by the rules of ``eviction.py``; an object with a disk copy is demoted, not dropped.
+
+        Returns:
+            The number of objects evicted.
+        """
+        cap = sum(s.alloc.capacity for s in self.segments.values())
+        if not cap:
+            return 0
+        used = sum(s.alloc.used for s in self.segments.values())
+        target = eviction.target_bytes(self.config, used, self.graveyard.held_bytes(), cap, need)
+        if target <= 0:
+            return 0
+        freed, count = 0, 0
+        for soft_pass in (False, True):
+            if soft_pass and not self.config.allow_evict_soft_pinned:
+                break
+            for key in list(self.objects):
+                if freed >= target:
+                    break
+                obj = self.objects[key]
+                if not eviction.evictable(obj, now, soft_pass):
+                    continue
+                verdict = self.tiers.verdict(key, obj, now)
+                if verdict is Verdict.KEEP:
+                    continue
+                if verdict is Verdict.DEMOTE:
+                    freed += self.tiers.demote(key, obj, now)
+                else:
+                    freed += (obj.hdr + obj.size) * len(obj.replicas)
+                    self.drop_object(key, obj, now)
+                count += 1
+        self.evicted += count
+        return count
+
+    # -- placement -----------------------------------------------------------------------------
+    def soft_pin_ttl(self, cfg: ReplicateConfig) -> float:
+        """Seconds of soft pin a put asks for (0: none).
+
+        Raises:
+            InvalidParams: a TTL without "enable", an unknown action, or a TTL past the maximum.
+        """
+        action = cfg.pin_action()
+        if action not in ("preserve", "enable", "disable"):
+            raise InvalidParams(f"unknown soft_pin_action {action!r}")
+        if action != "enable":
+            if cfg.soft_pin_ttl_ms is not None:
+                raise InvalidParams("soft_pin_ttl_ms needs soft_pin_action ENABLE")
+            return 0.0
+        ttl = (cfg.soft_pin_ttl_ms / 1000.0 if cfg.soft_pin_ttl_ms is not None
+               else self.config.soft_pin_ttl)
+        if not 0 <= ttl <= self.config.max_soft_pin_ttl:
+            raise InvalidParams(f"soft_pin_ttl_ms {cfg.soft_pin_ttl_ms} is out of range")
+        return ttl
+
+    def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]) -> list[str]:
+        names = [n for n, s in self.segments.items() if s.suspect_since is None and not s.adopting]
+        if not names:
+            return []
+        pref = [p for p in ([cfg.preferred_segment] if cfg.preferred_segment else [])
+                + cfg.preferred_segments if p in self.segments
+                and self.segments[p].suspect_since is None and not self.segments[p].adopting]
+        if cfg.prefer_alloc_in_same_node:
+            pref += [n for n in names if n in local]
+        start = self.rng.randrange(len(names))
+        rest = names[start:] + names[:start]
+        if self.config.allocation_strategy == "free_ratio_first":
+            rest.sort(key=lambda n: -self.segments[n].alloc.free_bytes / self.segments[n].alloc.capacity)
+        if not pref:  # the common case: the names are distinct already
+            return rest
+        return list(dict.fromkeys(pref + rest))  # first occurrence of each, in order
+
+    def place(self, size: int, cfg: ReplicateConfig, now: float,
+              local: frozenset[str], evict: bool = True) -> list[Rep]:
+        """Allocate ``size`` bytes on up to ``cfg.replica_num`` distinct segments, all under
+        one new generation (best effort: at least one).
+
+        Args:
+            size: bytes of each allocation (header and value).
+            cfg: replica count and segment preferences.
+            now: the caller's clock (eviction's leases).
+            local: the segments on the caller's hosts (``prefer_alloc_in_same_node``).
+            evict: out of room, reuse force-removed space and evict (else fail at once).
+
+        Raises:
+            NoAvailableHandle: no segment has room.
+        """
+        for attempt in range(3 if evict else 1):
+            got: list[Rep] = []
+            gen = self.new_generation()  # one generation per put: replicas sit on distinct segments
+            for name in self._candidates(cfg, local):
+                off = self.segments[name].alloc.allocate(size)
+                if off is not None:
+                    got.append((name, off, gen))
+                    if len(got) == cfg.replica_num:
+                        break
+            if got:  # best effort: at least one replica
+                return got
+            if not evict:
+                break
+            self.alloc_failures += 1
+            leased = self.graveyard.release_leased() if attempt == 0 else []
+            if leased:
+                # Out of room: first reuse the space of force-removed objects whose read leases
+                # have not ended (``force`` accepted that such a reader may see new bytes, and
+                # Mooncake frees it at once; the reader's checksum turns them into a failed
+                # read), before evicting anything still live. Space waiting for a fence never.
+                for seg, off in leased:
+                    if seg in self.segments:
+                        self.segments[seg].alloc.free(off)
+            elif attempt <= 1:
+                self.evict(now, need=size * cfg.replica_num)
+            else:
+                break
+        raise NoAvailableHandle(
+            f"no segment has {size} free bytes; consider mounting more segments or lowering "
+            "the eviction high watermark")
