@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import msgspec
 
 from kvplane.store.inventory import Record
@@ -165,8 +167,14 @@ class KeyResult(msgspec.Struct, array_like=True, gc=False):
     disk: list[DiskReplica] = msgspec.field(default_factory=list)  # SSD copies (read-through)
 
 
-Location = tuple[str, int, int, int]  # where a client last read a key: segment, value address,
-# generation, size (``kvplane.store.client.locations``)
+class Location(NamedTuple):
+    """Where a client last read a key (``kvplane.store.client.location_cache``); a tuple on the
+    wire (``KeysReq.expect``)."""
+
+    segment: str
+    addr: int  # of the value
+    gen: int
+    size: int
 
 
 # (segment, grant): a tenant's grant (``kvplane.transfer.grants``) for one replica, to install
