@@ -184,7 +184,7 @@ Grant = tuple[str, bytes]
 
 # (key index, segment, generation): a replica of an object that this call replaced or removed
 # while a read lease on it was running. Clients that hold that lease may read the replica
-# without asking the master (``kvplane.store.client.locations``), so the caller has the
+# without asking the master (``kvplane.store.client.get_path``), so the caller has the
 # segment refuse the generation (``TransferEngine.retire``) before its call returns.
 Retire = tuple[int, str, int]
 

@@ -111,7 +111,6 @@ class StoreClient:
 
     def _start(self, cfg: StoreConfig) -> None:
         """Open the engine, the master link and the segments, and mount (all or nothing)."""
-        self.config = cfg
         self.engine = TransferEngine(EngineConfig.from_env(
             host=cfg.local_hostname, port=cfg.port, metadata=cfg.metadata,
             protocol=cfg.protocol, token=cfg.token, timeout=cfg.timeout,
@@ -149,6 +148,15 @@ class StoreClient:
         self.locations, self.spares, self.disk_links = ctx.locations, ctx.spares, ctx.disk_links
         self.duty = SegmentDuty(ctx)
         self.holdings = Holdings(ctx)
+
+    @property
+    def config(self) -> StoreConfig:
+        """The configuration every layer reads (replacing it changes theirs too)."""
+        return self.context.config
+
+    @config.setter
+    def config(self, cfg: StoreConfig) -> None:
+        self.context.config = cfg
 
     @property
     def lease_ttl(self) -> float:
@@ -262,8 +270,9 @@ class StoreClient:
             raise InvalidParams("keys, buffers and sizes differ in length")
         if not keys:
             return []
-        got = get_path.get_into(self.context, list(keys), list(map(int, addrs)),
-                                list(map(int, sizes)), Deadline.after(self.config.timeout))
+        ctx = self.context
+        got = get_path.get_into(ctx, list(keys), list(map(int, addrs)), list(map(int, sizes)),
+                                Deadline.after(ctx.config.timeout))
         return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
 
     # -- the rest of the API --------------------------------------------------------------------------
@@ -312,7 +321,8 @@ class StoreClient:
         """Copying form: per key the bytes, or the exception that key failed with. Keys this
         client knows the place of are read while the master looks them up, as in
         :meth:`batch_get_into` (``get_path``)."""
-        return get_path.get_copies(self.context, list(keys), Deadline.after(self.config.timeout))
+        ctx = self.context
+        return get_path.get_copies(ctx, list(keys), Deadline.after(ctx.config.timeout))
 
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key``.

@@ -1,4 +1,4 @@
-"""Where this client last saw each object: the read it speculates on while the master answers.
+"""The get path: held reads, speculative reads while the master answers, and reads by its answer.
 
 A get is two round trips when done in order: the master's lookup, then the read from the
 replica. For a key whose replica this client already knows (from an earlier get, or from its
@@ -62,6 +62,11 @@ Held reads go only where the segment's listener checks generations (TCP): shared
 this client's own segment are copied without a listener, so those keys take the speculative
 way. A held read that fails or is refused is looked up (the key's place is forgotten). With
 checksums on there are no held reads (the master's answer carries the checksum to verify).
+
+``get_into`` is ``batch_get_into``'s path, ``held_one`` the single get's first try, and
+``get_copies`` the copying ``get_batch``. The places come from ``location_cache``; lookups
+from ``lookup`` and ``read_through``; the transfers from ``replica_io``. Imports only those
+layers below it (``kvplane.store.client.LAYERS``).
 """
 
 from __future__ import annotations
@@ -111,15 +116,7 @@ def get_into(ctx: ClientContext, keys: list[str], addrs: list[int], caps: list[i
         if got is not None:
             return got
     if spec is None:
-        rep, lease_end = lookup(ctx, keys, deadline, columns=True)
-        if rep.columns is not None:
-            got = read_columns(ctx, keys, rep.columns, addrs, caps, deadline, lease_end)
-            if got is not None:
-                return got
-        answer = cast("list[KeyResult]", resolve(ctx, keys, rep, deadline))  # (no expect)
-        got = read_through.read(ctx, answer, addrs, caps, deadline, lease_end)
-        remember(ctx, keys, answer, [i for i, n in enumerate(got) if n >= 0], until=lease_end)
-        return got
+        return _by_lookup(ctx, keys, addrs, caps, deadline)
     idx, locs, items = spec
     read: list[list[TransferStatus]] = []
     ended: list[float] = []
@@ -187,16 +184,38 @@ def get_into(ctx: ClientContext, keys: list[str], addrs: list[int], caps: list[i
         if not late:  # (a late read was not refuted: it ended too late to be taken)
             _REFUTED.inc(len(idx) - hits)
         ctx.locations.forget([keys[i] for i in idx if not done[i] and _found(results[i]).code])
-    if hits == len(keys):
-        return got
-    rest = [i for i in range(len(keys)) if not done[i]]  # each answered in full by now
+    if hits < len(keys):
+        _read_rest(ctx, keys, addrs, caps, deadline, lease_end, results, done, got)
+    return got
+
+
+def _by_lookup(ctx: ClientContext, keys: list[str], addrs: list[int], caps: list[int],
+               deadline: Deadline) -> list[int]:
+    """:func:`get_into` of keys with no known place: the lookup, then the reads by its answer
+    (in one pass when it came as columns)."""
+    rep, lease_end = lookup(ctx, keys, deadline, columns=True)
+    if rep.columns is not None:
+        got = read_columns(ctx, keys, rep.columns, addrs, caps, deadline, lease_end)
+        if got is not None:
+            return got
+    answer = cast("list[KeyResult]", resolve(ctx, keys, rep, deadline))  # (no expect)
+    got = read_through.read(ctx, answer, addrs, caps, deadline, lease_end)
+    remember(ctx, keys, answer, [i for i, n in enumerate(got) if n >= 0], until=lease_end)
+    return got
+
+
+def _read_rest(ctx: ClientContext, keys: list[str], addrs: list[int], caps: list[int],
+               deadline: Deadline, lease_end: float, results: list[KeyResult | None],
+               done: list[bool], got: list[int]) -> None:
+    """Read the keys not ``done`` by speculation from the master's answer (each answered in
+    full by now) into ``got``, and remember where they are."""
+    rest = [i for i in range(len(keys)) if not done[i]]
     full = cast("list[KeyResult]", results)
     for i, n in zip(rest, read_through.read(ctx, [full[i] for i in rest],
                                             [addrs[i] for i in rest], [caps[i] for i in rest],
                                             deadline, lease_end)):
         got[i] = n
     remember(ctx, keys, full, [i for i in rest if got[i] >= 0], until=lease_end)
-    return got
 
 
 def _found(r: KeyResult | None) -> KeyResult:
