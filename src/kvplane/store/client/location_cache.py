@@ -13,16 +13,13 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from kvplane.store.types import Location, Replica
 
-
-class Hold(NamedTuple):
-    """A key's held place and the local time the lease that holds it ends."""
-
-    place: Location
-    until: float
+# A key's held place and the local time the lease that holds it ends. A plain pair, not a
+# NamedTuple: a speculative get through shared memory holds every key it reads, and building
+# a NamedTuple costs CPython 3.11 about 8x a tuple's (0.36 us against 0.04 us per key).
+Hold = tuple[Location, float]
 
 
 class Locations:
@@ -65,7 +62,7 @@ class Locations:
         with self._lock:
             m.update(zip(keys, locs))
             if until is not None:
-                held.update(zip(keys, [Hold(loc, until) for loc in locs]))
+                held.update(zip(keys, [(loc, until) for loc in locs]))
             elif held:
                 for k in keys:
                     held.pop(k, None)
@@ -82,7 +79,7 @@ class Locations:
         with self._lock:
             for k, loc in zip(keys, locs):
                 if m.get(k) == loc:
-                    held[k] = Hold(loc, until)
+                    held[k] = (loc, until)
 
     def held(self, key: str) -> Hold | None:
         """The place ``key`` is held at and the local time its lease ends, or None."""

@@ -76,7 +76,7 @@ class SegmentDuty:
         try:
             deadline = Deadline.after(REPAIR_DEADLINE)
             for source in ordered(self._c, task.sources):
-                move = Move(0, source, OpCode.READ, task.addr, task.size)
+                move: Move = (0, source, OpCode.READ, task.addr, task.size)
                 if run(self._c, [move], deadline)[0] and self._intact(task):
                     if task.header:
                         n = len(task.header)
