@@ -227,10 +227,11 @@ def read_columns(ctx: ClientContext, cols: Columns, addrs: list[int], caps: list
     a segment is not open yet, a buffer is too small or the lease is over (``read`` of
     ``column_results`` then does it key by key)."""
     handles = ctx.handles
-    hs = [handles.get(name) for name in cols.segments]
+    found = [handles.get(name) for name in cols.segments]
     sizes = cols.size
-    if None in hs or max(map(operator.sub, sizes, caps)) > 0:
+    if None in found or max(map(operator.sub, sizes, caps)) > 0:
         return None
+    hs = cast("list[int]", found)  # (every segment open)
     lease = lease_bound(deadline, lease_end)
     if lease.remaining() <= 0:
         return None
@@ -240,8 +241,7 @@ def read_columns(ctx: ClientContext, cols: Columns, addrs: list[int], caps: list
     else:
         items = [(hs[s], a, r, n, g) for s, a, r, n, g in zip(cols.seg, addrs, cols.addr, sizes,
                                                                  cols.gen)]
-    return _one_pass(ctx, items, sizes, lease, lease_end,  # type: ignore[arg-type]
-                     lambda i: cols.segments[cols.seg[i]])
+    return _one_pass(ctx, items, sizes, lease, lease_end, lambda i: cols.segments[cols.seg[i]])
 
 
 def _one_pass(ctx: ClientContext, items: list[tuple[int, int, int, int, int]],
