@@ -5,7 +5,7 @@ by default) in this process, stores ``--batches`` batches of ``--size``-byte obj
 measures per batch size (median of ``--calls`` calls each):
 
 * ``rpc``: the master's GetReplicaList for the batch, in a tight loop;
-* ``read``: the data part (``moves.read``: the READ/READV to the segment and completion) of
+* ``read``: the data part (``replica_io.read``: the READ/READV to the segment and completion) of
   the same replicas, in a tight loop;
 * ``get``: the whole ``batch_get_into`` (lookup, then read), and its client CPU time per call;
 * ``split``: the lookup and the read run back to back as a get runs them, each timed: against
@@ -40,7 +40,7 @@ def _p50_us(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
 def measure(master: str, protocol: str, size: int, batch: int, calls: int) -> dict[str, float]:
     """The phases of a ``batch``-key get of ``size``-byte objects (p50 microseconds)."""
     from kvplane.common.deadline import Deadline
-    from kvplane.store.client import moves
+    from kvplane.store.client import read_through, replica_io
     from kvplane.store.client.client import StoreClient
 
     with StoreClient(master=master, protocol=protocol) as c:
@@ -56,12 +56,12 @@ def measure(master: str, protocol: str, size: int, batch: int, calls: int) -> di
             raise RuntimeError(f"put failed: {failed[0]!r}")
 
         def lookup():  # type: ignore[no-untyped-def]
-            return c._get_replicas(keys, Deadline.after(c.config.timeout))[0]
+            return read_through.get_replicas(c.context, keys, Deadline.after(c.config.timeout))[0]
 
         results = lookup()
 
         def read(res=results):  # type: ignore[no-untyped-def]
-            got = moves.read(c, res, addrs, sizes, Deadline.after(c.config.timeout),
+            got = replica_io.read(c.context, res, addrs, sizes, Deadline.after(c.config.timeout),
                              time.monotonic() + c.config.timeout)
             if got != sizes:
                 raise RuntimeError(f"read failed: {got[:4]}")

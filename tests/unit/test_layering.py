@@ -254,3 +254,71 @@ def test_master_module_imports_no_higher_layer(module):
 def test_master_pure_module_has_no_io_or_clock(module):
     used = {m.split(".")[0] for m in imports_of(MODULES[f"{MASTER}.{module}"])}
     assert not used & set(IMPURE), f"{module} imports {sorted(used & set(IMPURE))}"
+
+
+# -- the store client's layers (kvplane.store.client.LAYERS) ----------------------------------
+def client_layer_of() -> dict[str, int]:
+    from kvplane.store.client import LAYERS
+    return {mod: rank for rank, group in enumerate(LAYERS) for mod in group}
+
+
+def client_layer_violations(importer: str, imported: set[str],
+                            rank: dict[str, int]) -> list[str]:
+    """The imports of ``importer`` (a module of the store client or the host package) that are
+    not of an earlier layer: a module may import only modules of the groups before its own."""
+    if importer not in rank:
+        return [f"{importer} is in no layer of kvplane.store.client.LAYERS"]
+    bad = []
+    for mod in sorted(imported):
+        if mod in ("kvplane.store.client", "kvplane.store.host"):  # the packages themselves
+            continue
+        if mod in rank and rank[mod] >= rank[importer]:
+            bad.append(f"{importer} imports {mod}, which is not below it in LAYERS")
+    return bad
+
+
+CLIENT_MODULES = sorted(m for m in MODULES if m.startswith(("kvplane.store.client.",
+                                                            "kvplane.store.host")))
+
+
+@pytest.mark.parametrize("module", CLIENT_MODULES)
+def test_store_client_layers_import_only_downward(module):
+    assert client_layer_violations(module, imports_of(MODULES[module]), client_layer_of()) == []
+
+
+def test_store_client_layer_rule_can_fail():
+    """The rule reports a made-up edge back up, a sibling edge and an unlisted module, and every
+    layer it lists exists."""
+    rank = client_layer_of()
+    assert set(rank) <= set(MODULES), sorted(set(rank) - set(MODULES))
+    assert client_layer_violations("kvplane.store.client.replica_io",
+                                   {"kvplane.store.client.get_path"}, rank)
+    assert client_layer_violations("kvplane.store.host.repairs",
+                                   {"kvplane.store.client.client"}, rank)
+    assert client_layer_violations("kvplane.store.client.get_path",
+                                   {"kvplane.store.client.put_path"}, rank)
+    assert client_layer_violations("kvplane.store.client.made_up", set(), rank)
+    assert not client_layer_violations("kvplane.store.client.client",
+                                       {"kvplane.store.client.get_path",
+                                        "kvplane.store.host.disk_node"}, rank)
+
+
+def private_imports(path: pathlib.Path) -> list[str]:
+    """``from x import _name`` of another module's private name (``__future__`` aside)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            out += [f"{node.module}.{a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+@pytest.mark.parametrize("module", CLIENT_MODULES)
+def test_store_client_imports_no_private_names(module):
+    assert private_imports(MODULES[module]) == []
+
+
+def test_private_import_check_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from kvplane.store.client.get_path import _plan\nfrom __future__ import x\n")
+    assert private_imports(bad) == ["kvplane.store.client.get_path._plan"]

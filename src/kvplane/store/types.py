@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import msgspec
 
 from kvplane.store.inventory import Record
@@ -165,8 +167,14 @@ class KeyResult(msgspec.Struct, array_like=True, gc=False):
     disk: list[DiskReplica] = msgspec.field(default_factory=list)  # SSD copies (read-through)
 
 
-Location = tuple[str, int, int, int]  # where a client last read a key: segment, value address,
-# generation, size (``kvplane.store.client.locations``)
+class Location(NamedTuple):
+    """Where a client last read a key (``kvplane.store.client.location_cache``); a tuple on the
+    wire (``KeysReq.expect``)."""
+
+    segment: str
+    addr: int  # of the value
+    gen: int
+    size: int
 
 
 # (segment, grant): a tenant's grant (``kvplane.transfer.grants``) for one replica, to install
@@ -176,7 +184,7 @@ Grant = tuple[str, bytes]
 
 # (key index, segment, generation): a replica of an object that this call replaced or removed
 # while a read lease on it was running. Clients that hold that lease may read the replica
-# without asking the master (``kvplane.store.client.locations``), so the caller has the
+# without asking the master (``kvplane.store.client.get_path``), so the caller has the
 # segment refuse the generation (``TransferEngine.retire``) before its call returns.
 Retire = tuple[int, str, int]
 

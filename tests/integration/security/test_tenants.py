@@ -39,7 +39,7 @@ def pool():
 
 def test_another_client_cannot_unmount_my_segment(pool):
     m, addr, seg = pool
-    mine = seg._segments
+    mine = seg.segments
     with RpcClient(addr, token=SVC) as other:
         with pytest.raises(Unauthorized):
             other.call("unmount", MountReq("someone-else", mine), int)
@@ -49,7 +49,7 @@ def test_another_client_cannot_unmount_my_segment(pool):
 def test_admin_unmount_makes_the_owner_remount(pool):
     m, addr, seg = pool
     with RpcClient(addr, token=ADM) as admin:
-        admin.call("unmount", MountReq("admin", seg._segments), int)
+        admin.call("unmount", MountReq("admin", seg.segments), int)
     assert seg.segment_name not in m.state.segments
     wait_until(lambda: seg.segment_name in m.state.segments, 10, "the owner to remount")
     assert seg.remounts >= 1

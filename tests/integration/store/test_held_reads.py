@@ -17,7 +17,7 @@ import pytest
 
 from kvplane.common.errors import Unavailable
 from kvplane.store.client.client import StoreClient
-from kvplane.store.client.locations import HELD, SPECULATED
+from kvplane.store.client.get_path import HELD, SPECULATED
 from kvplane.store.errors import ObjectHasLease, ObjectNotFound, TransferFail
 from kvplane.store.types import ReplicateConfig
 from kvplane.testing.services import wait_until

@@ -20,8 +20,7 @@ import pytest
 from kvplane.common.errors import KVPlaneError
 from kvplane.compat.mooncake_store import MooncakeDistributedStore
 from kvplane.store import MasterServer, StoreClient
-from kvplane.store.client import client as client_mod
-from kvplane.store.client import locations, moves, ranges
+from kvplane.store.client import get_path, lookup, put_path, ranges, replica_io, timing
 from kvplane.store.client.ranges import Ranges
 from kvplane.store.errors import LeaseExpired
 from kvplane.testing.store_client_proc import value_of
@@ -51,7 +50,7 @@ class Late:
         self.times = times  # how many reads end late (None: every one)
         clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + self.skew,
                                       time=time.time, sleep=time.sleep)
-        for mod in (client_mod, locations, moves, ranges):
+        for mod in (get_path, lookup, put_path, ranges, replica_io, timing):
             monkeypatch.setattr(mod, "time", clock)
         eng = reader.engine
         view = eng.memory.view

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvplane.store.client.client import StoreClient
-from kvplane.store.client.spares import PUTS
+from kvplane.store.client.put_path import PUTS
 from kvplane.testing.auth import headers
 from kvplane.testing.services import wait_until
 from kvplane.testing.store_client_proc import round_value

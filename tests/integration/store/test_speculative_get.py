@@ -1,4 +1,4 @@
-"""Speculative gets (``store/client/locations.py``): a key whose replica the client knows is
+"""Speculative gets (``store/client/get_path.py``): a key whose replica the client knows is
 read while the master looks it up, and its bytes count only if the master's answer names that
 very allocation. Master and segments are processes; the clients read over TCP. Every value is
 distinct per key and per write, so a stale or misplaced read shows up as wrong bytes."""
@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from kvplane.common.deadline import Deadline
+from kvplane.store.client import replica_io
 from kvplane.store.client.client import StoreClient
-from kvplane.store.client import moves
-from kvplane.store.client.locations import SPECULATED
+from kvplane.store.client.get_path import SPECULATED
+from kvplane.store.client.lookup import lookup
+from kvplane.store.client.read_through import get_replicas
 from kvplane.store.errors import InvalidParams, ObjectNotFound
 from kvplane.store.types import ReplicateConfig
 from kvplane.testing.store_client_proc import round_value
@@ -82,7 +84,7 @@ def test_a_known_key_is_read_while_the_master_looks_it_up(pool):
         keys = [f"spec-a-{i}" for i in range(32)]
         a.put(keys, 1)
         # the put taught the client where each key is: exactly what a lookup answers
-        results, _ = a.c._get_replicas(keys, Deadline.after(5))
+        results, _ = get_replicas(a.c.context, keys, Deadline.after(5))
         for k, r in zip(keys, results):
             rep = r.replicas[0]
             assert a.c.locations.get(k) == (rep.segment, rep.addr, rep.gen, SIZE)
@@ -140,10 +142,10 @@ def test_the_master_answers_only_the_keys_not_where_the_client_read_them(pool):
         keys = [f"spec-c-{i}" for i in range(8)]
         a.put(keys, 1)
         locs = [a.c.locations.get(k) for k in keys]
-        res, _ = a.c._get_replicas(keys, Deadline.after(5), expect=locs)
+        res, _ = get_replicas(a.c.context, keys, Deadline.after(5), expect=locs)
         assert res == [None] * 8  # all confirmed: no replicas sent back
         b.put(keys[:2], 2, upsert=True)
-        res, _ = a.c._get_replicas(keys, Deadline.after(5), expect=[None, *locs[1:]])
+        res, _ = get_replicas(a.c.context, keys, Deadline.after(5), expect=[None, *locs[1:]])
         assert res[2:] == [None] * 6
         assert res[0].code == 0 and res[0].replicas  # not read: answered in full
         assert res[1].code == 0 and res[1].replicas[0].gen != locs[1][2]  # moved: answered
@@ -188,7 +190,7 @@ def learned_on(a: Side, victim, prefix: str) -> list[str]:
     keys = [f"{prefix}-{i}" for i in range(16)]
     vname = victim.info["segment"]
     a.put(keys, 1, replicas=2, prefer=vname)
-    res, _ = a.c._get_replicas(keys, Deadline.after(5))
+    res, _ = get_replicas(a.c.context, keys, Deadline.after(5))
     there = {k: rep for k, r in zip(keys, res) for rep in r.replicas if rep.segment == vname}
     assert len(there) == 16 and all(len(r.replicas) == 2 for r in res)
     a.c.locations.learn(list(there), list(there.values()), [SIZE] * 16)
@@ -279,18 +281,18 @@ def test_a_first_get_takes_the_masters_answer_in_columns(pool, monkeypatch):
         a.put(keys[16:], 1, prefer=names[1])
         off = Side(addr, 32, location_cache=0)
         try:
-            rep, _ = off.c._lookup(keys, Deadline.after(5), columns=True)
+            rep, _ = lookup(off.c.context, keys, Deadline.after(5), columns=True)
             assert rep.results == [] and sorted(rep.columns.segments) == sorted(names)
             fast = []
-            real = moves.read_columns
-            monkeypatch.setattr(moves, "read_columns",
+            real = replica_io.read_columns
+            monkeypatch.setattr(replica_io, "read_columns",
                                 lambda *a, **k: fast.append(real(*a, **k)) or fast[-1])
             assert off.wrong(keys, 1) == 0  # segments not open yet: read key by key
             assert off.wrong(keys, 1) == 0 and off.get(keys) == [SIZE] * 32
             assert fast[0] is None and fast[1:] == [[SIZE] * 32] * 2  # then in one pass
             assert off.c.get_batch(keys) == [value(k, 1).tobytes() for k in keys]  # copying
             assert fast[3:] == [[SIZE] * 32]
-            rep, _ = off.c._lookup([*keys, "cols-none"], Deadline.after(5), columns=True)
+            rep, _ = lookup(off.c.context, [*keys, "cols-none"], Deadline.after(5), columns=True)
             assert rep.columns is None and len(rep.results) == 33
             got = off.get([*keys[:31], "cols-none"])
             assert got[:31] == [SIZE] * 31 and isinstance(got[31], ObjectNotFound)

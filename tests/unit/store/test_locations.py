@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.store.client.locations import Locations, confirmed
+from kvplane.store.client.location_cache import Locations, confirmed
 from kvplane.store.types import Replica
 
 pytestmark = pytest.mark.timeout(10)

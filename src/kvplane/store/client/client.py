@@ -5,7 +5,7 @@ PutRevoke on failure). A get is GetReplicaList (master grants a read lease) -> a
 the best replica (same host first, through shared memory) -> fail over to the next replica.
 Bytes never pass through the master. A client with ``global_segment_size > 0`` contributes a
 shared-memory segment to the pool and heartbeats; after a master restart or a leader change it
-remounts and re-registers the objects its segment holds (``remount``). The master may be one
+remounts and re-registers the objects its segment holds (``kvplane.store.host``). The master may be one
 ``host:port`` or an HA cluster ``etcd://h1:2379;h2:2379`` (``link``: calls follow the leader and
 retry within their deadline). Every put writes the object's inventory header (built by the
 master) in front of its value in every replica.
@@ -16,10 +16,14 @@ one entry per key, where a failed key holds its exception instance instead of a 
 ``asyncio.gather(return_exceptions=True)`` does); a failure of the whole call (master
 unreachable, bad arguments) raises. Mooncake's integer codes exist only in ``kvplane.compat``.
 
-Integrity (docs/store.md, "Guarantees"): one deadline per call (``moves``), puts committed only
+Integrity (docs/store.md, "Guarantees"): one deadline per call (``timing``), puts committed only
 when the master's PutEnd says so, reads inside the master's lease and checked against the
 object's checksum, failed segments reported to the master; a client with a segment also fences
-generations and runs re-replication tasks for the master (``duty``).
+generations and runs re-replication tasks for the master (``host.repairs``).
+
+This module is the facade: it builds the ``ClientContext`` the layers share, and each public call
+is a thin step into one layer (``get_path``, ``put_path``, ``lookup``...; the order is
+``kvplane.store.client.LAYERS``). It is the only client module that imports the host package.
 
 Why blocking and not asyncio at the core: a store op is two round trips of ~30 us each here, and
 an event-loop hop per call costs as much again. The asyncio facade (``aio.AsyncStoreClient``)
@@ -31,40 +35,48 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
 
 from kvplane.common import log as klog
-from kvplane.common.deadline import Deadline
 from kvplane.common.auth import client_token
+from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError, Timeout, Unauthorized, Unavailable
-from kvplane.store.checksum import digest
-from kvplane.store.config import StoreConfig
-from kvplane.store.disk.node import DiskDuty
-from kvplane.store.client import moves
-from kvplane.store.client.duty import SegmentDuty
+from kvplane.store.client import get_path, grants, put_path
+from kvplane.store.client.context import ClientContext
 from kvplane.store.client.link import MasterLink
-from kvplane.store.client import grants, locations, spares, tiering
-from kvplane.store.client.locations import Locations
-from kvplane.store.client.remount import Holdings
+from kvplane.store.client.location_cache import Locations
+from kvplane.store.client.replica_io import retire
+from kvplane.store.client.spares import Spares
 from kvplane.store.client.staging import Staging
-from kvplane.store.errors import (
-    InvalidParams, ObjectExists, TransferFail, ValueTooLarge, key_error,
-)
+from kvplane.store.client.suspects import Retired, Suspects
+from kvplane.store.config import StoreConfig
+from kvplane.store.errors import InvalidParams, key_error
+from kvplane.store.host.adoption import Holdings
+from kvplane.store.host.disk_node import DiskDuty
+from kvplane.store.host.repairs import SegmentDuty
+from kvplane.store.host.segment import FENCE_WORD, contribute
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, ListKeysRep, ListKeysReq, Location, MountRep, MountReq, PingRep,
-    PingReq, PutEndReq, RegexReq, RemoveReq, ReplicateConfig, ResultsRep, SegmentInfo,
-    column_results,
+    CodesRep,
+    KeysReq,
+    ListKeysRep,
+    ListKeysReq,
+    MountRep,
+    MountReq,
+    PingRep,
+    PingReq,
+    PutEndReq,
+    RegexReq,
+    RemoveReq,
+    ReplicateConfig,
+    SegmentInfo,
 )
 from kvplane.transfer import EngineConfig, TransferEngine
 
+__all__ = ["FENCE_WORD", "StoreClient"]
 log = logging.getLogger(__name__)
-WRITE_RESERVE = 0.2  # share of a put's time (at most 1 s) kept for PutEnd / PutRevoke
-FENCE_WORD = 64  # bytes at the start of a contributed segment: its fence word, never allocated
 
 
 class StoreClient:
@@ -73,6 +85,15 @@ class StoreClient:
     Args:
         config: a StoreConfig; keyword ``overrides`` replace its fields.
     """
+
+    context: ClientContext  # what the layers share (``kvplane.store.client.context``)
+    engine: TransferEngine
+    rpc: MasterLink
+    staging: Staging
+    suspects: Suspects
+    retired: Retired
+    locations: Locations
+    spares: Spares
 
     def __init__(self, config: StoreConfig | None = None, **overrides: Any) -> None:
         cfg = config or StoreConfig.from_env()
@@ -90,76 +111,90 @@ class StoreClient:
 
     def _start(self, cfg: StoreConfig) -> None:
         """Open the engine, the master link and the segments, and mount (all or nothing)."""
-        self.config = cfg
         self.engine = TransferEngine(EngineConfig.from_env(
             host=cfg.local_hostname, port=cfg.port, metadata=cfg.metadata,
             protocol=cfg.protocol, token=cfg.token, timeout=cfg.timeout,
             extra_tokens=cfg.peer_tokens or None,
             grants=bool(cfg.global_segment_size > 0 and cfg.peer_tokens)))
-        self._handles: dict[str, int] = {}
-        self._segments: list[SegmentInfo] = []
-        self._closed = threading.Event()
         self.remounts = 0
-        self._largest_segment = 0  # the master's last ValueTooLarge answer named it
-        self.suspects = moves.Suspects()
-        self.retired = moves.Retired()
-        self.duty = SegmentDuty(self)
-        self.holdings = Holdings(self)
-        self.corrupt_reads = 0  # replica reads whose bytes failed the checksum
-        self.locations = Locations(cfg.location_cache)  # where recent keys are (speculative gets)
-        self.spares = spares.Spares(cfg.spares)  # space placed one put ahead (two-hop puts)
-        self.lease_ttl = cfg.lease_ttl  # the master's read lease, as its last lookup said
-        self._listened: dict[int, bool] = {}  # segment handle -> reads go through its listener
-        self.disk_links = tiering.DiskLinks(cfg.token)
         self.disk: DiskDuty | None = None
+        rpc: MasterLink | None = None
         try:
-            self.rpc = MasterLink(cfg.master, cfg.token, cfg.timeout)
-            self.staging = Staging(self.engine, cfg.local_buffer_size)
+            rpc = MasterLink(cfg.master, cfg.token, cfg.timeout)
+            ctx = ClientContext(cfg, self.engine, rpc, Staging(self.engine, cfg.local_buffer_size))
+            self._adopt(ctx)
             if cfg.global_segment_size > 0:
-                if cfg.global_segment_size <= 2 * FENCE_WORD:
-                    raise InvalidParams("global_segment_size is too small")
-                buf = self.engine.allocate_managed_buffer(cfg.global_segment_size,
-                                                         populate=cfg.populate, fenced=True)
-                self._segments = [SegmentInfo(self.engine.name, buf.addr + FENCE_WORD,
-                                              cfg.global_segment_size - FENCE_WORD,
-                                              cfg.client_id, self.engine.name,
-                                              self.engine.host_id)]
+                ctx.segments.append(contribute(ctx))
                 if cfg.disk_dir:
-                    self.disk = DiskDuty(self)
-                    self.disk.describe(self._segments[0])
+                    self.disk = DiskDuty(ctx)
+                    self.disk.describe(ctx.segments[0])
             self.mount()
         except BaseException:  # a failed start leaves no listener, thread or shared memory
-            self._closed.set()
             if self.disk is not None:
                 self.disk.close()
-            if hasattr(self, "rpc"):
-                self.rpc.close()
+            if rpc is not None:
+                rpc.close()
             self.engine.close()
             raise
         self._hb = threading.Thread(target=self._heartbeat, daemon=True,
                                     name=f"store-heartbeat-{cfg.client_id[:8]}")
         self._hb.start()
 
+    def _adopt(self, ctx: ClientContext) -> None:
+        """Take ``ctx`` as this client's, with the names its callers read."""
+        self.context = ctx
+        self.rpc, self.staging = ctx.rpc, ctx.staging
+        self.suspects, self.retired = ctx.suspects, ctx.retired
+        self.locations, self.spares, self.disk_links = ctx.locations, ctx.spares, ctx.disk_links
+        self.duty = SegmentDuty(ctx)
+        self.holdings = Holdings(ctx)
+
+    @property
+    def config(self) -> StoreConfig:
+        """The configuration every layer reads (replacing it changes theirs too)."""
+        return self.context.config
+
+    @config.setter
+    def config(self, cfg: StoreConfig) -> None:
+        self.context.config = cfg
+
+    @property
+    def lease_ttl(self) -> float:
+        """The master's read lease, as its last lookup said (seconds)."""
+        return self.context.lease_ttl
+
+    @property
+    def corrupt_reads(self) -> int:
+        """Replica reads whose bytes failed the checksum."""
+        return self.context.corrupt_reads
+
+    @property
+    def segments(self) -> list[SegmentInfo]:
+        """The segments this client contributes (none unless ``global_segment_size > 0``)."""
+        return self.context.segments
+
     # -- liveness ------------------------------------------------------------------------------
     def mount(self) -> None:
         """(Re)register this client and its segments with the master: the master's epoch (and
         floor) become what this segment's listener admits, and the objects the segment already
-        holds are re-registered (``remount``)."""
+        holds are re-registered (``host.adoption``)."""
+        segments = self.context.segments
         history = self.holdings.history
-        rep = self.rpc.call("mount", MountReq(self.config.client_id, self._segments, history,
-                                              adopt=bool(self._segments and history)), MountRep)
+        rep = self.rpc.call("mount", MountReq(self.config.client_id, segments, history,
+                                              adopt=bool(segments and history)), MountRep)
         if self.disk is not None and rep.epoch > 0:  # before the memory records: their last
             self.disk.mounted(rep.epoch, rep.secret)  # batch ends a recovering master's wait
-        if self._segments and rep.epoch > 0:
-            self.engine.grants.mounted(rep.secret, [(s.name, s.base, s.size)
-                                                    for s in self._segments], rep.tenants)
+        if segments and rep.epoch > 0:
+            self.engine.grants.mounted(rep.secret, [(s.name, s.base, s.size) for s in segments],
+                                       rep.tenants)
             self.holdings.mounted(rep)
         if rep.tenant:  # a tenant: never shared memory or same-host paths, only listeners
             grants.tenant_transfers(self.engine)
 
     def _heartbeat(self) -> None:
-        failures, acks = 0, ([], [])
-        while any(acks) or not self._closed.wait(self.config.heartbeat_interval):
+        failures = 0
+        acks: tuple[list[int], list[int]] = ([], [])
+        while any(acks) or not self.context.closed.wait(self.config.heartbeat_interval):
             try:
                 acks = self._ping(*acks)
                 failures = 0
@@ -194,29 +229,13 @@ class StoreClient:
             Unavailable: the client is closed or the master cannot be reached.
             Timeout: the master did not answer within ``timeout`` seconds.
         """
-        if self._closed.is_set():
+        if self.context.closed.is_set():
             raise Unavailable("the store client is closed")
         self.rpc.call("ping", PingReq(self.config.client_id), PingRep, timeout=timeout, once=True)
 
-    # -- transfers ----------------------------------------------------------------------------
     def segment_handle(self, segment: str, deadline: Deadline | None = None) -> int:
         """The engine's handle of ``segment``, opened once (bounded by ``deadline``)."""
-        h = self._handles.get(segment)
-        if h is None:
-            left = self.config.timeout if deadline is None else deadline.check("segment lookup")
-            h = self.engine.open_segment(segment, timeout=min(left, 5.0))
-            self._handles[segment] = h
-        return h
-
-    def _call(self, method: str, req: Any, typ: type, deadline: Deadline,
-              meanwhile: Callable[[], None] | None = None) -> Any:
-        """A master RPC bounded by what is left of the call's deadline (``meanwhile``: see
-        ``MasterLink.call``)."""
-        rep = self.rpc.call(method, req, typ, meanwhile=meanwhile,
-                            timeout=moves.coarse(deadline.check(f"store {method}")))
-        if getattr(rep, "grants", None):  # a tenant's: installed before any transfer there
-            grants.install(self, rep.grants, deadline)
-        return rep
+        return self.context.segment_handle(segment, deadline)
 
     # -- zero-copy batch primitives ---------------------------------------------------------------
     def batch_put_from(self, keys: list[str], addrs: list[int], sizes: list[int],
@@ -236,65 +255,8 @@ class StoreClient:
             raise InvalidParams("keys, buffers and sizes differ in length")
         if not keys:
             return []
-        codes = self._put_codes(list(keys), [int(a) for a in addrs], [int(s) for s in sizes],
-                                config or ReplicateConfig(), upsert)
-        return [None if c in (0, ObjectExists.code) else self._put_error(c, k, n)
-                for k, c, n in zip(keys, codes, sizes)]
-
-    def _put_error(self, code: int, key: str, size: int) -> KVPlaneError:
-        if code == ValueTooLarge.code:  # the master named its largest segment with the code
-            return ValueTooLarge(ValueTooLarge.message(key, size, self._largest_segment))
-        return key_error(code, key)
-
-    def _put_codes(self, keys: list[str], addrs: list[int], sizes: list[int],
-                   cfg: ReplicateConfig, upsert: bool) -> list[int]:
-        deadline = Deadline.after(self.config.timeout)
-        # every put is checksummed: the inventory header carries it, and a segment re-registers
-        # an object after a failover only if its bytes still match (checking it on gets is
-        # what ``config.checksum`` turns on)
-        sums = [digest(self.engine.memory.view(a, n)) for a, n in zip(addrs, sizes)]
-        reserve = min(WRITE_RESERVE * self.config.timeout, 1.0)
-        shape = spares.ask(keys, sizes, cfg, upsert) if self.spares.enabled else None
-        if shape is not None:  # write into the spare the last PutEnd placed, then commit
-            code = spares.put(self, keys[0], addrs[0], sizes[0], cfg, sums[0], shape, deadline,
-                              reserve)
-            if code is not None:
-                return [code]
-        sent = time.monotonic()
-        rep = tiering.put_start(self, keys, sizes, cfg, upsert, sums, deadline)
-        codes = [r.code for r in rep.results]
-        for r in rep.results:
-            if r.code == ValueTooLarge.code:
-                self._largest_segment = r.size
-        unretired = moves.retire(self, rep.retire, deadline) if rep.retire else set()
-        ok = [i for i, c in enumerate(codes) if c == 0 and i not in unretired]
-        window = sent + rep.ttl if rep.ttl > 0 else deadline.at  # copies must start inside it
-        failed = moves.put_write(self, rep.results, ok, addrs, sizes,
-                                 Deadline(min(deadline.at - reserve, window)))
-        failed |= {i for i in unretired if codes[i] == 0}  # not made safe: not committed
-        ends = [(keys[i], rep.results[i].version, sums[i], i) for i in ok if i not in failed]
-        revokes = [(keys[i], rep.results[i].version) for i in sorted(failed)]
-        if ends:
-            sent = time.monotonic()
-            end = self._call("put_end", PutEndReq(
-                self.config.client_id, [e[0] for e in ends], [e[1] for e in ends],
-                [e[2] for e in ends], self.suspects.take(), spare=shape,
-                returns=self.spares.returns()), CodesRep, deadline)
-            if shape is not None:
-                self.spares.offer(end.spare, shape, sent)
-            got = end.codes
-            for (_, _, _, i), code in zip(ends, got):
-                if code:  # not committed (pre-empted, or lost with its segment): not a success
-                    codes[i] = TransferFail.code
-        if revokes:
-            self._call("put_revoke", PutEndReq(self.config.client_id, [k for k, _ in revokes],
-                                               [v for _, v in revokes], [], self.suspects.take(),
-                                               returns=self.spares.returns()),
-                       CodesRep, deadline)
-        for i in failed:
-            codes[i] = TransferFail.code
-        locations.remember(self, keys, rep.results, [i for i in ok if codes[i] == 0], sizes)
-        return codes
+        return put_path.put_many(self.context, list(keys), [int(a) for a in addrs],
+                                 [int(s) for s in sizes], config or ReplicateConfig(), upsert)
 
     def batch_get_into(self, keys: list[str], addrs: list[int],
                        sizes: list[int]) -> list[int | KVPlaneError]:
@@ -308,52 +270,10 @@ class StoreClient:
             raise InvalidParams("keys, buffers and sizes differ in length")
         if not keys:
             return []
-        got = locations.get_into(self, list(keys), list(map(int, addrs)), list(map(int, sizes)),
-                                 Deadline.after(self.config.timeout))
+        ctx = self.context
+        got = get_path.get_into(ctx, list(keys), list(map(int, addrs)), list(map(int, sizes)),
+                                Deadline.after(ctx.config.timeout))
         return [n if n >= 0 else key_error(n, k) for k, n in zip(keys, got)]
-
-    def _lookup(self, keys: list[str], deadline: Deadline,
-                meanwhile: Callable[[], None] | None = None,
-                expect: list[Location | None] | None = None,
-                columns: bool = False) -> tuple[ResultsRep, float]:
-        """The master's answer to a lookup of ``keys`` and the local time its read lease ends
-        (the master's TTL, counted from before the request was sent). ``meanwhile`` runs
-        while the master answers; ``expect`` and ``columns``: see ``KeysReq`` (no columns with
-        checksums on)."""
-        sent = time.monotonic()
-        columns = columns and not self.config.checksum  # (the columns carry no checksums)
-        rep = self._call("get_replicas", KeysReq(self.config.client_id, list(keys),
-                                                 self.suspects.take(), expect, columns),
-                         ResultsRep, deadline, meanwhile)
-        if rep.ttl > 0:
-            self.lease_ttl = rep.ttl
-        return rep, sent + self.lease_ttl
-
-    def _results(self, keys: list[str], rep: ResultsRep, deadline: Deadline) -> list[KeyResult]:
-        """Per key the result in ``rep`` (None for a key confirmed where it was expected), with
-        the objects that are on disk only served first."""
-        results = rep.results
-        if rep.columns is not None:
-            results = column_results(rep.columns)
-        elif rep.stale is not None:  # the answer names only the keys that are not where expected
-            if len(rep.stale) != len(results):
-                raise Unavailable("the master's answer does not match its list of keys")
-            full: list[KeyResult | None] = [None] * len(keys)
-            for i, r in zip(rep.stale, results):
-                full[i] = r
-            results = full  # type: ignore[assignment]
-        if tiering.cold(results):  # on disk only: the owner reads them into memory first
-            results = tiering.read_through(self, list(keys), results, deadline)
-        return results
-
-    def _get_replicas(self, keys: list[str], deadline: Deadline,
-                      meanwhile: Callable[[], None] | None = None,
-                      expect: list[Location | None] | None = None
-                      ) -> tuple[list[KeyResult], float]:
-        """The replicas and the local time their read lease ends (:meth:`_lookup`); with
-        ``expect``, None for the keys the master confirmed."""
-        rep, lease_end = self._lookup(keys, deadline, meanwhile, expect)
-        return self._results(keys, rep, deadline), lease_end
 
     # -- the rest of the API --------------------------------------------------------------------------
     def put_from(self, key: str, addr: int, size: int, config: ReplicateConfig | None = None) -> None:
@@ -363,13 +283,16 @@ class StoreClient:
     def get_into(self, key: str, addr: int, size: int) -> int:
         """Read ``key`` into a registered buffer; returns the bytes read."""
         addr, size = int(addr), int(size)
-        deadline = Deadline.after(self.config.timeout)
-        if self.locations.capacity:
-            n = locations.held_one(self, key, addr, size, deadline)
+        ctx = self.context
+        deadline = Deadline.after(ctx.config.timeout)
+        if ctx.locations.capacity:
+            n = get_path.held_one(ctx, key, addr, size, deadline)
             if n is not None:
                 return n
-        n = locations.get_into(self, [key], [addr], [size], deadline)[0]
-        return n if n >= 0 else _value(key_error(n, key))
+        n = get_path.get_into(ctx, [key], [addr], [size], deadline)[0]
+        if n < 0:
+            raise key_error(n, key)
+        return n
 
     def put_batch(self, keys: list[str], values: list[bytes], config: ReplicateConfig | None = None,
                   upsert: bool = False) -> list[KVPlaneError | None]:
@@ -397,57 +320,9 @@ class StoreClient:
     def get_batch(self, keys: list[str]) -> list[bytes | KVPlaneError]:
         """Copying form: per key the bytes, or the exception that key failed with. Keys this
         client knows the place of are read while the master looks them up, as in
-        :meth:`batch_get_into` (``locations``)."""
-        keys = list(keys)
-        deadline = Deadline.after(self.config.timeout)
-        out: list[bytes | KVPlaneError | None] = [None] * len(keys)
-        sizes = locations.sizes(self, keys)
-        if sizes is not None:
-            got = self._staged(sizes, lambda addrs: locations.get_into(self, keys, addrs, sizes,
-                                                                       deadline))
-            for i, v in enumerate(got):  # type: ignore[arg-type]
-                if isinstance(v, bytes):
-                    out[i] = v
-                elif v != InvalidParams.code:  # (that one grew: read below at its new size)
-                    out[i] = key_error(v, keys[i])
-        rest = [i for i, o in enumerate(out) if o is None]
-        if rest:
-            for i, o in zip(rest, self._get_copies([keys[i] for i in rest], deadline)):
-                out[i] = o
-        return out  # type: ignore[return-value]
-
-    def _get_copies(self, keys: list[str], deadline: Deadline) -> list[bytes | KVPlaneError]:
-        """:meth:`get_batch` by the master's answer: staging sized by it, then the reads."""
-        rep, lease_end = self._lookup(keys, deadline, columns=True)
-        cols = rep.columns
-        if cols is not None:
-            got = self._staged(cols.size, lambda addrs: locations.read_columns(
-                self, keys, cols, addrs, cols.size, deadline, lease_end))
-            if got is not None:
-                return [v if isinstance(v, bytes) else key_error(v, k) for k, v in zip(keys, got)]
-        results = self._results(keys, rep, deadline)
-        hits = [i for i, r in enumerate(results) if r.code == 0]
-        out: list[bytes | KVPlaneError] = [key_error(r.code, k) if r.code else b""
-                                           for k, r in zip(keys, results)]
-        got = self._staged([results[i].size for i in hits], lambda addrs: tiering.read(
-            self, [results[i] for i in hits], addrs, [results[i].size for i in hits], deadline,
-            lease_end))
-        for i, v in zip(hits, got):  # type: ignore[arg-type]
-            out[i] = v if isinstance(v, bytes) else key_error(v, keys[i])
-        locations.remember(self, keys, results, [i for i, v in zip(hits, got)  # type: ignore[arg-type]
-                                                 if isinstance(v, bytes)], until=lease_end)
-        return out
-
-    def _staged(self, sizes: list[int], read: Callable[[list[int]], list[int] | None]
-                ) -> list[bytes | int] | None:
-        """``read`` into staging blocks of ``sizes``: per key its bytes, or the error code
-        ``read`` gave it; None if ``read`` did."""
-        with ExitStack() as stack:
-            blocks = [stack.enter_context(self.staging.block(n)) for n in sizes]
-            got = read([a for a, _ in blocks])
-            if got is None:
-                return None
-            return [view[:n].tobytes() if n >= 0 else n for n, (_, view) in zip(got, blocks)]
+        :meth:`batch_get_into` (``get_path``)."""
+        ctx = self.context
+        return get_path.get_copies(ctx, list(keys), Deadline.after(ctx.config.timeout))
 
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key``.
@@ -456,7 +331,10 @@ class StoreClient:
             ObjectNotFound: no complete object under ``key``.
             TransferFail: every replica failed to transfer.
         """
-        return _value(self.get_batch([key])[0])
+        got = self.get_batch([key])[0]
+        if isinstance(got, KVPlaneError):
+            raise got
+        return got
 
     def batch_exists(self, keys: list[str]) -> list[bool]:
         """Per key, whether a complete object exists (each hit takes a read lease, as in Mooncake)."""
@@ -465,6 +343,7 @@ class StoreClient:
         return [c == 1 for c in codes]
 
     def exists(self, key: str) -> bool:
+        """Whether a complete object exists under ``key``."""
         return self.batch_exists([key])[0]
 
     def get_size(self, key: str) -> int:
@@ -478,10 +357,10 @@ class StoreClient:
         """Remove objects; per key None or the exception (ObjectNotFound, ObjectHasLease...)."""
         self.locations.forget(keys)
         deadline = Deadline.after(self.config.timeout)
-        rep = self._call("remove", RemoveReq(self.config.client_id, list(keys), force), CodesRep,
-                         deadline)
+        rep = self.context.call("remove", RemoveReq(self.config.client_id, list(keys), force),
+                                CodesRep, deadline)
         if rep.retire:  # forced while leased: readers holding the lease must stop now
-            moves.retire(self, rep.retire, deadline)  # (what fails goes by heartbeat)
+            retire(self.context, rep.retire, deadline)  # (what fails goes by heartbeat)
         return [key_error(c, k) if c else None for k, c in zip(keys, rep.codes)]
 
     def remove(self, key: str, force: bool = False) -> None:
@@ -520,8 +399,8 @@ class StoreClient:
         after: str | None = None
         while limit is None or len(keys) < limit:
             want = 0 if limit is None else limit - len(keys)
-            rep = self._call("list_keys", ListKeysReq(self.config.client_id, prefix, want, after),
-                             ListKeysRep, deadline)
+            rep = self.context.call("list_keys", ListKeysReq(self.config.client_id, prefix, want,
+                                                             after), ListKeysRep, deadline)
             keys += rep.keys
             if not rep.more or not rep.keys:
                 break
@@ -533,17 +412,20 @@ class StoreClient:
         return self.engine.register_memory(obj, length).addr
 
     def unregister_buffer(self, addr: int) -> None:
+        """Unregister memory that :meth:`register_buffer` registered."""
         self.engine.unregister_memory(addr)
 
     @property
     def segment_name(self) -> str:
+        """This client's segment name (its engine's)."""
         return self.engine.name
 
     def close(self) -> None:
         """Stop heartbeating, unmount, and release the engine (idempotent)."""
-        if self._closed.is_set():
+        closed = self.context.closed
+        if closed.is_set():
             return
-        self._closed.set()
+        closed.set()
         self._hb.join(self.config.heartbeat_interval + 1)
         self.duty.close()
         if self.disk is not None:
@@ -556,16 +438,16 @@ class StoreClient:
                               CodesRep, timeout=2.0)
             except KVPlaneError as exc:
                 log.debug("giving spares back on close failed: %s", exc)
-        if self._segments:
+        if self.context.segments:
             try:
-                self.rpc.call("unmount", MountReq(self.config.client_id, self._segments), int,
-                              timeout=2.0)
+                self.rpc.call("unmount", MountReq(self.config.client_id, self.context.segments),
+                              int, timeout=2.0)
             except (Timeout, Unavailable, KVPlaneError) as exc:
                 log.debug("unmount on close failed: %s", exc)
         self.rpc.close()
         self.engine.close()
 
-    def __enter__(self) -> "StoreClient":
+    def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -575,9 +457,3 @@ class StoreClient:
 def _raise(result: KVPlaneError | None) -> None:
     if result is not None:
         raise result
-
-
-def _value(result: Any) -> Any:
-    if isinstance(result, KVPlaneError):
-        raise result
-    return result

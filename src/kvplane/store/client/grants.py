@@ -13,29 +13,34 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.types import Grant
 from kvplane.transfer import TransferEngine
 
-if TYPE_CHECKING:
-    from kvplane.store.client.client import StoreClient
-
 log = logging.getLogger(__name__)
 
 
-def install(client: "StoreClient", grants: list[Grant], deadline: Deadline) -> None:
-    """Install ``grants`` at their segments' listeners (failures are logged, not raised)."""
+def install(engine: TransferEngine, handle_of: Callable[[str, Deadline], int],
+            grants: list[Grant], deadline: Deadline) -> None:
+    """Install ``grants`` at their segments' listeners (failures are logged, not raised).
+
+    Args:
+        engine: the engine whose listeners' peers get the grants.
+        handle_of: the engine handle of a segment, opened within the deadline.
+        grants: (segment, blob) pairs from the master's answer.
+        deadline: the call's deadline.
+    """
     by_segment: dict[str, list[bytes]] = {}
     for segment, blob in grants:
         by_segment.setdefault(segment, []).append(blob)
     for segment, blobs in by_segment.items():
         try:
-            handle = client.segment_handle(segment, deadline)
-            codes = client.engine.grant(handle, b"".join(blobs),
-                                        timeout=max(deadline.remaining(), 1e-3))
+            handle = handle_of(segment, deadline)
+            codes = engine.grant(handle, b"".join(blobs),
+                                 timeout=max(deadline.remaining(), 1e-3))
         except KVPlaneError as exc:
             log.debug("installing %d grants at %s failed: %s", len(blobs), segment, exc)
             continue

@@ -11,8 +11,8 @@ deadline. Within it, a call is retried when it surely changed nothing or is safe
 * HA only: an attempt gets at most ``attempt_timeout`` seconds, so a partitioned leader that
   never answers costs one attempt, not the whole deadline.
 
-Nothing is retried past the deadline; the last error is raised then. Imports the RPC client and
-``kvplane.store.etcd`` (etcd3gw only for etcd addresses); binds no sockets.
+Nothing is retried past the deadline; the last error is raised then. Imports the RPC client,
+``kvplane.store.etcd`` (etcd3gw only for etcd addresses) and ``timing``; binds no sockets.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import Timeout, Unavailable
 from kvplane.common.rpc import RpcClient
-from kvplane.store.client.moves import coarse
-from kvplane.store.etcd import Etcd, HaAddress, is_ha
+from kvplane.store.client.timing import coarse
 from kvplane.store.errors import NotLeader, Recovering
+from kvplane.store.etcd import Etcd, HaAddress, is_ha
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,26 +12,34 @@ and its get/put sessions (layer-wise KV: one master round trip, then many range 
   the allocation's generation, so a segment that fenced it refuses them.
 
 Results are per range: bytes moved, or a negative store code. Calls that reach the master
-raise from the kvplane tree when it cannot be reached. Imports the engine and store types.
+raise from the kvplane tree when it cannot be reached. Built from a client's context (``Ranges(client)``
+takes anything with a ``context``); imports the engine, store types, and the client's ``context``,
+``timing`` and ``read_through`` layers.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import cast
 
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
-from kvplane.store.client import grants, moves, tiering
+from kvplane.store.client.context import ContextOwner
+from kvplane.store.client.read_through import cold, read_through
+from kvplane.store.client.timing import MARGIN, ended_in
 from kvplane.store.errors import InvalidParams, LeaseExpired, TransferFail
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, PutEndReq, PutStartReq, Replica, ReplicateConfig, ResultsRep,
+    CodesRep,
+    KeyResult,
+    KeysReq,
+    PutEndReq,
+    PutStartReq,
+    Replica,
+    ReplicateConfig,
+    ResultsRep,
 )
 from kvplane.transfer import OpCode, TransferRequest, TransferStatus
-
-if TYPE_CHECKING:
-    from kvplane.store.client.client import StoreClient
 
 Range = tuple[int, int, int]  # (object offset, local address, size)
 
@@ -39,8 +47,8 @@ Range = tuple[int, int, int]  # (object offset, local address, size)
 class Ranges:
     """Range transfers for one client (thread-safe; no state beyond a segment-handle cache)."""
 
-    def __init__(self, client: "StoreClient") -> None:
-        self.c = client
+    def __init__(self, client: ContextOwner) -> None:
+        self.c = client.context
         self._handles: dict[str, int] = {}
 
     # -- reads ----------------------------------------------------------------------------------
@@ -50,12 +58,12 @@ class Ranges:
         rep = self.c.rpc.call("get_replicas", KeysReq(self.c.config.client_id, list(keys)),
                               ResultsRep)
         if rep.grants:  # a tenant's: before reading there
-            grants.install(self.c, rep.grants, Deadline.after(self.c.config.timeout))
+            self.c.install_grants(rep.grants, Deadline.after(self.c.config.timeout))
         ttl = rep.ttl or self.c.config.lease_ttl  # the master's lease, as it states it
         results = rep.results
-        if tiering.cold(results):  # on an SSD tier only: promoted into memory first
-            results = tiering.read_through(self.c, list(keys), results,
-                                           Deadline.after(self.c.config.timeout), inline=False)
+        if cold(results):  # on an SSD tier only: promoted into memory first (never None:
+            results = cast("list[KeyResult]", read_through(  # no ``expect`` was sent)
+                self.c, list(keys), results, Deadline.after(self.c.config.timeout), inline=False))
         return results, t0 + ttl
 
     def read(self, result: KeyResult, ranges: Sequence[Range], lease_end: float) -> list[int]:
@@ -70,7 +78,7 @@ class Ranges:
             self.c.config.client_id, list(keys), [int(s) for s in sizes],
             cfg or ReplicateConfig()), ResultsRep)
         if rep.grants:  # a tenant's: before writing there
-            grants.install(self.c, rep.grants, Deadline.after(self.c.config.timeout))
+            self.c.install_grants(rep.grants, Deadline.after(self.c.config.timeout))
         return rep.results
 
     def write(self, result: KeyResult, ranges: Sequence[Range]) -> list[int]:
@@ -94,7 +102,7 @@ class Ranges:
               first_only: bool) -> list[int]:
         out = [0] * len(ranges)
         todo = []
-        for i, (off, addr, size) in enumerate(ranges):
+        for i, (off, _addr, size) in enumerate(ranges):
             if off < 0 or size < 0 or off + size > result.size:
                 out[i] = InvalidParams.code
             elif size == 0:
@@ -108,15 +116,15 @@ class Ranges:
         if first_only:
             left = list(todo)
             for rep in replicas:
-                if not left or time.monotonic() >= lease_end - moves.MARGIN:
+                if not left or time.monotonic() >= lease_end - MARGIN:
                     break
                 done = self._move(rep, op, [ranges[i] for i in left], lease_end)
-                if not moves.ended_in(lease_end):  # read too late: maybe another object's
+                if not ended_in(lease_end):  # read too late: maybe another object's
                     break  # bytes (``left`` then fails with LEASE_EXPIRED)
                 left = [i for i, ok in zip(left, done) if not ok]
             for i in todo:
                 out[i] = ranges[i][2] if i not in left else (
-                    LeaseExpired.code if time.monotonic() >= lease_end - moves.MARGIN
+                    LeaseExpired.code if time.monotonic() >= lease_end - MARGIN
                     else TransferFail.code)
             return out
         oks = [self._move(rep, op, [ranges[i] for i in todo]) for rep in replicas]
@@ -126,9 +134,9 @@ class Ranges:
 
     def _move(self, rep: Replica, op: OpCode, ranges: Sequence[Range],
               lease_end: float = float("inf")) -> list[bool]:
-        """Move ``ranges`` to or from one replica; a read is given until ``moves.MARGIN``
+        """Move ``ranges`` to or from one replica; a read is given until ``MARGIN``
         before its lease ends (``lease_end``), at most the client's timeout."""
-        timeout = min(self.c.config.timeout, lease_end - moves.MARGIN - time.monotonic())
+        timeout = min(self.c.config.timeout, lease_end - MARGIN - time.monotonic())
         if timeout <= 0:
             return [False] * len(ranges)
         try:

@@ -10,7 +10,8 @@
   its processing timeout and frees the targets.
 
 Errors: calls raise from the kvplane tree (the master unreachable, a timeout); per-key results
-carry codes as the master gave them. Imports the transfer engine and store types only.
+carry codes as the master gave them. Built from a client's context (``ReplicaOps(client)`` takes
+anything with a ``context``); imports the transfer engine, store types and ``context``.
 """
 
 from __future__ import annotations
@@ -18,24 +19,28 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
-from kvplane.store.client import grants
+from kvplane.store.client.context import ContextOwner
 from kvplane.store.errors import key_error
 from kvplane.store.replica_types import (
-    DescRep, DescResult, ReplicaClearReq, TaskCreateRep, TaskCreateReq, TaskDoneReq, TaskId,
-    TaskInfo, TaskReq, TaskWork,
+    DescRep,
+    DescResult,
+    ReplicaClearReq,
+    TaskCreateRep,
+    TaskCreateReq,
+    TaskDoneReq,
+    TaskId,
+    TaskInfo,
+    TaskReq,
+    TaskWork,
 )
 from kvplane.store.types import CodesRep, KeysReq, Replica
 from kvplane.transfer import OpCode, TransferRequest, TransferStatus
-
-if TYPE_CHECKING:
-    from kvplane.store.client.client import StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +48,8 @@ log = logging.getLogger(__name__)
 class ReplicaOps:
     """See the module docstring. Thread-safe; ``close()`` stops the runner."""
 
-    def __init__(self, client: "StoreClient") -> None:
-        self.c = client
+    def __init__(self, client: ContextOwner) -> None:
+        self.c = client.context
         self._queue: queue.Queue[TaskId | None] = queue.Queue()
         self._runner: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -106,7 +111,7 @@ class ReplicaOps:
         if work.code:
             return
         if work.grants:  # a tenant's task: its grants, before its transfers
-            grants.install(self.c, work.grants, Deadline.after(self.c.config.timeout))
+            self.c.install_grants(work.grants, Deadline.after(self.c.config.timeout))
         ok, message = self._copy(work)
         self.c.rpc.call("task_done", TaskDoneReq(cid, task, ok, message), int)
         self.ran += 1

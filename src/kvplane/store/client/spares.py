@@ -6,34 +6,24 @@ header length, same config), begun well inside the spare's write window, builds 
 inventory header (keyed by the secret the spare came with), writes header and value into the
 spare's replicas, and commits them with one PutEnd, which asks for the next spare. Anything
 else, a spare whose write fails, and a commit that finds its spare gone (a master restart or
-a leader change, a segment lost), goes the usual way: PutStart, write, PutEnd. Off with ``KVPLANE_STORE_SPARES=0``.
+a leader change, a segment lost), goes the usual way: PutStart, write, PutEnd. Off with
+``KVPLANE_STORE_SPARES=0``.
 
 What the two ways share: the checksum in the header, the write window, the fence on the
 segment (the spare's generation), and that the object is readable only once the master's
 commit says so.
+
+This module holds the spare (``Spares``) and the shape a put would need (``ask``); the put through
+a spare is ``put_path``'s. Imports only store types and the inventory header's size.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from typing import TYPE_CHECKING
 
-from kvplane.common import metrics
-from kvplane.common.deadline import Deadline
 from kvplane.store import inventory
-from kvplane.store.client import locations, moves
-from kvplane.store.errors import ObjectNotFound
-from kvplane.store.types import CodesRep, KeyResult, PutEndReq, ReplicateConfig, Spare, SpareAsk
+from kvplane.store.types import ReplicateConfig, Spare, SpareAsk
 
-if TYPE_CHECKING:
-    from kvplane.store.client.client import StoreClient
-
-PUTS = metrics.Counter(
-    "kvplane_store_spare_puts_total", "Puts that wrote into a spare, by outcome (committed: two "
-    "round trips; put_anew: the spare's write failed or the master no longer had it, and the "
-    "put went the usual way)", ["outcome"])
-_COMMITTED, _ANEW = PUTS.labels("committed"), PUTS.labels("put_anew")
 MAX_SPARE = 1 << 20  # bytes of value (as the master's limit): larger puts gain nothing from it
 MIN_WINDOW = 0.5  # seconds of the spare's write window a put needs left to begin in it
 
@@ -45,17 +35,24 @@ def ask(keys: list[str], sizes: list[int], cfg: ReplicateConfig, upsert: bool) -
     return SpareAsk(sizes[0], inventory.header_len(keys[0]), cfg)
 
 
+# A spare taken for a put and the local time its write window ends; and the held spare with its
+# shape and window end. Plain tuples: one is made per spare put, and a NamedTuple costs CPython
+# 3.11 about 8x a tuple's to build.
+Taken = tuple[Spare, float]
+_Held = tuple[Spare, SpareAsk, float]
+
+
 class Spares:
     """The spare this client holds (at most one), and those it gives back with its next PutEnd."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._lock = threading.Lock()
-        self._held: tuple[Spare, SpareAsk, float] | None = None  # spare, its shape, window end
+        self._held: _Held | None = None
         self._returns: list[tuple[str, int, bool]] = []  # name, version, written into
         self.used = 0  # puts that went through a spare (tests and benchmarks read it)
 
-    def take(self, shape: SpareAsk, now: float) -> tuple[Spare, float] | None:
+    def take(self, shape: SpareAsk, now: float) -> Taken | None:
         """The held spare and its window's local end, if it fits ``shape`` with time to begin
         writing; a spare of another shape or past its window is given back."""
         with self._lock:
@@ -101,42 +98,3 @@ class Spares:
     def _give(self, spare: Spare, written: bool) -> None:
         """Queue ``spare`` to go back (the caller holds the lock)."""
         self._returns.append((spare.name, spare.result.version, written))
-
-
-def put(client: "StoreClient", key: str, addr: int, size: int, cfg: ReplicateConfig,
-        checksum: int, shape: SpareAsk, deadline: Deadline, reserve: float) -> int | None:
-    """Put one object through the held spare: its code (0, ObjectExists...), or None when no
-    spare fits, its write failed or the master no longer had it (the caller puts the usual
-    way, within the same deadline)."""
-    held = client.spares.take(shape, time.monotonic())
-    if held is None:
-        return None
-    spare, window_end = held
-    r = spare.result
-    header = inventory.pack(spare.secret, key, r.version, r.version, size, checksum,
-                            cfg.replica_num, inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0)
-    res = [KeyResult(0, r.replicas, size, r.version, checksum, header)]
-    # at most half the call's time, and no blame: a segment that remounted with a new master
-    # refuses the spare's old generation and is healthy; the usual way's own write blames a
-    # segment that is not (and finds it with the other half)
-    now = time.monotonic()
-    failed = moves.put_write(client, res, [0], [addr], [size], Deadline(min(
-        deadline.at - reserve, window_end, now + (deadline.at - now) / 2)), blame_failed=False)
-    if failed:
-        client.spares.give_back(spare)
-        _ANEW.inc()
-        return None
-    sent = time.monotonic()
-    rep = client._call("put_end", PutEndReq(
-        client.config.client_id, [key], [r.version], [checksum], client.suspects.take(),
-        [spare.name], shape, client.spares.returns()), CodesRep, deadline)
-    client.spares.offer(rep.spare, shape, sent)
-    code = rep.codes[0]
-    if code == ObjectNotFound.code:  # the spare was gone (a new master, a lost segment)
-        _ANEW.inc()
-        return None
-    client.spares.used += 1
-    _COMMITTED.inc()
-    if code == 0:
-        locations.remember(client, [key], res, [0], [size])
-    return code

@@ -53,12 +53,13 @@ class Staging:
             with self._lock:
                 off = self._alloc.allocate(n)
         if off is not None:
-            assert self._buf is not None
+            assert self._buf is not None and self._alloc is not None
+            alloc = self._alloc
             try:
                 yield self._buf.addr + off, self._buf.array[off:off + n]
             finally:
                 with self._lock:
-                    self._alloc.free(off)  # type: ignore[union-attr]
+                    alloc.free(off)
             return
         tmp = np.empty(max(n, 1), np.uint8)
         region = self._te.register_memory(tmp, publish=False)  # local-only: no metadata write

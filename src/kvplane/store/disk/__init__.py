@@ -1,1 +1,2 @@
-"""The SSD tier of a segment node: on-disk layout, the local store, and its duties."""
+"""The SSD tier's files: the on-disk layout and the local store (the node that runs them is
+``kvplane.store.host.disk_node``)."""

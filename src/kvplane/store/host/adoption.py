@@ -1,4 +1,4 @@
-"""What a client that contributes a segment does when it (re)mounts, and with forgets.
+"""Holdings: what a client that contributes a segment does when it (re)mounts, and with forgets.
 
 * **Remount** (a new leader, a restarted master, a remount after the TTL): the master's reply
   names its epoch and the fence floor. The segment's listener (and its shared-memory word)
@@ -13,25 +13,23 @@
   come back after the next failover.
 
 The epochs this segment mounted with are kept in order (``history``): they order the records
-of past masters, whose epochs are random numbers for a lone master.
+of past masters, whose epochs are random numbers for a lone master. Built from the client's
+``ClientContext``; imports the client's ``context`` layer only (never the facade).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvplane.common import log as klog
 from kvplane.common.deadline import Deadline
 from kvplane.store import inventory
+from kvplane.store.client.context import ClientContext
 from kvplane.store.errors import NotLeader
 from kvplane.store.types import AdoptReq, MountRep
-
-if TYPE_CHECKING:
-    from kvplane.store.client.client import StoreClient
 
 log = logging.getLogger(__name__)
 HISTORY = 64  # epochs remembered
@@ -42,8 +40,8 @@ DRAIN = 10.0  # seconds to wait for in-flight WRITEs of an older mount
 class Holdings:
     """The records of one client's segment, and their re-registration."""
 
-    def __init__(self, client: "StoreClient") -> None:
-        self._c = client
+    def __init__(self, ctx: ClientContext) -> None:
+        self._c = ctx
         self.history: list[int] = []
         self.secret = b""  # the master's tag key, from its mount answer
         self.adopted = 0
@@ -51,7 +49,8 @@ class Holdings:
         self.last_scan_s = 0.0
 
     def memory(self) -> np.ndarray:
-        seg = self._c._segments[0]
+        """The bytes of the contributed segment."""
+        seg = self._c.segments[0]
         return np.frombuffer(self._c.engine.memory.view(seg.base, seg.size), np.uint8)
 
     def mounted(self, rep: MountRep) -> None:
@@ -83,7 +82,7 @@ class Holdings:
             inventory.invalidate(mem, off)
         self.last_scan_s = time.monotonic() - t0
         recs = found.records
-        seg = self._c._segments[0]
+        seg = self._c.segments[0]
         for start in range(0, max(1, len(recs)), BATCH):
             batch = recs[start:start + BATCH]
             gens = self._c.rpc.call("adopt", AdoptReq(
@@ -101,10 +100,10 @@ class Holdings:
 
     def forget(self, forgets: list[tuple[int, int]]) -> list[int]:
         """Clear the headers the master freed; returns their generations to acknowledge."""
-        if not forgets or not self._c._segments:
+        if not forgets or not self._c.segments:
             return []
         mem = self.memory()
-        base = self._c._segments[0].base
+        base = self._c.segments[0].base
         for gen, addr in forgets:
             inventory.invalidate(mem, addr - base, gen)
         return [g for g, _ in forgets]

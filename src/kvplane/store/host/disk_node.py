@@ -21,7 +21,8 @@
   memory replica as usual.
 * **Re-adoption**: after every mount, the files on disk are re-registered (``disk_adopt``).
 
-Imports the transfer fence through the client, ``disk.store`` and the tier wire types.
+Built from the client's ``ClientContext`` (the transfer fence is its engine's); imports the
+client's ``context`` layer, ``store.disk`` and the tier wire types, never the facade.
 """
 
 from __future__ import annotations
@@ -29,26 +30,32 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvplane.common import log as klog
-from kvplane.common.errors import KVPlaneError
 from kvplane.common.auth import ADMIN, Authenticator, Principal
+from kvplane.common.errors import KVPlaneError
 from kvplane.common.rpc import RpcServer
 from kvplane.store import inventory
+from kvplane.store.client.context import ClientContext
 from kvplane.store.disk import layout
 from kvplane.store.disk.store import DiskStore, Entry
 from kvplane.store.errors import NoAvailableHandle, ObjectNotFound
 from kvplane.store.tier_types import (
-    DiskAdoptReq, DiskSyncRep, DiskSyncReq, LoadRep, LoadReq, OffloadResult, OffloadTask,
-    PromoteEndReq, PromoteRep, PromoteReq, ticket_of,
+    DiskAdoptReq,
+    DiskSyncRep,
+    DiskSyncReq,
+    LoadRep,
+    LoadReq,
+    OffloadResult,
+    OffloadTask,
+    PromoteEndReq,
+    PromoteRep,
+    PromoteReq,
+    ticket_of,
 )
-
-if TYPE_CHECKING:
-    from kvplane.store.client.client import StoreClient
-    from kvplane.store.types import SegmentInfo
+from kvplane.store.types import SegmentInfo
 
 log = logging.getLogger(__name__)
 BUSY_POLL = 0.1
@@ -61,9 +68,9 @@ PROMOTE_QUEUE = 256  # promotions waiting for the worker (more are dropped: read
 class DiskDuty:
     """The SSD tier of one segment node."""
 
-    def __init__(self, client: "StoreClient") -> None:
-        cfg = client.config
-        self._c = client
+    def __init__(self, ctx: ClientContext) -> None:
+        cfg = ctx.config
+        self._c = ctx
         # the files are indexed at the first mount, under the master's tag key (its answer)
         self.store = DiskStore(cfg.disk_dir, cfg.disk_size, None, direct=cfg.disk_direct)
         self._stop = threading.Event()
@@ -81,7 +88,7 @@ class DiskDuty:
         self._thread = threading.Thread(target=self._work, daemon=True,
                                         name=f"store-disk-{cfg.client_id[:8]}")
 
-    def describe(self, info: "SegmentInfo") -> None:
+    def describe(self, info: SegmentInfo) -> None:
         """Advertise the tier in the segment's mount record."""
         info.disk_size = self.store.quota
         info.disk_endpoint = f"{self.rpc.host}:{self.rpc.port}"
@@ -99,7 +106,7 @@ class DiskDuty:
 
     def _adopt(self) -> None:
         items = self.store.records()
-        seg = self._c._segments[0]
+        seg = self._c.segments[0]
         taken = 0
         for start in range(0, len(items), ADOPT_BATCH):
             batch = items[start:start + ADOPT_BATCH]
@@ -170,7 +177,7 @@ class DiskDuty:
         in the background), larger ones promoted into memory first (see the module docstring)."""
         codes = [0] * len(req.keys)
         data = [b""] * len(req.keys)
-        seg = self._c._segments[0].name
+        seg = self._c.segments[0].name
         tickets = req.tickets or [b""] * len(req.keys)
         entries = [self.store.entry(k, v) if hmac.compare_digest(
             t, ticket_of(self.store.secret, k, v, seg)) else None
@@ -188,7 +195,8 @@ class DiskDuty:
             else:
                 large.append(i)
         if large:
-            for i, code in zip(large, self._promote([entries[i] for i in large])):
+            sure = [e for e in (entries[i] for i in large) if e is not None]  # (all of them)
+            for i, code in zip(large, self._promote(sure)):
                 codes[i] = code
             # memory at the eviction watermark refused them (``DiskTier.promote_start``):
             # served from disk, inline, within a budget of its own (at least one)
@@ -269,6 +277,7 @@ class DiskDuty:
             fence.end_write(gen)
 
     def close(self) -> None:
+        """Stop the worker and the disk RPC server (idempotent)."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():

@@ -15,18 +15,17 @@
 * A segment a transfer failed on is remembered (tried last for a while) and reported to the
   master with the next RPC, which then stops placing objects there.
 
-Imports the transfer engine and store types; never binds sockets itself.
+Every function takes the client's ``ClientContext``. Imports the transfer engine, store types
+and the client's ``context``, ``timing`` and ``suspects`` layers below it; never binds sockets.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import operator
-import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -34,111 +33,31 @@ import numpy as np
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.checksum import digest
+from kvplane.store.client.context import ClientContext
+from kvplane.store.client.timing import GRAIN, MARGIN, coarse, ended_in, lease_bound
 from kvplane.store.errors import ChecksumMismatch, InvalidParams, LeaseExpired, TransferFail
 from kvplane.store.types import Columns, KeyResult, Replica, Retire
 from kvplane.transfer import OpCode, TransferRequest, TransferStatus
 
-if TYPE_CHECKING:
-    from kvplane.store.client.client import StoreClient
-
 log = logging.getLogger(__name__)
 OK = TransferStatus.COMPLETED
-BAD_FOR = 5.0  # seconds a failed segment is tried last by this client
-Move = tuple[int, Replica, OpCode, int, int]  # (key index, replica, op, local address, size)
+# One transfer of a call: (the key's index in the call, the replica, READ or WRITE, the registered
+# local address, bytes). A plain tuple, not a NamedTuple: a put makes one per replica, and a
+# NamedTuple costs CPython 3.11 about 8x a tuple's to build.
+Move = tuple[int, Replica, OpCode, int, int]
 
 
-class Retired:
-    """(segment, generation) pairs this client had refused at their segments, to tell the
-    master with its next PutStart or heartbeat (``PutStartReq.retired``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pairs: list[tuple[str, int]] = []
-
-    def add(self, pairs: list[tuple[str, int]]) -> None:
-        with self._lock:
-            self._pairs += pairs
-
-    def take(self) -> list[tuple[str, int]]:
-        if not self._pairs:
-            return []
-        with self._lock:
-            out, self._pairs = self._pairs, []
-        return out
-
-
-class Suspects:
-    """Segments this client saw fail: tried last locally, reported to the master once."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._report: set[str] = set()
-        self._until: dict[str, float] = {}
-
-    def add(self, segments: Iterable[str]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for s in segments:
-                self._report.add(s)
-                self._until[s] = now + BAD_FOR
-
-    def take(self) -> list[str]:
-        """The segments to report with the next RPC (cleared)."""
-        if not self._report:
-            return []
-        with self._lock:
-            out, self._report = sorted(self._report), set()
-        return out
-
-    def any(self) -> bool:
-        """True while some segment is remembered as failed."""
-        return bool(self._until)
-
-    def bad(self, segment: str) -> bool:
-        until = self._until.get(segment)
-        if until is None:
-            return False
-        if until > time.monotonic():
-            return True
-        self._until.pop(segment, None)  # expired: forget it (keeps ``any`` cheap)
-        return False
-
-
-GRAIN = 0.05  # timeouts handed to sockets are rounded down to this
-MARGIN = GRAIN  # a lease-bounded read is given until this long before its lease ends
-
-
-def lease_bound(deadline: Deadline, lease_end: float) -> Deadline:
-    """The deadline of a read under a lease that ends at (local) ``lease_end``: the call's,
-    or ``MARGIN`` before the lease ends if that is sooner."""
-    return Deadline(min(deadline.at, lease_end - MARGIN))
-
-
-def ended_in(lease_end: float) -> bool:
-    """True if a read that has just returned ended inside the lease ending at ``lease_end``
-    (by this client's clock, counted from before the lookup was sent: no later than the
-    master's). A read that returns later may have read space the master gave to another
-    object: its bytes must not be returned."""
-    return time.monotonic() < lease_end
-
-
-def coarse(seconds: float) -> float:
-    """``seconds`` rounded down to ``GRAIN`` (above 0.2 s), so consecutive calls hand the same
-    timeout to sockets that re-arm their kernel timeouts only when it changes."""
-    return seconds if seconds < 0.2 else math.floor(seconds / GRAIN) * GRAIN
-
-
-def ordered(client: "StoreClient", replicas: list[Replica]) -> list[Replica]:
+def ordered(ctx: ClientContext, replicas: list[Replica]) -> list[Replica]:
     """Healthy first, then same host first; otherwise the master's order (suspects last)."""
     if len(replicas) == 1:
         return list(replicas)
-    mine = client.engine.host_id
-    if not client.suspects.any():
+    mine = ctx.engine.host_id
+    if not ctx.suspects.any():
         return sorted(replicas, key=lambda r: r.host_id != mine)
-    return sorted(replicas, key=lambda r: (client.suspects.bad(r.segment), r.host_id != mine))
+    return sorted(replicas, key=lambda r: (ctx.suspects.bad(r.segment), r.host_id != mine))
 
 
-def run(client: "StoreClient", moves: list[Move], deadline: Deadline,
+def run(ctx: ClientContext, moves: list[Move], deadline: Deadline,
         blame_failed: bool = True) -> list[bool]:
     """Run the moves once, all by ``deadline``; True where each completed. The segments of
     those that failed are blamed (``blame``) unless ``blame_failed`` is False."""
@@ -149,13 +68,13 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline,
     ops: list[OpCode]
     where: list[int]
     failed: set[str] = set()
-    handles = client._handles
+    handles = ctx.handles
     todo, ops, where = [], [], []
     for i, (_, rep, op, addr, size) in enumerate(moves):
         h = handles.get(rep.segment)
         if h is None:
             try:
-                h = client.segment_handle(rep.segment, deadline)
+                h = ctx.segment_handle(rep.segment, deadline)
             except KVPlaneError:  # unreachable segment (or no time left to look it up)
                 failed.add(rep.segment)
                 continue
@@ -165,32 +84,32 @@ def run(client: "StoreClient", moves: list[Move], deadline: Deadline,
     if todo and deadline.remaining() > 0:
         left = coarse(deadline.remaining())
         if ops.count(OpCode.READ) == len(ops):  # a get: the engine's lean paths
-            got = client.engine.read_many(todo, left)
+            got = ctx.engine.read_many(todo, left)
         elif len(todo) == 1 and ops[0] == OpCode.WRITE:  # a put of one small object
-            got = [client.engine.write_one(*todo[0], timeout=left)]
+            got = [ctx.engine.write_one(*todo[0], timeout=left)]
         elif ops.count(OpCode.WRITE) == len(ops):  # a put
-            got = client.engine.write_many(todo, left)
+            got = ctx.engine.write_many(todo, left)
         else:
-            got = client.engine.transfer([TransferRequest(op, a, h, r, n, gen=g)
+            got = ctx.engine.transfer([TransferRequest(op, a, h, r, n, gen=g)
                                           for op, (h, a, r, n, g) in zip(ops, todo)], left)
         for i, st in zip(where, got):
             out[i] = st == OK
     if out.count(True) == len(out) or not blame_failed:
         return out
-    blame(client, failed | {moves[i][1].segment for i in where if not out[i]})
+    blame(ctx, failed | {moves[i][1].segment for i in where if not out[i]})
     return out
 
 
-def blame(client: "StoreClient", failed: set[str]) -> None:
+def blame(ctx: ClientContext, failed: set[str]) -> None:
     """Segments a transfer failed on: looked up afresh next time (they may have restarted),
     tried last for a while, reported to the master."""
     for seg in failed:
-        client._handles.pop(seg, None)
+        ctx.handles.pop(seg, None)
     if failed:
-        client.suspects.add(failed)
+        ctx.suspects.add(failed)
 
 
-def retire(client: "StoreClient", retire: list[Retire], deadline: Deadline) -> set[int]:
+def retire(ctx: ClientContext, retire: list[Retire], deadline: Deadline) -> set[int]:
     """Have each segment refuse the generations of the replicas this call replaced or removed
     under a read lease (``types.Retire``): once this returns, no client's held read of them
     succeeds. Returns the key indexes where a segment could not be told (that segment is
@@ -204,42 +123,42 @@ def retire(client: "StoreClient", retire: list[Retire], deadline: Deadline) -> s
     limit = Deadline(time.monotonic() + deadline.remaining() / 2)
     for seg, entries in by_seg.items():
         try:
-            h = client.segment_handle(seg, limit)
-            client.engine.retire(h, [g for _, g in entries],
+            h = ctx.segment_handle(seg, limit)
+            ctx.engine.retire(h, [g for _, g in entries],
                                  timeout=max(limit.remaining(), 1e-3))
-            client.retired.add([(seg, g) for _, g in entries])
+            ctx.retired.add([(seg, g) for _, g in entries])
         except KVPlaneError as exc:
             log.warning("could not retire %d generation(s) at segment %s: %s",
                         len(entries), seg, exc)
             failed.update(i for i, _ in entries)
             bad.add(seg)
     if bad:
-        blame(client, bad)
+        blame(ctx, bad)
     return failed
 
 
-def write(client: "StoreClient", moves: list[Move], deadline: Deadline,
+def write(ctx: ClientContext, moves: list[Move], deadline: Deadline,
           blame_failed: bool = True) -> set[int]:
     """Write every replica; returns the key indexes where one failed."""
-    done = run(client, moves, deadline, blame_failed)
+    done = run(ctx, moves, deadline, blame_failed)
     return {m[0] for m, ok in zip(moves, done) if not ok}
 
 
-def put_write(client: "StoreClient", results: list[KeyResult], ok: list[int], addrs: list[int],
+def put_write(ctx: ClientContext, results: list[KeyResult], ok: list[int], addrs: list[int],
               sizes: list[int], deadline: Deadline, blame_failed: bool = True) -> set[int]:
     """Write the keys ``ok`` of a put, each header in front of its value in every replica
     (``put_moves``, staged in the client's registered memory); returns the indexes that failed."""
-    with client.staging.block(put_staging(results, ok, sizes) or 1) as (hbase, hv):
-        writes = put_moves(results, ok, addrs, sizes, hbase, hv, client.engine.memory.view)
-        return write(client, writes, deadline, blame_failed)
+    with ctx.staging.block(put_staging(results, ok, sizes) or 1) as (hbase, hv):
+        writes = put_moves(results, ok, addrs, sizes, hbase, hv, ctx.engine.memory.view)
+        return write(ctx, writes, deadline, blame_failed)
 
 
-def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps: list[int],
+def read(ctx: ClientContext, results: list[KeyResult], addrs: list[int], caps: list[int],
          deadline: Deadline, lease_end: float) -> list[int]:
     """Read each key from its replicas with failover; per key the size read or an error code."""
     if not results:
         return []
-    got = _read_plain(client, results, addrs, caps, deadline, lease_end)
+    got = _read_plain(ctx, results, addrs, caps, deadline, lease_end)
     if got is not None:
         return got
     out = [r.code or r.size for r in results]  # codes are negative, sizes positive
@@ -248,15 +167,15 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
         for i, r in enumerate(results):
             if not r.code and r.size > caps[i]:
                 out[i] = InvalidParams.code
-    todo = {i: ordered(client, r.replicas) for i, r in enumerate(results) if out[i] > 0}
+    todo = {i: ordered(ctx, r.replicas) for i, r in enumerate(results) if out[i] > 0}
     lease = lease_bound(deadline, lease_end)
-    check = client.config.checksum
+    check = ctx.config.checksum
     read_op = OpCode.READ
     while todo and lease.remaining() > 0:
         share = lease.remaining() / max(map(len, todo.values()))
         attempt = Deadline(min(lease.at, time.monotonic() + share))
         moves = [(i, reps.pop(0), read_op, addrs[i], results[i].size) for i, reps in todo.items()]
-        done = run(client, moves, attempt)
+        done = run(ctx, moves, attempt)
         if not ended_in(lease_end):  # read too late: maybe another object's bytes
             done = [False] * len(done)
             for reps in todo.values():
@@ -266,10 +185,10 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
             break
         for m, ok in zip(moves, done):
             i = m[0]
-            if ok and check and not verified(client, results[i], addrs[i]):
+            if ok and check and not verified(ctx, results[i], addrs[i]):
                 ok = False
                 corrupt.add(i)
-                client.corrupt_reads += 1
+                ctx.corrupt_reads += 1
             if ok:
                 todo.pop(i)
             elif not todo[i]:
@@ -280,16 +199,16 @@ def read(client: "StoreClient", results: list[KeyResult], addrs: list[int], caps
     return out
 
 
-def _read_plain(client: "StoreClient", results: list[KeyResult], addrs: list[int],
+def _read_plain(ctx: ClientContext, results: list[KeyResult], addrs: list[int],
                 caps: list[int], deadline: Deadline, lease_end: float) -> list[int] | None:
     """:func:`read` of the usual batch in one pass, a list at a time: every key found with
     one replica, on a segment already open, into a buffer big enough, checksums off. None
     when the batch is not like that (``read`` then goes key by key). With one replica per
     key there is nothing to fail over to: a key whose read failed fails, as in ``read``."""
-    if client.config.checksum or not all(len(r.replicas) == 1 for r in results):
+    if ctx.config.checksum or not all(len(r.replicas) == 1 for r in results):
         return None  # (a miss has no replica)
     reps = [r.replicas[0] for r in results]
-    handles = client._handles
+    handles = ctx.handles
     hs = [handles.get(rep.segment) for rep in reps]
     sizes = [r.size for r in results]
     if None in hs or max(map(operator.sub, sizes, caps)) > 0:
@@ -297,20 +216,22 @@ def _read_plain(client: "StoreClient", results: list[KeyResult], addrs: list[int
     lease = lease_bound(deadline, lease_end)
     if lease.remaining() <= 0:
         return None
-    items = [(h, a, rep.addr, n, rep.gen) for h, a, rep, n in zip(hs, addrs, reps, sizes)]
-    return _one_pass(client, items, sizes, lease, lease_end, lambda i: reps[i].segment)
+    items = [(h, a, rep.addr, n, rep.gen) for h, a, rep, n in
+             zip(cast("list[int]", hs), addrs, reps, sizes)]
+    return _one_pass(ctx, items, sizes, lease, lease_end, lambda i: reps[i].segment)
 
 
-def read_columns(client: "StoreClient", cols: Columns, addrs: list[int], caps: list[int],
+def read_columns(ctx: ClientContext, cols: Columns, addrs: list[int], caps: list[int],
                  deadline: Deadline, lease_end: float) -> list[int] | None:
     """:func:`_read_plain` of a :class:`Columns` answer, with no ``KeyResult`` made. None when
     a segment is not open yet, a buffer is too small or the lease is over (``read`` of
     ``column_results`` then does it key by key)."""
-    handles = client._handles
-    hs = [handles.get(name) for name in cols.segments]
+    handles = ctx.handles
+    found = [handles.get(name) for name in cols.segments]
     sizes = cols.size
-    if None in hs or max(map(operator.sub, sizes, caps)) > 0:
+    if None in found or max(map(operator.sub, sizes, caps)) > 0:
         return None
+    hs = cast("list[int]", found)  # (every segment open)
     lease = lease_bound(deadline, lease_end)
     if lease.remaining() <= 0:
         return None
@@ -320,23 +241,22 @@ def read_columns(client: "StoreClient", cols: Columns, addrs: list[int], caps: l
     else:
         items = [(hs[s], a, r, n, g) for s, a, r, n, g in zip(cols.seg, addrs, cols.addr, sizes,
                                                                  cols.gen)]
-    return _one_pass(client, items, sizes, lease, lease_end,  # type: ignore[arg-type]
-                     lambda i: cols.segments[cols.seg[i]])
+    return _one_pass(ctx, items, sizes, lease, lease_end, lambda i: cols.segments[cols.seg[i]])
 
 
-def _one_pass(client: "StoreClient", items: list[tuple[int, int, int, int, int]],
+def _one_pass(ctx: ClientContext, items: list[tuple[int, int, int, int, int]],
               sizes: list[int], lease: Deadline, lease_end: float,
               segment_of: Callable[[int], str]) -> list[int]:
     """One ``read_many`` of one item per key: per key its size, or the failure of a key whose
     read failed (nothing to fail over to; its segment, ``segment_of(i)``, is blamed)."""
-    got = client.engine.read_many(items, coarse(lease.remaining()))
+    got = ctx.engine.read_many(items, coarse(lease.remaining()))
     out = list(sizes)
     if not ended_in(lease_end):  # read too late: maybe another object's bytes
         return [LeaseExpired.code] * len(out)
     if got.count(OK) == len(got):
         return out
     bad = [i for i, st in enumerate(got) if st != OK]
-    blame(client, {segment_of(i) for i in bad})
+    blame(ctx, {segment_of(i) for i in bad})
     for i in bad:
         out[i] = _failure(False, lease_end)
     return out
@@ -350,11 +270,11 @@ def _failure(corrupt: bool, lease_end: float) -> int:
         else TransferFail.code
 
 
-def verified(client: "StoreClient", result: KeyResult, addr: int) -> bool:
+def verified(ctx: ClientContext, result: KeyResult, addr: int) -> bool:
     """False if checksums are on and the bytes at ``addr`` do not match ``result``'s."""
-    if not (client.config.checksum and result.checksum):
+    if not (ctx.config.checksum and result.checksum):
         return True
-    return digest(client.engine.memory.view(addr, result.size)) == result.checksum
+    return digest(ctx.engine.memory.view(addr, result.size)) == result.checksum
 
 
 INLINE = 64 << 10  # values up to this size travel in one WRITE with their header
@@ -388,7 +308,7 @@ def put_moves(results: list[KeyResult], ok: list[int], addrs: list[int], sizes: 
     header costs a put almost nothing); ``value_of(addr, n)`` gives its bytes."""
     out: list[Move] = []
     at = 0
-    hmem = memoryview(hview).cast("B")  # byte-wise copies into it cost no numpy call
+    hmem = hview.data.cast("B")  # byte-wise copies into it cost no numpy call
     for i in ok:
         res = results[i]
         head = res.header

@@ -1,4 +1,5 @@
-"""What a client that contributes a segment does for the master besides heartbeating.
+"""SegmentDuty: what a client that contributes a segment does for the master besides
+heartbeating: fence acknowledgements and repairs.
 
 * **Fences**: the heartbeat reply lists generations whose space the master wants to reuse.
   They are installed in this engine's listener (``kvplane.transfer.fence``), which refuses their
@@ -11,6 +12,9 @@
   run on one named daemon thread, off the heartbeat, each bounded by a deadline; the WRITE into
   our own memory is counted in the fence like a listener WRITE, so a fence of an abandoned
   repair is acknowledged only once its copy is over.
+
+Built from the client's ``ClientContext``; imports the client's ``context`` and ``replica_io``
+layers (never the facade).
 """
 
 from __future__ import annotations
@@ -18,17 +22,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING
 
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.checksum import digest
-from kvplane.store.client import moves
+from kvplane.store.client.context import ClientContext
+from kvplane.store.client.replica_io import Move, ordered, run
 from kvplane.store.types import RepairDoneReq, RepairTask
 from kvplane.transfer import OpCode
-
-if TYPE_CHECKING:
-    from kvplane.store.client.client import StoreClient
 
 log = logging.getLogger(__name__)
 REPAIR_DEADLINE = 10.0  # seconds for one repair copy (the master abandons tasks at 30 s)
@@ -37,8 +38,8 @@ REPAIR_DEADLINE = 10.0  # seconds for one repair copy (the master abandons tasks
 class SegmentDuty:
     """Fence acknowledgements and the repair worker of one client."""
 
-    def __init__(self, client: "StoreClient") -> None:
-        self._c = client
+    def __init__(self, ctx: ClientContext) -> None:
+        self._c = ctx
         self._tasks: queue.Queue[list[RepairTask] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.repaired = 0
@@ -58,7 +59,7 @@ class SegmentDuty:
     def _work(self) -> None:
         while True:
             tasks = self._tasks.get()
-            if tasks is None or self._c._closed.is_set():
+            if tasks is None or self._c.closed.is_set():
                 return
             ok = [self._repair(t) for t in tasks]
             try:
@@ -74,9 +75,9 @@ class SegmentDuty:
             return False
         try:
             deadline = Deadline.after(REPAIR_DEADLINE)
-            for source in moves.ordered(self._c, task.sources):
-                move = (0, source, OpCode.READ, task.addr, task.size)
-                if moves.run(self._c, [move], deadline)[0] and self._intact(task):
+            for source in ordered(self._c, task.sources):
+                move: Move = (0, source, OpCode.READ, task.addr, task.size)
+                if run(self._c, [move], deadline)[0] and self._intact(task):
                     if task.header:
                         n = len(task.header)
                         self._c.engine.memory.view(task.addr - n, n)[:] = task.header
