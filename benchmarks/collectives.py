@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import kvplane.collectives as kc
 from kvplane.common.config import parse_size
-from kvplane.testing.ranks import RankContext, RankGroup
+from tests.support.ranks import RankContext, RankGroup
 
 VICTIM = 2
 

@@ -57,7 +57,7 @@ from kvplane.conductor.scheduling.simulator import Simulator
 from kvplane.conductor.scheduling.trace import load_trace
 from kvplane.conductor.scheduling.view import Request
 from kvplane.data import SAMPLE_TRACE
-from kvplane.testing.procs import Proc
+from kvplane.common.procs import Proc
 
 # one token each in the test tokenizer, and short: vLLM refuses prompts of more than 4 characters
 # per token of context before tokenizing them
@@ -129,8 +129,8 @@ def ideal_hit_ratio(items: list[Item]) -> float:
 
 # instances --------------------------------------------------------------------------------------
 def start_instances(count: int, max_model_len: int, tmp: pathlib.Path, model_dir: str | None) -> list[Any]:
-    from kvplane.testing.services import wait_until
-    from kvplane.testing.vllm_harness import OpenAIServer, make_model
+    from tests.support.services import wait_until
+    from tests.support.vllm_harness import OpenAIServer, make_model
 
     model = model_dir or str(make_model(tmp / "model", MODEL_SPEC, timeout=600))
     out = [OpenAIServer(model, tmp / f"vllm{i}.log", events=f"ipc://{tmp}/kv{i}",

@@ -109,7 +109,7 @@ def test_rules_catch_a_forbidden_edge():
     assert violations("kvplane.transfer.metadata_server", {"kvplane.p2p.tracker_api"})
     assert violations("kvplane.p2p.node", {"kvplane.store.client"})
     assert not violations("kvplane.cli.p2p", {"kvplane.p2p.node"})
-    assert not violations("kvplane.testing.p2p_proc", {"kvplane.p2p.node"})
+    assert not violations("tests.support.p2p_proc", {"kvplane.p2p.node"})
     assert not violations("kvplane.p2p.node", {"kvplane.transfer.engine"})
 
 

@@ -95,7 +95,7 @@ def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False) -> str:
     port, admin = _free_port(), _free_port()
     cli = [sys.executable, "-m", "kvplane.cli.main"]
     if ha:  # etcd, a leader and a standby; clients and the segment use the etcd:// address
-        from kvplane.testing.services import start_etcd
+        from kvplane.bench.services import start_etcd
 
         etcd = start_etcd(os.path.join(svc.tmp, "etcd"))
         svc.procs.append(etcd.proc)
@@ -127,13 +127,13 @@ def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False) -> str:
 def _wait_leader(admin: int, timeout: float = 30.0) -> None:
     import httpx
 
-    from kvplane.testing.auth import headers
+    from kvplane.common.auth import token_headers
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{admin}/ha_status", timeout=1, trust_env=False,
-                         headers=headers()).json().get("role") == "leader":
+                         headers=token_headers()).json().get("role") == "leader":
                 return
         except httpx.HTTPError:
             pass

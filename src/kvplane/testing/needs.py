@@ -4,13 +4,15 @@ One table, :data:`REQUIREMENTS`, names every outside dependency a test may need 
 binaries, heavy packages, external venvs, a browser) and how to install it. Three spellings,
 one rule:
 
-    @pytest.mark.requires("etcd")                 # a test, class or module (tests/conftest.py)
+    @pytest.mark.requires("etcd")                 # a test, class or module (kvplane.testing.plugin)
     exe = requires("etcd")                        # in a fixture: the binary's path
     torch = need_module("torch", "pip install torch==2.13.0")   # at the top of a test module
 
 The README's test command must pass in a fresh venv: what it did not install is skipped with a
 reason that says how to enable it. ``.ci/run`` installs everything and sets ``CI=true``, so there
 a missing prerequisite is a failure, never a silent skip.
+
+pytest is imported only when a requirement is missing, so importing this module never needs it.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import os
 import shutil
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, NoReturn
-
-import pytest
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 TORCH = "pip install torch==2.13.0"
 
 
 def missing(what: str, how: str) -> NoReturn:
     """Skip the test (or module) because ``what`` is absent; in CI fail instead."""
+    import pytest
+
     msg = f"{what} is not available: {how}"
     if os.environ.get("CI"):
         pytest.fail(f"{msg} (CI must install it: see .ci/run)", pytrace=False)

@@ -13,10 +13,10 @@ import sys
 import httpx
 import pytest
 
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import Proc
-from kvplane.testing.services import free_port, wait_until
-from kvplane.testing.vllm_harness import OpenAIServer
+from tests.support.auth import headers
+from kvplane.common.procs import Proc
+from tests.support.services import free_port, wait_until
+from tests.support.vllm_harness import OpenAIServer
 
 from vllm_harness import max_diff, prompt, requires_vllm
 

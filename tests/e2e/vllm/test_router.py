@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
 from kvplane.conductor.gateway.server import GatewayServer
 from kvplane.common.errors import Timeout
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import Proc
-from kvplane.testing.services import wait_until
-from kvplane.testing.vllm_harness import OpenAIServer
+from tests.support.auth import headers
+from kvplane.common.procs import Proc
+from tests.support.services import wait_until
+from tests.support.vllm_harness import OpenAIServer
 
 from vllm_harness import BS, requires_vllm
 

@@ -20,7 +20,7 @@ torch = need_module("torch", "pip install torch==2.13.0")
 import torch.distributed as dist  # noqa: E402
 
 import kvplane.collectives as kc
-from kvplane.testing.ranks import RankContext, RankGroup
+from tests.support.ranks import RankContext, RankGroup
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(90)]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: E402
 
 import kvplane.collectives as kc
 from kvplane.collectives import schedule, shm
-from kvplane.testing.ranks import RankContext, RankGroup
+from tests.support.ranks import RankContext, RankGroup
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(90)]
 

@@ -14,8 +14,8 @@ import pytest
 
 from kvplane.p2p import TrackerClient
 from kvplane.p2p.tracker_api import mount
-from kvplane.testing.netns import netbed  # noqa: F401  (fixture)
-from kvplane.testing.procs import wait_for_line
+from tests.support.netns import netbed  # noqa: F401  (fixture)
+from kvplane.common.procs import wait_for_line
 from kvplane.transfer.metadata_server import serve_in_thread
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -24,7 +24,7 @@ MIB = 1 << 20
 
 
 def start(host, url, chunk_timeout):
-    return host.spawn([sys.executable, "-m", "kvplane.testing.p2p_proc", "--tracker", url,
+    return host.spawn([sys.executable, "-m", "tests.support.p2p_proc", "--tracker", url,
                        "--token", TOKEN, "--host", host.ip, "--chunk-size", str(MIB),
                        "--chunk-timeout", str(chunk_timeout)])
 

@@ -22,7 +22,7 @@ import pytest
 from kvplane.common.errors import Unauthorized
 from kvplane.store import StoreClient
 from kvplane.store.types import KeysReq, ResultsRep
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.store_procs import spawn_master, spawn_segment
 from kvplane.transfer import protocol
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]

@@ -15,10 +15,10 @@ from kvplane.store.errors import InvalidKey
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, PutStartReq, ReplicateConfig, ResultsRep
-from kvplane.testing.auth import headers
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
-from kvplane.testing.store_client_proc import value_of
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
+from tests.support.store_client_proc import value_of
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 KB = 1024

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from kvplane.testing import spawn_target
-from kvplane.testing.services import wait_until
-from kvplane.testing.target import pattern
+from tests.support.target import spawn_target
+from tests.support.services import wait_until
+from tests.support.target import pattern
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from kvplane.transfer import protocol
 

@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 
 import kvplane.collectives as kc
 from kvplane.collectives import schedule
-from kvplane.testing.ranks import RankContext, RankGroup
+from tests.support.ranks import RankContext, RankGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

@@ -12,8 +12,8 @@ import pytest
 from kvplane.compat.mooncake import (
     ERR_ADDRESS_OVERLAPPED, TransferEngine, TransferOpcode,
 )
-from kvplane.testing import spawn_target
-from kvplane.testing.target import pattern
+from tests.support.target import spawn_target
+from tests.support.target import pattern
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MB = 1 << 20

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import TOKEN  # noqa: I001
-from kvplane.testing.procs import Proc
+from kvplane.common.procs import Proc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 CLI = [sys.executable, "-m", "kvplane.cli.main", "p2p"]

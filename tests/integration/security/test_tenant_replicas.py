@@ -18,7 +18,7 @@ from kvplane.store.replica_types import (
     DescRep, ReplicaClearReq, TaskCreateRep, TaskCreateReq, TaskDoneReq, TaskInfo, TaskReq, TaskWork,
 )
 from kvplane.store.types import KeysReq, MountReq, PingRep, PingReq
-from kvplane.testing.services import wait_until
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 SVC, ADM = "service-token-0123456789", "admin-token-0123456789"

@@ -7,10 +7,10 @@ import pytest
 
 from kvplane.common.auth import client_token
 from kvplane.testing.needs import need_module, requires
-from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 need_module("websocket", "pip install websocket-client (the dev extra)")
-from kvplane.testing.browser import Browser  # noqa: E402
+from tests.support.browser import Browser  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

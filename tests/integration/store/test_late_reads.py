@@ -24,7 +24,7 @@ from kvplane.store.client import client as client_mod
 from kvplane.store.client import locations, moves, ranges
 from kvplane.store.client.ranges import Ranges
 from kvplane.store.errors import LeaseExpired
-from kvplane.testing.store_client_proc import value_of
+from tests.support.store_client_proc import value_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 SIZE = 64 << 10

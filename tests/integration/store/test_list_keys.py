@@ -13,7 +13,7 @@ import pytest
 from kvplane.common.errors import Unauthorized
 from kvplane.common.rpc import RpcClient
 from kvplane.store import StoreClient
-from kvplane.testing.store_procs import tenant_pool
+from tests.support.store_procs import tenant_pool
 from kvplane.store import types as store_types
 from kvplane.store.errors import InvalidKey, InvalidParams
 from kvplane.store.types import ListKeysRep, ListKeysReq, PutStartReq, ReplicateConfig

@@ -14,10 +14,10 @@ import pytest
 
 from kvplane.store.client.client import StoreClient
 from kvplane.store.client.spares import PUTS
-from kvplane.testing.auth import headers
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_client_proc import round_value
-from kvplane.testing.store_procs import segment_pool, spawn_master, spawn_segment, tenant_pool
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_client_proc import round_value
+from tests.support.store_procs import segment_pool, spawn_master, spawn_segment, tenant_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SIZE = 4096

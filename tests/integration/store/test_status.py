@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvplane.store.client.client import FENCE_WORD
 from kvplane.common.auth import client_token
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import Proc
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import CLI, spawn_master, spawn_segment, spawn_worker
+from tests.support.auth import headers
+from kvplane.common.procs import Proc
+from tests.support.services import wait_until
+from tests.support.store_procs import CLI, spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 KIB = 1024

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvplane.common.errors import AddressNotRegistered, InvalidArgument
-from kvplane.testing import spawn_target
-from kvplane.testing.target import pattern
+from tests.support.target import spawn_target
+from tests.support.target import pattern
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from kvplane.transfer.transports import Route
 

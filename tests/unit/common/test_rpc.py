@@ -120,7 +120,7 @@ def test_a_frame_is_busy_polled_only_with_the_spinner_free(monkeypatch):
 
 
 def test_a_server_in_a_tight_loop_answers_and_holds_no_spinner_while_idle():
-    from kvplane.testing.services import wait_until
+    from tests.support.services import wait_until
 
     srv = RpcServer(spin=500e-6)
     srv.add("double", lambda r: r.x * 2, Req)

@@ -38,7 +38,7 @@ def test_packages_resolve_lazily_without_the_engines():
 
 def test_the_harness_names_the_shim_without_importing_it():
     import kvplane.integrations.mooncake_shim as shim
-    from kvplane.testing.engines_harness import SHIM_PATH
+    from tests.support.engines_harness import SHIM_PATH
 
     assert str(SHIM_PATH) == shim.PATH
 

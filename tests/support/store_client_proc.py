@@ -2,7 +2,7 @@
 
 Values are derived from their keys (``value_of``), so any process can verify any object.
 
-    python -m kvplane.testing.store_client_proc --master HOST:PORT|etcd://H:P/CLUSTER
+    python -m tests.support.store_client_proc --master HOST:PORT|etcd://H:P/CLUSTER
         [--protocol tcp] [--host IP] [--segment-mb 0]
         [--timeout 5] [--checksum | --no-checksum]
 """

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from kvplane.common.errors import Timeout
-from kvplane.testing.procs import wait_for_line
+from kvplane.common.procs import wait_for_line
 
 _LISTENING = re.compile(r"DevTools listening on (ws://\S+)")
 

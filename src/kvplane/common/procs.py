@@ -1,4 +1,10 @@
-"""Real subprocesses for tests: start, wait for a ready line (never sleep), kill, stop, signal."""
+"""Child processes that announce readiness: start, wait for a ready line (never sleep), kill, stop.
+
+Owns :class:`Proc` (a child speaking JSON lines on stdin/stdout), :func:`wait_for_line`,
+:func:`wait_until` (poll a check with back-off) and :func:`free_port`. Used by ``kvplane bench``
+to run the store's processes, and by the test tree's harnesses (``tests/support``). Imports only
+``kvplane.common``; nothing here knows a kvplane command line.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,10 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from kvplane.common.errors import Timeout
@@ -95,6 +102,24 @@ class Proc:
         self.stop()
 
 
-def spawn_target(*args: str, env: dict[str, str] | None = None) -> Proc:
-    """Start ``python -m kvplane.testing.target ARGS`` and wait for its ready line."""
-    return Proc([sys.executable, "-m", "kvplane.testing.target", *args], env=env)
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` (with a short back-off) until it is true or ``timeout`` passes.
+
+    Raises:
+        Timeout: ``check`` stayed false for ``timeout`` seconds (the message names ``what``).
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while not check():
+        if time.monotonic() > deadline:
+            raise Timeout(f"{what} not ready within {timeout}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for servers that cannot bind port 0 themselves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
