@@ -9,7 +9,7 @@ object columns encoded row by row (msgpack; ndarrays and tensors inside rows kee
 shape); ``meta_info`` goes in the manifest. The ref maps each field to (stage, member, section);
 ``export_dataproto_ref`` turns it into a JSON-safe handle of manifest keys.
 
-Also here: the leaf-codec choice (``_choose_leaf_codec``) and structure inference
+Also here: the leaf-codec choice (``choose_leaf_codec``) and structure inference
 (``infer_structure``) for nested non-tensor values, with ``MISSING`` for absent dict keys.
 """
 
@@ -49,7 +49,7 @@ class _Missing:
 MISSING = _Missing()
 
 
-def _escape_key(key: str) -> str:
+def escape_key(key: str) -> str:
     """A dict key as one path component: ``\\``, ``.`` and ``[`` escaped."""
     return key.replace("\\", "\\\\").replace(".", "\\.").replace("[", "\\[")
 
@@ -102,7 +102,7 @@ def _jsonable(v: Any, depth: int = 0) -> bool:
     return False
 
 
-def _choose_leaf_codec(values: Sequence[Any]) -> LeafDecision:
+def choose_leaf_codec(values: Sequence[Any]) -> LeafDecision:
     """Which codec one column of row values takes (None and MISSING rows are nulls)."""
     present = [v for v in values if v is not None and v is not MISSING]
     if not present:
@@ -139,7 +139,7 @@ def infer_structure(path: str, values: Sequence[Any], leaves: list[LeafSpec],
         nodes.append(node)
         for k in keys:
             column = [(v.get(k, MISSING) if isinstance(v, dict) else None) for v in values]
-            infer_structure(f"{path}.{_escape_key(str(k))}", column, leaves, nodes, depth + 1)
+            infer_structure(f"{path}.{escape_key(str(k))}", column, leaves, nodes, depth + 1)
         return
     if present and all(isinstance(v, list) for v in present) and all(
             isinstance(x, dict) or x is None for v in present for x in v) and any(v for v in present):
@@ -148,7 +148,7 @@ def infer_structure(path: str, values: Sequence[Any], leaves: list[LeafSpec],
         flat = [x for v in values if isinstance(v, list) for x in v]
         infer_structure(f"{path}[0]", flat, leaves, nodes, depth + 1)
         return
-    leaves.append(LeafSpec(path, list(values), _choose_leaf_codec(values)))
+    leaves.append(LeafSpec(path, list(values), choose_leaf_codec(values)))
 
 
 # -- row encoding of object columns --------------------------------------------------------------------
@@ -185,10 +185,10 @@ def _dec(v: Any) -> Any:
     if "__nd__" in v:
         return np.frombuffer(v["data"], np.dtype(v["__nd__"])).reshape(v["shape"]).copy()
     if "__t__" in v:
-        from kvplane.compat.mooncake_structured import _to_torch, _torch_np_dtype
+        from kvplane.compat.mooncake_structured import to_torch, torch_np_dtype
 
-        arr = np.frombuffer(v["data"], _torch_np_dtype(v["__t__"])).reshape(v["shape"])
-        return _to_torch(arr, v["__t__"])
+        arr = np.frombuffer(v["data"], torch_np_dtype(v["__t__"])).reshape(v["shape"])
+        return to_torch(arr, v["__t__"])
     if "__list__" in v:
         return np.asarray([_dec(x) for x in v["__list__"]] + [None], dtype=object)[:-1]
     return {_dec(k): _dec(x) for k, x in v["__dict__"]}

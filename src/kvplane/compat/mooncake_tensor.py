@@ -1,7 +1,7 @@
 """``MooncakeDistributedStore``'s tensor family: ``put_tensor``/``get_tensor`` and their batch,
 ``pub_`` (with a ReplicateConfig), upsert, ``_into``/``_from`` (zero-copy, registered buffers)
 and tensor-parallel (``_with_tp``: shard ``r`` of a tensor lives under ``"{key}_tp_{r}"``)
-forms, the safetensors helpers, and ``_serialize_tensor`` & co.
+forms, the safetensors helpers, and ``serialize_tensor`` & co.
 
 Objects are ``[304-byte header][bytes]`` (``mooncake_tensor_format``). Writes return 0 or a
 code; reads return a tensor or None. ``_into`` reads return a tensor that shares the caller's
@@ -356,12 +356,12 @@ def read_safetensors(path: str) -> dict[str, Any]:
 
 
 # -- module helpers Mooncake's extension exposes -----------------------------------------------------
-def _tensor_metadata_size() -> int:
+def tensor_metadata_size() -> int:
     """Bytes of the header in front of a stored tensor's data."""
     return fmt.HEADER_SIZE
 
 
-def _serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
+def serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
     """(header bytes, data address, data size, owner keeping the data alive) of a tensor."""
     data = fmt.tensor_bytes(tensor)
     owner = data.obj if hasattr(data, "obj") else data
@@ -369,7 +369,7 @@ def _serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
     return fmt.pack(fmt.header_for(tensor)), int(addr), len(data), owner
 
 
-def _deserialize_tensor(payload: bytes) -> Any:
+def deserialize_tensor(payload: bytes) -> Any:
     """The tensor of ``header + data`` bytes (ValueError when they are not one)."""
     tensor = TensorMixin._decode(payload)
     if tensor is None:
