@@ -48,7 +48,7 @@ _METHODS = (b"GET ", b"PUT ", b"POST ", b"DELETE ", b"HEAD ", b"OPTIONS", b"PATC
 
 @dataclass
 class Head:
-    """The first request of a connection, as read by :func:`preauth`."""
+    """The first request of a connection, as :func:`parse_head` read and authenticated it."""
 
     raw: bytes
     path: str
@@ -115,7 +115,8 @@ def parse_head(raw: bytes, authenticate: Authenticator | None) -> Head:
 
 
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol for a connection :func:`preauth` accepted (module docstring)."""
+    """uvicorn's h11 protocol for a connection whose head :func:`parse_head` accepted (see the
+    module docstring)."""
 
     limits: Limits = Limits()
     peer_log: PeerLog = PeerLog(log)

@@ -82,6 +82,10 @@ REQUIREMENTS: dict[str, Requirement] = {
                             _binary("chromium", "chromium-browser", "google-chrome", "chrome"),
                             "apt-get install chromium"),
     "torch": Requirement("Python package 'torch'", _module("torch"), TORCH),
+    # the conductor's C path: the numpy fallback would otherwise pass its tests for it
+    "accel": Requirement("the conductor's C accelerator (kvplane.conductor._accel)",
+                         _module("kvplane.conductor._accel"),
+                         "install a C compiler and OpenSSL headers, then pip install -e ."),
     "vllm": Requirement("the vLLM venv (KVPLANE_VLLM_PYTHON)",
                         _executable("KVPLANE_VLLM_PYTHON", "/opt/kvplane-vllm-venv/bin/python"),
                         "bash .ci/setup-10-vllm-venv.sh && bash .ci/setup-20-vllm-kvplane.sh"),

@@ -15,7 +15,7 @@ import pytest
 from kvplane.p2p import TrackerClient
 from kvplane.p2p.tracker_api import mount
 from tests.support.netns import netbed  # noqa: F401  (fixture)
-from kvplane.common.procs import wait_for_line
+from kvplane.common.procs import wait_for_line, wait_until
 from kvplane.transfer.metadata_server import serve_in_thread
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -27,16 +27,6 @@ def start(host, url, chunk_timeout):
     return host.spawn([sys.executable, "-m", "tests.support.p2p_proc", "--tracker", url,
                        "--token", TOKEN, "--host", host.ip, "--chunk-size", str(MIB),
                        "--chunk-timeout", str(chunk_timeout)])
-
-
-def wait_until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)  # polling the tracker under a deadline
-    raise AssertionError(f"{what} not seen within {timeout}s")
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop", "partition"])

@@ -9,6 +9,7 @@ import pytest
 from kvplane.common.errors import InvalidArgument
 from kvplane.conductor.hashing import HashProfile, cbor_canonical, low64
 from kvplane.kvevents import to_event_hash
+from kvplane.testing.needs import requires
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -142,8 +143,8 @@ def _reference(p, tokens, bs, salt=None):
 def chain_path(request, monkeypatch):
     """Run a test on the C accelerator's chain and again on the numpy layout."""
     from kvplane.conductor import hashing
-    if request.param == "native" and hashing.native is None:
-        pytest.skip("the C accelerator was not built (no compiler or OpenSSL headers)")
+    if request.param == "native":
+        requires("accel")
     if request.param == "numpy":
         monkeypatch.setattr(hashing, "native", None)
     return request.param
@@ -193,8 +194,7 @@ def test_batched_path_falls_back_where_it_does_not_apply(algo, monkeypatch, chai
 @pytest.mark.parametrize("algo", sorted(GOLDEN))
 def test_native_chain_that_goes_wrong_is_caught_on_the_first_block(algo, monkeypatch):
     from kvplane.conductor import hashing
-    if hashing.native is None:
-        pytest.skip("the C accelerator was not built")
+    requires("accel")
     p, bs = HashProfile(algo), 16
     tokens = list(range(1000, 1000 + bs * 100))
     real = hashing.native
