@@ -43,11 +43,11 @@ import tracemalloc
 import httpx
 
 from kvplane.conductor.config import ConductorConfig
-from kvplane.kvevents import Tier
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.indexer import ContextKey, Holder, PrefixIndex
 from kvplane.conductor.server import ConductorServer
 from kvplane.conductor.service import QueryRequest, Registration
+from kvplane.kvevents import Tier
 
 TARGET_INGEST = 200_000.0
 TARGET_P99_HASH_INPROC_MS = 1.0

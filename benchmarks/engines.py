@@ -34,7 +34,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from tests.support.engines_harness import (
-    ENGINES_PYTHON, REAL_MOONCAKE, EngineDriver, real_mooncake_reason,
+    ENGINES_PYTHON,
+    REAL_MOONCAKE,
+    EngineDriver,
+    real_mooncake_reason,
 )
 from tests.support.mooncake_real import RealMooncake
 from tests.support.store_procs import spawn_master, spawn_segment

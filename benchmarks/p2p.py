@@ -32,8 +32,8 @@ import time
 from typing import Any
 
 from kvplane.common.config import parse_size
-from tests.support.netns import Host, NetBed
 from kvplane.common.procs import Proc, wait_for_line
+from tests.support.netns import Host, NetBed
 
 TOKEN = secrets.token_hex(8)
 NODE = [sys.executable, "-m", "tests.support.p2p_proc"]

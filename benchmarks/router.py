@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvplane.common.procs import Proc
 from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
 from kvplane.conductor.gateway.server import sim_config
 from kvplane.conductor.scheduling.outcomes import summarize
@@ -57,7 +58,6 @@ from kvplane.conductor.scheduling.simulator import Simulator
 from kvplane.conductor.scheduling.trace import load_trace
 from kvplane.conductor.scheduling.view import Request
 from kvplane.data import SAMPLE_TRACE
-from kvplane.common.procs import Proc
 
 # one token each in the test tokenizer, and short: vLLM refuses prompts of more than 4 characters
 # per token of context before tokenizing them

@@ -29,10 +29,10 @@ from typing import Any
 
 import httpx
 
-from tests.support.vllm_harness import BS, VLLM_PYTHON, Driver, make_model, store_kv_config, vllm_env
-from tests.support.services import free_port, wait_until
 from tests.support.auth import headers
+from tests.support.services import free_port, wait_until
 from tests.support.store_procs import spawn_master, spawn_segment
+from tests.support.vllm_harness import BS, VLLM_PYTHON, Driver, make_model, store_kv_config, vllm_env
 
 MODELS = {"tiny": {"hidden": 128, "layers": 2, "heads": 2, "intermediate": 256, "max_pos": 4096},
           "small": {"hidden": 512, "layers": 4, "heads": 8, "intermediate": 1536, "max_pos": 4096}}

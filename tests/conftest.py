@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from tests.support.netns import netbed  # noqa: F401  (the multi-host test bed fixture, docs/testbed.md)
 
 # where the external engines live (read by the test kit, not kvplane settings), and the token file
 _KEEP = ("KVPLANE_VLLM_PYTHON", "KVPLANE_MOONCAKE_PYTHON", "KVPLANE_ENGINES_VENV",

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.auth import headers
 from kvplane.common.procs import Proc
+from tests.support.auth import headers
 from tests.support.store_procs import CLI, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

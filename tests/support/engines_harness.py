@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import kvplane
 from kvplane.common.errors import Timeout
-from kvplane.testing.needs import requires
 from kvplane.common.procs import wait_for_line
+from kvplane.testing.needs import requires
 
 ENGINES_VENV = os.environ.get("KVPLANE_ENGINES_VENV", "/opt/kvplane-engines-venv")
 ENGINES_PYTHON = os.environ.get("KVPLANE_ENGINES_PYTHON", f"{ENGINES_VENV}/bin/python")
@@ -90,7 +90,7 @@ class EngineDriver:
         if ready_timeout is not None:
             self.ready(ready_timeout)
 
-    def ready(self, timeout: float = 180.0) -> "EngineDriver":
+    def ready(self, timeout: float = 180.0) -> EngineDriver:
         """Wait for the ready line (the driver is closed if it does not come)."""
         try:
             self.info = self.read(timeout)
@@ -156,7 +156,7 @@ class EngineDriver:
                     pass
             self._log.close()
 
-    def __enter__(self) -> "EngineDriver":
+    def __enter__(self) -> EngineDriver:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -92,7 +92,7 @@ class RealMooncake:
             out.close()  # type: ignore[attr-defined]
         self.procs = []
 
-    def __enter__(self) -> "RealMooncake":
+    def __enter__(self) -> RealMooncake:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -269,7 +269,7 @@ class NetBed:
                         pass
         _ip("link", "del", self.bridge, check=False)
 
-    def __enter__(self) -> "NetBed":
+    def __enter__(self) -> NetBed:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -111,7 +111,7 @@ class RankGroup:
         self.results: dict[int, tuple[str, Any]] = {}
         self.events: list[tuple[int, str, Any, float]] = []
 
-    def __enter__(self) -> "RankGroup":
+    def __enter__(self) -> RankGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:

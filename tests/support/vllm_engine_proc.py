@@ -16,7 +16,6 @@ import os
 import sys
 import time
 
-
 TINY = {"hidden": 128, "layers": 2, "heads": 2, "intermediate": 256, "max_pos": 1024}
 
 

@@ -105,7 +105,7 @@ class Driver:
     def generate(self, tokens: list[int], max_tokens: int = 8, timeout: float = 60) -> dict[str, Any]:
         return self.call(timeout, op="generate", tokens=tokens, max_tokens=max_tokens)
 
-    def ready(self, timeout: float = 300) -> "Driver":
+    def ready(self, timeout: float = 300) -> Driver:
         self.expect("READY", timeout)
         return self
 

@@ -73,10 +73,10 @@ def _gets(client: Any, keys: list[str], values: dict[str, bytes]) -> list[float]
 
 def store_rows(size: int, n: int, root: Path) -> tuple[list[dict[str, Any]], str]:
     """The store rows, and the token the processes used (it keys the files' tags)."""
+    from kvplane.bench.services import spawn_master
+    from kvplane.common.procs import wait_until
     from kvplane.store.client.client import StoreClient
     from kvplane.store.client.replica_ops import ReplicaOps
-    from kvplane.common.procs import wait_until
-    from kvplane.bench.services import spawn_master
 
     seg_mb = max(64, 2 * n * size >> 20)
     rows = []

@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvplane.bench import limits
 from kvplane.common.extras import pyplot

@@ -13,7 +13,12 @@ import typer
 
 from kvplane.cli.errors import check_ports
 from kvplane.cli.lifecycle import (
-    announce, no_auth_option, note, resolve_token, size_option, token_option,
+    announce,
+    no_auth_option,
+    note,
+    resolve_token,
+    size_option,
+    token_option,
 )
 from kvplane.common.errors import InvalidArgument
 

@@ -9,8 +9,15 @@ import typer
 from kvplane.cli import disk_opts
 from kvplane.cli.errors import check_ports
 from kvplane.cli.lifecycle import (
-    admin_token_option, announce, no_auth_option, resolve_token, size_option, store_client,
-    token_option, usage_checked, wait_for_signal,
+    admin_token_option,
+    announce,
+    no_auth_option,
+    resolve_token,
+    size_option,
+    store_client,
+    token_option,
+    usage_checked,
+    wait_for_signal,
 )
 from kvplane.common import envs
 from kvplane.common.config import parse_hostport

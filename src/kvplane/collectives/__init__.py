@@ -17,7 +17,7 @@ from typing import Any
 from kvplane.common.extras import require
 
 torch = require("torch", "torch", "the kvplane collectives backend")
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 from kvplane.collectives.membership import Decision
 from kvplane.collectives.process_group import KvplaneOptions, KvplaneProcessGroup
@@ -123,7 +123,7 @@ def set_collective_timeout_us(timeout_us: int, group: Any = None) -> None:
     pg.core.settings = dataclasses.replace(pg.core.settings, timeout=timeout_us / 1e6)
 
 
-def elastic_allreduce_hook(state: Any, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
+def elastic_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average gradients over the ranks that actually took part.
 
     ``state`` may be None or an object with a ``works`` list to which each Work is appended (so a

@@ -143,7 +143,7 @@ class GroupCore:
             self.active_ranks[r] = mask >> r & 1
 
     # ------------------------------------------------------------------ thread
-    def submit(self, fn: Callable[[], T]) -> "Future[T]":
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue ``fn`` for the communication thread (non-blocking, any thread).
 
         Raises:

@@ -59,7 +59,7 @@ class Header:
                          self.step, self.tag, self.nbytes)
 
     @classmethod
-    def unpack(cls, buf: bytes | bytearray | memoryview, max_payload: int) -> "Header":
+    def unpack(cls, buf: bytes | bytearray | memoryview, max_payload: int) -> Header:
         """Decode and validate a header.
 
         Args:
@@ -81,7 +81,7 @@ class Header:
         return cls(kind, src, epoch, seq, mask, step, tag, nbytes)
 
 
-def bits(ranks: "list[int] | set[int] | range") -> int:
+def bits(ranks: list[int] | set[int] | range) -> int:
     """The bitmask of a set of ranks."""
     m = 0
     for r in ranks:

@@ -25,7 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvplane.collectives.frames import (
-    HEADER_SIZE, KIND_ABORT, KIND_DATA, KIND_HELLO, KIND_P2P, Header, bits,
+    HEADER_SIZE,
+    KIND_ABORT,
+    KIND_DATA,
+    KIND_HELLO,
+    KIND_P2P,
+    Header,
+    bits,
 )
 from kvplane.common.errors import ProtocolError, Timeout, Unavailable
 

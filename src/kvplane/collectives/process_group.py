@@ -148,7 +148,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
             self._shm.forget(inc)
 
     # ------------------------------------------------------------------ identity
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         """The backend name."""
         return "kvplane"
 
@@ -427,13 +427,13 @@ class KvplaneProcessGroup(dist.ProcessGroup):
                                       None, opts), [t])
 
     # ------------------------------------------------------------------ point to point
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> KvplaneWork:  # noqa: N803
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> KvplaneWork:
         """Send to ``dstRank``; completes with ``local_success=False`` if the peer failed."""
         t = tensors[0].contiguous()
         _check(t)
         return self._submit(lambda: self.core.p2p(t, dstRank, tag, True, None), [t])
 
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> KvplaneWork:  # noqa: N803
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> KvplaneWork:
         """Receive from ``srcRank``; completes with ``local_success=False`` if the peer failed."""
         out = tensors[0]
         _check(out)

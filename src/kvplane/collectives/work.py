@@ -26,7 +26,7 @@ class KvplaneWork(dist.Work):
         max_wait: upper bound for ``wait()`` without a timeout (the op has its own deadline).
     """
 
-    def __init__(self, fut: "Future[OpResult]", tensors: list[torch.Tensor], size: int,
+    def __init__(self, fut: Future[OpResult], tensors: list[torch.Tensor], size: int,
                  max_wait: float) -> None:
         super().__init__()
         self._fut = fut
@@ -36,7 +36,7 @@ class KvplaneWork(dist.Work):
         self._tfut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         fut.add_done_callback(self._done)
 
-    def _done(self, fut: "Future[OpResult]") -> None:
+    def _done(self, fut: Future[OpResult]) -> None:
         exc = fut.exception()
         if exc is not None:
             self._tfut.set_exception(exc)
@@ -62,7 +62,7 @@ class KvplaneWork(dist.Work):
         self._result(secs if secs > 0 else None)
         return True
 
-    def get_future(self) -> "torch.futures.Future[list[torch.Tensor]]":
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         """A torch Future resolving to the op's output tensors."""
         return self._tfut
 

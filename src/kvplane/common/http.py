@@ -134,7 +134,7 @@ class GuardedServer:
         task.add_done_callback(lambda t: _close_on_error(t, sock))
 
 
-def _close_on_error(task: "asyncio.Task[Any]", sock: socket.socket) -> None:
+def _close_on_error(task: asyncio.Task[Any], sock: socket.socket) -> None:
     if not task.cancelled() and task.exception() is not None:
         sock.close()
 
@@ -176,7 +176,7 @@ class ServerThread:
         self.server.stop()
         self._thread.join(5)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self
 
     def __exit__(self, *exc: object) -> None:

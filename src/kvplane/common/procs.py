@@ -95,7 +95,7 @@ class Proc:
                 except (BrokenPipeError, OSError):
                     pass
 
-    def __enter__(self) -> "Proc":
+    def __enter__(self) -> Proc:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -23,8 +23,16 @@ from typing import Any
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.compat.mooncake_types import (
-    INVALID_PARAMS, NOT_SUPPORTED, Descriptor, DiskDescriptor, QueryTaskResponse,
-    ReplicaDescriptor, ReplicaStatus, TaskStatus, TaskType, code_of,
+    INVALID_PARAMS,
+    NOT_SUPPORTED,
+    Descriptor,
+    DiskDescriptor,
+    QueryTaskResponse,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    TaskStatus,
+    TaskType,
+    code_of,
 )
 from kvplane.store.client.replica_ops import ReplicaOps
 from kvplane.store.replica_types import MEMORY, ReplicaInfo, TaskId

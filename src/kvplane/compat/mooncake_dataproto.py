@@ -23,8 +23,12 @@ import msgspec
 import numpy as np
 
 from kvplane.compat.mooncake_structured import (
-    BundleTransferPolicy, RemoteBundleRef, StructuredMemberSlice, StructuredObjectPayload,
-    StructuredStore, import_ref,
+    BundleTransferPolicy,
+    RemoteBundleRef,
+    StructuredMemberSlice,
+    StructuredObjectPayload,
+    StructuredStore,
+    import_ref,
 )
 
 MAX_DEPTH = 32
@@ -35,9 +39,9 @@ SECTIONS = ("batch", "non_tensor_batch")
 class _Missing:
     """A dict key absent from one row (unlike a present key whose value is None)."""
 
-    _instance: "_Missing | None" = None
+    _instance: _Missing | None = None
 
-    def __new__(cls) -> "_Missing":
+    def __new__(cls) -> _Missing:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance

@@ -19,7 +19,12 @@ from typing import Any
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.compat.mooncake_types import (
-    INVALID_PARAMS, OBJECT_NOT_FOUND, OK, check_config, code_of, natives,
+    INVALID_PARAMS,
+    OBJECT_NOT_FOUND,
+    OK,
+    check_config,
+    code_of,
+    natives,
 )
 from kvplane.store.client.ranges import Ranges
 from kvplane.store.types import KeyResult

@@ -32,8 +32,15 @@ from kvplane.compat.mooncake_dummy import DummyMixin
 from kvplane.compat.mooncake_ranges import RangesMixin
 from kvplane.compat.mooncake_tensor import TensorMixin
 from kvplane.compat.mooncake_types import (
-    INTERNAL_ERROR, INVALID_PARAMS, OK, BufferHandle, ReplicateConfig, buffer_handle,
-    check_config, code_of, natives,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    OK,
+    BufferHandle,
+    ReplicateConfig,
+    buffer_handle,
+    check_config,
+    code_of,
+    natives,
 )
 
 log = logging.getLogger(__name__)
@@ -446,7 +453,7 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
         """Reads served from an SSD tier through the owner's RPC: 0 (no SSD tier yet)."""
         return 0
 
-    def __enter__(self) -> "MooncakeDistributedStore":
+    def __enter__(self) -> MooncakeDistributedStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

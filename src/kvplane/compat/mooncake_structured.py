@@ -80,11 +80,11 @@ class StructuredObjectReadSpec:
     members: tuple[str, ...] | None = None
     slices: dict[str, StructuredMemberSlice] = field(default_factory=dict)
 
-    def select_members(self, names: Sequence[str]) -> "StructuredObjectReadSpec":
+    def select_members(self, names: Sequence[str]) -> StructuredObjectReadSpec:
         return replace(self, members=tuple(names))
 
     def slice_member(self, name: str, axis: int = 0, start: int | None = None,
-                     end: int | None = None, step: int | None = None) -> "StructuredObjectReadSpec":
+                     end: int | None = None, step: int | None = None) -> StructuredObjectReadSpec:
         if axis != 0:
             raise ValueError("slice_member supports axis=0")
         return replace(self, slices={**self.slices, name: StructuredMemberSlice(axis, start, end, step)})

@@ -132,7 +132,7 @@ class TensorMixin(ParallelMixin):
     def _check_serialized(self, ptr: int, size: int) -> bool:
         try:
             head = fmt.unpack(self._view(ptr, min(int(size), fmt.HEADER_SIZE)))  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - unregistered or unreadable: not a tensor buffer
+        except Exception:
             return False
         return head is not None and fmt.HEADER_SIZE + head.nbytes <= int(size)
 

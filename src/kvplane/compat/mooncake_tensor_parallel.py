@@ -283,7 +283,7 @@ class ParallelMixin:
             return None
         try:
             self._view(ptr, total)  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - not registered memory
+        except Exception:
             return None
         view = view_at(int(ptr), total)
         view[:fmt.HEADER_SIZE] = fmt.pack(fmt.header_for(tensor))

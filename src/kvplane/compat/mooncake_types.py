@@ -21,7 +21,13 @@ import threading
 from typing import Any
 
 from kvplane.common.errors import (
-    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, Timeout, Unavailable,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NoSpace,
+    NotFound,
+    Timeout,
+    Unavailable,
 )
 from kvplane.store.errors import ChecksumMismatch
 from kvplane.store.types import ReplicateConfig as NativeConfig

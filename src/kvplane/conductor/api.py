@@ -24,13 +24,19 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from kvplane.common import metrics as common_metrics
-from kvplane.common.errors import (Conflict, InvalidArgument, KVPlaneError, NotFound,
-                                   ProtocolError, Unauthorized)
-Secret = Annotated[str, Field(max_length=4096)]
+from kvplane.common.errors import (
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NotFound,
+    ProtocolError,
+    Unauthorized,
+)
 from kvplane.conductor import instruments
 from kvplane.conductor.hashing import HashProfile, native
 from kvplane.conductor.service import Conductor, QueryRequest, Registration
 
+Secret = Annotated[str, Field(max_length=4096)]
 Name = Annotated[str, Field(max_length=256)]
 Endpoint = Annotated[str, Field(max_length=512, pattern=r"^(tcp|ipc|inproc)://")]
 Token = Annotated[int, Field(ge=0, lt=1 << 32)]

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from itertools import chain
 import pickle
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Literal
 
 import numpy as np
@@ -450,7 +450,7 @@ class HashProfile:
             keys.append(("cache_salt", cache_salt) if tagged else cache_salt)
         return tuple(keys) if keys else None
 
-    def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> "HashStream":
+    def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> HashStream:
         """Like :meth:`digests` but yields the 64-bit event projections (index keys)."""
         return HashStream(map(low64_all, self._blobs(token_ids, block_size, **kw)))  # type: ignore[arg-type]
 

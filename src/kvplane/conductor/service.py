@@ -18,10 +18,18 @@ from kvplane.common import log as kvlog
 from kvplane.common.errors import Conflict, InvalidArgument, NotFound, ProtocolError
 from kvplane.conductor import instruments
 from kvplane.conductor.config import ConductorConfig
-from kvplane.kvevents import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
-                                      Tier, extra_keys_of, tier_of, tokens_of)
 from kvplane.conductor.hashing import HashProfile, low64
 from kvplane.conductor.indexer import ContextKey, Holder, Match, PrefixIndex
+from kvplane.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    Tier,
+    extra_keys_of,
+    tier_of,
+    tokens_of,
+)
 
 log = logging.getLogger(__name__)
 SHARED_TYPES = frozenset({"mooncake", "kvplane"})

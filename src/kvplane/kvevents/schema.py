@@ -44,7 +44,7 @@ STORED_FIELDS: tuple[Field, ...] = (
     Field("lora_id", Union[int, None], None, True),  # deprecated in vLLM, always nil
     Field("medium", Union[str, None], None, True),
     Field("lora_name", Union[str, None], None, True),
-    Field("extra_keys", Union[list[Union[tuple[object, ...], None]], None]),
+    Field("extra_keys", Union[list[tuple[object, ...] | None], None]),
     Field("group_idx", Union[int, None]),
     Field("kv_cache_spec_kind", Union[str, None]),
     Field("kv_cache_spec_sliding_window", Union[int, None]),

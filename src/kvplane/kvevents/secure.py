@@ -226,7 +226,7 @@ class SecurePublisher:
         self._zap.stop()
         self._ctx.destroy(linger=0)
 
-    def __enter__(self) -> "SecurePublisher":
+    def __enter__(self) -> SecurePublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -74,7 +74,7 @@ class P2PConfig:
             raise InvalidArgument("parallel, chunk_size and chunk_timeout must be positive")
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "P2PConfig":
+    def from_env(cls, **overrides: Any) -> P2PConfig:
         """Defaults, then KVPLANE_P2P_TRACKER and the token (KVPLANE_TOKEN, else the token file),
         then ``overrides``."""
         base = cls(tracker=envs.get("KVPLANE_P2P_TRACKER"), token=client_token())
@@ -427,7 +427,7 @@ class P2PNode:
         self.engine.close()
         self.tracker.close()
 
-    def __enter__(self) -> "P2PNode":
+    def __enter__(self) -> P2PNode:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,11 @@ import msgspec
 from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
 
 from kvplane.common.errors import (
-    Conflict, InvalidArgument, KVPlaneError, NotFound, ProtocolError,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NotFound,
+    ProtocolError,
 )
 from kvplane.p2p import wire
 from kvplane.p2p.tracker import TrackerState

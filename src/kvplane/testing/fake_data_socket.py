@@ -79,7 +79,7 @@ class FakeDataPeer:
         self.served: list[tuple[str, int, int]] = []  # (op, addr, length) answered without fault
         self.arrivals: list[tuple[str, int]] = []  # (op, responses still unread when it arrived)
 
-    def connect(self) -> "FakeDataSocket":
+    def connect(self) -> FakeDataSocket:
         """A new connection to this peer."""
         sock = FakeDataSocket(self)
         self.sockets.append(sock)

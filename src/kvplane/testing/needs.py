@@ -20,9 +20,9 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 TORCH = "pip install torch==2.13.0"

@@ -9,12 +9,11 @@ instance inside its process, so B starts with empty local tiers.
 from __future__ import annotations
 
 import contextlib
-import pathlib
 import os
-
-import pytest
+import pathlib
 
 import httpx
+import pytest
 
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.server import ConductorServer

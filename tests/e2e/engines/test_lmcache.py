@@ -14,12 +14,11 @@ from __future__ import annotations
 import signal
 
 import pytest
+from conftest import PAGE, corrupt, pool_hit_tokens, pool_keys, prompt, same_kv
 
 from kvplane.integrations.lmcache.keys import NAMESPACE, key_string
 from kvplane.store import MasterServer, StoreClient
 from tests.support.store_procs import spawn_segment
-
-from conftest import PAGE, corrupt, pool_hit_tokens, pool_keys, prompt, same_kv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 ENGINE = "lmcache"

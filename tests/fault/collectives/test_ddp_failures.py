@@ -19,7 +19,7 @@ import pytest
 from kvplane.testing.needs import need_module
 
 torch = need_module("torch", "pip install torch==2.13.0")
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kvplane.collectives as kc

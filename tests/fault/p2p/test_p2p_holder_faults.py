@@ -8,14 +8,12 @@ Every receiver must still finish with verified bytes.
 import json
 import signal
 import sys
-import time
 
 import pytest
 
+from kvplane.common.procs import wait_for_line, wait_until
 from kvplane.p2p import TrackerClient
 from kvplane.p2p.tracker_api import mount
-from tests.support.netns import netbed  # noqa: F401  (fixture)
-from kvplane.common.procs import wait_for_line, wait_until
 from kvplane.transfer.metadata_server import serve_in_thread
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]

@@ -32,12 +32,12 @@ import pytest
 import zmq
 
 from kvplane.common.auth import client_token
+from kvplane.common.procs import Proc
 from kvplane.common.rpc import RpcClient
 from kvplane.store import StoreClient
 from kvplane.store.dummy.types import KeysOp, PerKey
 from tests.support.auth import headers
 from tests.support.hostile import raise_nofile
-from kvplane.common.procs import Proc
 from tests.support.store_procs import CLI, spawn_client_server, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]

@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.auth import headers
 from kvplane.common.procs import wait_for_line
+from tests.support.auth import headers
 from tests.support.services import wait_until
 from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 

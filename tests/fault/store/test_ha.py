@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 
-from tests.support.auth import headers
-from kvplane.testing.needs import requires
 from kvplane.common.procs import wait_for_line
+from kvplane.testing.needs import requires
+from tests.support.auth import headers
 from tests.support.services import start_etcd, wait_until
 from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 

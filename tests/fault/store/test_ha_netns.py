@@ -19,9 +19,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.netns import netbed  # noqa: F401  (fixture)
-from tests.support.auth import headers
 from kvplane.common.procs import wait_for_line
+from tests.support.auth import headers
 from tests.support.services import start_etcd, wait_until
 from tests.support.store_procs import CLI
 

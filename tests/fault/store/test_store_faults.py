@@ -17,8 +17,8 @@ from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, PutStartReq, ReplicateConfig, ResultsRep
 from tests.support.auth import headers
 from tests.support.services import wait_until
-from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 from tests.support.store_client_proc import value_of
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 KB = 1024

@@ -9,11 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.support.target import spawn_target
+from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus, protocol
 from tests.support.services import wait_until
-from tests.support.target import pattern
-from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
-from kvplane.transfer import protocol
+from tests.support.target import pattern, spawn_target
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 MB = 1 << 20

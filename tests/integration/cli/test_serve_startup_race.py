@@ -19,8 +19,8 @@ import threading
 
 import pytest
 
-from kvplane.compat.mooncake import MooncakeDistributedStore
 from kvplane.common.procs import wait_for_line
+from kvplane.compat.mooncake import MooncakeDistributedStore
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 
 from kvplane.compat.mooncake import (
-    BufferHandle, MooncakeDistributedStore, ReplicaStatus, ReplicateConfig, SoftPinAction,
-    TaskStatus, TaskType,
+    BufferHandle,
+    MooncakeDistributedStore,
+    ReplicaStatus,
+    ReplicateConfig,
+    SoftPinAction,
+    TaskStatus,
+    TaskType,
 )
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer

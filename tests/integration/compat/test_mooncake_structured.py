@@ -10,8 +10,13 @@ import pytest
 
 from kvplane.compat.mooncake import MooncakeDistributedStore
 from kvplane.compat.mooncake_dataproto import (
-    MISSING, MooncakeBundleTransfer, choose_leaf_codec, export_dataproto_ref,
-    import_dataproto_ref, infer_structure, is_dataproto_ref_handle,
+    MISSING,
+    MooncakeBundleTransfer,
+    choose_leaf_codec,
+    export_dataproto_ref,
+    import_dataproto_ref,
+    infer_structure,
+    is_dataproto_ref_handle,
 )
 from kvplane.compat.mooncake_structured import StructuredObjectPayload, export_ref, import_ref
 from kvplane.store.master.server import MasterServer

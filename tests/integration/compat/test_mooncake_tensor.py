@@ -8,7 +8,11 @@ import ctypes
 import pytest
 
 from kvplane.compat.mooncake import (
-    MooncakeDistributedStore, ParallelAxis, ReadTarget, ReplicateConfig, TensorParallelism,
+    MooncakeDistributedStore,
+    ParallelAxis,
+    ReadTarget,
+    ReplicateConfig,
+    TensorParallelism,
 )
 from kvplane.compat.mooncake_tensor import deserialize_tensor, serialize_tensor, tensor_metadata_size
 from kvplane.store.master.server import MasterServer

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.support.netns import leftovers, netbed  # noqa: F401  (fixture)
+from tests.support.netns import leftovers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 PROBE = [sys.executable, "-m", "tests.support.netprobe"]
@@ -105,8 +105,8 @@ def test_sweep_removes_a_bed_whose_creator_was_killed(netbed):
     import json
     import subprocess
 
-    from tests.support.netns import available, sweep_stale
     from kvplane.common.procs import wait_for_line
+    from tests.support.netns import available, sweep_stale
 
     assert available()[0]
     code = ("import json,sys,time\nfrom tests.support.netns import NetBed\n"

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from kvplane.common.procs import Proc, wait_for_line
 from kvplane.p2p import TrackerClient
 from kvplane.p2p.tracker_api import mount
-from kvplane.common.procs import Proc, wait_for_line
 from kvplane.transfer.metadata_server import serve_in_thread
 
 TOKEN = "p2p-test-token"

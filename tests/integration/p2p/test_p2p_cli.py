@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TOKEN
 
-from conftest import TOKEN  # noqa: I001
 from kvplane.common.procs import Proc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -1,13 +1,11 @@
 """P2P store with real node processes on 127.0.0.1: intact bytes, a growing swarm, corrupt holders,
 version isolation and collection of old versions."""
 
-import time
 
 import pytest
+from conftest import ask_all, recv, send
 
 from kvplane.common.procs import wait_until
-
-from conftest import ask_all, recv, send  # noqa: I001
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MIB = 1 << 20

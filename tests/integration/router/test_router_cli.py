@@ -9,9 +9,9 @@ import sys
 import httpx
 import pytest
 
+from kvplane.common.procs import Proc
 from tests.support.auth import headers
 from tests.support.fake_vllm import FakeVLLM, words
-from kvplane.common.procs import Proc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 CLI = [sys.executable, "-m", "kvplane.cli.main"]
@@ -69,9 +69,9 @@ def test_router_process_discovers_backends_through_the_http_metadata_service():
     """The backend list read from kvplane's HTTP metadata server, its token on every call."""
     import json
 
-    from tests.support.services import wait_until
     from kvplane.transfer.metadata import HttpMetadata
     from kvplane.transfer.metadata_server import serve_in_thread
+    from tests.support.services import wait_until
 
     with serve_in_thread(token="s3cret") as meta_server, FakeVLLM() as a, FakeVLLM() as b:
         url = meta_server.url + "/metadata"

@@ -11,11 +11,18 @@ from kvplane.common.errors import Unauthorized
 from kvplane.common.rpc import RpcClient
 from kvplane.compat.mooncake import MooncakeDistributedStore
 from kvplane.store import MasterServer, StoreClient
-from kvplane.store.errors import InvalidKey, ObjectNotFound
 from kvplane.store.client.replica_ops import ReplicaOps
+from kvplane.store.errors import InvalidKey, ObjectNotFound
 from kvplane.store.master.tasks import TASK_NOT_FOUND
 from kvplane.store.replica_types import (
-    DescRep, ReplicaClearReq, TaskCreateRep, TaskCreateReq, TaskDoneReq, TaskInfo, TaskReq, TaskWork,
+    DescRep,
+    ReplicaClearReq,
+    TaskCreateRep,
+    TaskCreateReq,
+    TaskDoneReq,
+    TaskInfo,
+    TaskReq,
+    TaskWork,
 )
 from kvplane.store.types import KeysReq, MountReq, PingRep, PingReq
 from tests.support.services import wait_until

@@ -50,7 +50,7 @@ def pool_of_two():
 
 
 @contextlib.contextmanager
-def sides(addr: str, n: int, reader_protocol: str = "tcp", **cfg) -> Iterator[tuple["Side", "Side"]]:
+def sides(addr: str, n: int, reader_protocol: str = "tcp", **cfg) -> Iterator[tuple[Side, Side]]:
     """A writer and a reader (``b``), closed on the way out."""
     a = Side(addr, n, **cfg)
     try:

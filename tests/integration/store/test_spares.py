@@ -168,7 +168,7 @@ def test_threads_sharing_a_client_never_write_into_one_spare_twice(pool):
         def run(mine: list[str]) -> None:
             try:
                 put_all(w, mine)
-            except BaseException as exc:  # noqa: BLE001 (reported below)
+            except BaseException as exc:
                 errors.append(exc)
 
         threads = [threading.Thread(target=run, args=(k,)) for k in keys]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvplane.common.deadline import Deadline
-from kvplane.store.client.client import StoreClient
 from kvplane.store.client import moves
+from kvplane.store.client.client import StoreClient
 from kvplane.store.client.locations import SPECULATED
 from kvplane.store.errors import InvalidParams, ObjectNotFound
 from kvplane.store.types import ReplicateConfig

@@ -6,16 +6,15 @@ own views (/metrics, /segments, /get_all_keys)."""
 import json
 import signal
 import subprocess
-import sys
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.store.client.client import FENCE_WORD
 from kvplane.common.auth import client_token
-from tests.support.auth import headers
 from kvplane.common.procs import Proc
+from kvplane.store.client.client import FENCE_WORD
+from tests.support.auth import headers
 from tests.support.services import wait_until
 from tests.support.store_procs import CLI, spawn_master, spawn_segment, spawn_worker
 

@@ -11,8 +11,8 @@ from kvplane.store.errors import InvalidParams, ObjectHasLease, ObjectNotFound
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import ReplicateConfig
 from tests.support.auth import headers
-from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 from tests.support.store_client_proc import value_of
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 MB = 1 << 20

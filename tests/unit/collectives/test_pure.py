@@ -7,7 +7,7 @@ import pytest
 from kvplane.testing.needs import need_module
 
 torch = need_module("torch", "pip install torch==2.13.0")
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 import kvplane.collectives as kc
 import kvplane.ep as kep
@@ -154,5 +154,4 @@ def test_public_surface_is_pinned() -> None:
         "get_failed_ranks_hint", "get_local_success", "get_peer_state", "join_group", "recover_ranks",
         "register", "set_collective_timeout_us", "sync_after_failure"])
     assert sorted(kep.__all__) == ["Buffer", "DispatchHandle", "LowLatencyHandle"]
-    import torch.distributed as dist
     assert "kvplane" in dist.Backend.backend_list

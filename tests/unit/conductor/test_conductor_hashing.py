@@ -155,6 +155,7 @@ def chain_path(request, monkeypatch):
 def test_batched_path_matches_block_by_block(algo, bs, chain_path):
     """Every token size class of both encodings, every tuple/array head, across batch edges."""
     import random
+
     from kvplane.conductor import hashing
     rng = random.Random(bs)
     classes = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1]
@@ -216,6 +217,7 @@ def test_native_chain_that_goes_wrong_is_caught_on_the_first_block(algo, monkeyp
 @pytest.mark.parametrize("algo", sorted(GOLDEN))
 def test_prefix_cache_is_exact_and_reused_by_a_longer_prompt(algo):
     import random
+
     from kvplane.conductor import hashing
     rng = random.Random(9)
     p, bs = HashProfile(algo), 16

@@ -6,8 +6,14 @@ from kvplane.common.errors import InvalidArgument
 from kvplane.conductor.indexer import PrefixIndex
 from kvplane.conductor.scheduling.config import ClusterConfig, SimConfig
 from kvplane.conductor.scheduling.prefix import TRACE_CONTEXT
-from kvplane.conductor.scheduling.report import (compare, hit_ratio_by_turn, parse_spec, scaled,
-                                                 tier_series, tier_setups)
+from kvplane.conductor.scheduling.report import (
+    compare,
+    hit_ratio_by_turn,
+    parse_spec,
+    scaled,
+    tier_series,
+    tier_setups,
+)
 from kvplane.conductor.scheduling.simulator import Simulator
 from kvplane.conductor.scheduling.view import Request
 

@@ -6,8 +6,14 @@ import pytest
 
 from kvplane.common.errors import InvalidArgument
 from kvplane.store.errors import (
-    InvalidKey, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
-    SegmentExists, ValueTooLarge,
+    InvalidKey,
+    NoAvailableHandle,
+    ObjectExists,
+    ObjectHasLease,
+    ObjectNotFound,
+    ReplicaNotReady,
+    SegmentExists,
+    ValueTooLarge,
 )
 from kvplane.store.inventory import header_len
 from kvplane.store.master.config import MasterConfig

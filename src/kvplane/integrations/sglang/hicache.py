@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
 )
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
