@@ -134,7 +134,7 @@ def serve(cfg: GatewayConfig) -> None:
         server = GatewayServer(cfg)
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from exc
-    ready = {"router": server.url, "zmq": server.zmq_endpoints, "policy": cfg.policy,
+    ready: dict[str, object] = {"router": server.url, "zmq": server.zmq_endpoints, "policy": cfg.policy,
              "mode": cfg.mode}
     if cfg.pd:
         ready["proxy"] = server.url  # the ready line `kvplane pd-proxy` always printed

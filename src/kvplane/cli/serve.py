@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from kvplane.cli import disk_opts
-from kvplane.cli.errors import check_ports
+from kvplane.cli.errors import PORT, check_ports
 from kvplane.cli.lifecycle import (
     admin_token_option,
     announce,
@@ -19,7 +19,6 @@ from kvplane.cli.lifecycle import (
     wait_for_signal,
 )
 
-PORT = {"min": 0, "max": 65535}
 
 
 def serve(

@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from kvplane.cli import disk_opts
-from kvplane.cli.errors import check_ports
+from kvplane.cli.errors import PORT, check_ports
 from kvplane.cli.lifecycle import (
     admin_token_option,
     announce,
@@ -22,7 +22,6 @@ from kvplane.cli.lifecycle import (
 from kvplane.common import envs
 from kvplane.common.config import parse_hostport
 
-PORT = {"min": 0, "max": 65535}
 
 
 def load_tenants(path: str | None) -> dict[str, str]:

@@ -14,7 +14,7 @@ import functools
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -68,7 +68,8 @@ class GuardedServer:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
                  authenticate: Authenticator | None = None, name: str = "http",
-                 limits: Limits | None = None, lifespan: str = "off") -> None:
+                 limits: Limits | None = None,
+                 lifespan: Literal["auto", "on", "off"] = "off") -> None:
         self.limits = limits or Limits.from_env()
         self._auth = authenticate
         self._proto = guarded_protocol(self.limits, name)

@@ -383,7 +383,7 @@ class RpcClient:
         _send_frame(sock, wire.encode(env))
         if meanwhile is not None:
             meanwhile()
-        rep = wire.decode(_recv_frame(sock, self._max), wire.Reply)
+        rep = wire.decode(memoryview(_recv_frame(sock, self._max)), wire.Reply)
         if rep.id != rid:
             raise ProtocolError(f"reply id {rep.id} != request id {rid}")
         if rep.code and method == HELLO:
