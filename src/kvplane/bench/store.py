@@ -22,9 +22,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
-from kvplane.bench.transfer import best_of, find_mooncake_python
+from kvplane.bench.transfer import best_of, find_mooncake_python, numbered
 from kvplane.common.extras import pyplot
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py")
@@ -50,11 +51,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+            args: Any = proc.args
+            raise RuntimeError(f"{args[0]} exited with {proc.returncode}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             return
@@ -187,7 +189,7 @@ def _worker(py: str, impl: str, label: str, master: str, opt: Options, clients: 
 
 def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     """Measure everything ``opt.repeat`` times (interleaved); best row per cell."""
-    runs = [run_once(opt, lambda s, i=i: progress(f"[{i + 1}/{opt.repeat}] {s}"))
+    runs = [run_once(opt, numbered(progress, i, opt.repeat))
             for i in range(max(1, opt.repeat))]
     return best_of(runs, ("impl", "topology", "clients", "op", "size", "batch"))
 

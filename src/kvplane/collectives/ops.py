@@ -59,7 +59,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte memoryview over a contiguous tensor's storage (zero copy)."""
     if t.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 @dataclass

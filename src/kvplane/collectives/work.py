@@ -74,7 +74,7 @@ class KvplaneWork(dist.Work):
         """True if the op finished without raising (peers may still have been missing)."""
         return self._fut.done() and self._fut.exception() is None
 
-    def exception(self) -> BaseException | None:  # type: ignore[override]
+    def exception(self) -> BaseException | None:
         """The op's exception, if it raised."""
         return self._fut.exception() if self._fut.done() else None
 

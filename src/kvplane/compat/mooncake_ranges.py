@@ -226,5 +226,5 @@ class RangesMixin:
                                size: int, metadata_size: int, config: Any = None) -> int:
         """One object: ``metadata_size`` bytes at ``metadata_buffer_ptr`` then ``size`` bytes
         at ``buffer_ptr`` (both registered)."""
-        return self.batch_put_from_multi_buffers(  # type: ignore[attr-defined,no-any-return]
+        return self.batch_put_from_multi_buffers(  # type: ignore[attr-defined]  # mixin: the store class has it
             [key], [[metadata_buffer_ptr, buffer_ptr]], [[metadata_size, size]], config)[0]

@@ -121,7 +121,7 @@ def _member_spec(value: Any) -> tuple[dict[str, Any], memoryview]:
     if isinstance(value, np.ndarray) and value.dtype != object:
         arr = np.ascontiguousarray(value)
         return ({"encoding": "ndarray", "dtype": arr.dtype.str, "shape": list(arr.shape)},
-                memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b""))
+                arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b""))
     raise TypeError(f"structured members are ndarrays, torch tensors or bytes, not "
                     f"{type(value).__name__}")
 

@@ -54,7 +54,7 @@ class TensorMixin(ParallelMixin):
         except (ValueError, TypeError, AttributeError) as exc:
             log.error("tensor write: %s", exc)
             return [INVALID_PARAMS] * len(keys)
-        return self._put_values(list(keys), payloads, config, upsert)  # type: ignore[attr-defined,no-any-return]
+        return self._put_values(list(keys), payloads, config, upsert)  # type: ignore[attr-defined]  # mixin: the store class has it
 
     @staticmethod
     def _decode(data: bytes | None) -> Any:

@@ -346,7 +346,7 @@ class BufferHandle:
 
 
 @functools.lru_cache(maxsize=256)
-def _handle_type(size: int) -> type:
+def _handle_type(size: int) -> Any:  # a ctypes array class made at run time
     return type("BufferHandle", (BufferHandle, ctypes.c_ubyte * size), {})
 
 
@@ -356,7 +356,7 @@ def buffer_handle(ptr: int, size: int, keep: Any = None, release: Any = None) ->
     handle = _handle_type(int(size)).from_address(int(ptr))
     handle._keep = keep
     handle._release = release
-    return handle  # type: ignore[no-any-return]
+    return handle
 
 
 class QueryTaskResponse:

@@ -34,7 +34,7 @@ from kvplane.common.errors import InvalidArgument
 try:  # ``native``: the optional C accelerator (pyproject's ext-modules); the numpy path below is the fallback
     from kvplane.conductor import _accel as native
 except ImportError:  # pragma: no cover - depends on the build
-    native = None
+    native = None  # type: ignore[assignment]  # not built: callers test for None
 
 Algorithm = Literal["sha256", "sha256_cbor"]
 ALGORITHMS: tuple[str, ...] = ("sha256", "sha256_cbor")
@@ -422,17 +422,17 @@ class HashProfile:
         """Forget the remembered chunks (benchmarks measure the cold path with this)."""
         self._chunks.clear()
 
-    def _generic(self, token_ids: Sequence[int], bs: int, start: int, stop: int, parent: bytes,
+    def _generic(self, token_ids: Sequence[int] | np.ndarray, bs: int, start: int, stop: int, parent: bytes,
                  lora_name: str | None, lora_path: str | None, cache_salt: str | None,
                  extra_keys: Sequence[ExtraKeys] | None) -> list[bytes]:
         """Block by block, any extra keys (the reference path)."""
         fn = _HASH_FNS[self.algorithm]
         plain = not lora_name and not cache_salt and extra_keys is None
-        array = isinstance(token_ids, np.ndarray)
         out = []
         for i in range(start, stop):
             chunk = token_ids[i * bs:(i + 1) * bs]
-            block = tuple(chunk.tolist() if array else map(operator.index, chunk))  # type: ignore[union-attr]
+            block = tuple(chunk.tolist() if isinstance(chunk, np.ndarray)
+                          else map(operator.index, chunk))
             extra = None if plain else self._extra(i, lora_name, lora_path, cache_salt, extra_keys)
             parent = fn((parent, block, extra))
             out.append(parent)

@@ -197,11 +197,11 @@ class EventIngestor:
                 poller.register(s, zmq.POLLIN)
             elif op == "remove":
                 self._last.pop(stream.key, None)
-                s = self._subs.pop(stream.key, None)
-                if s is not None:
-                    poller.unregister(s)
-                    del self._by_sock[s]
-                    s.close(0)
+                gone = self._subs.pop(stream.key, None)
+                if gone is not None:
+                    poller.unregister(gone)
+                    del self._by_sock[gone]
+                    gone.close(0)
 
     def _shutdown(self) -> None:
         for s in list(self._subs.values()) + self._bound + [self._wake_rx]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvplane.common import log as kvlog
@@ -429,6 +429,7 @@ class Conductor:
             instances, shared = self._targets(req, bs)
             if not instances:
                 return bs, {}
+            hashes: Iterable[int]
             if req.seq_hashes is not None:
                 hashes = req.seq_hashes
             else:
@@ -437,7 +438,7 @@ class Conductor:
                     raise InvalidArgument("no reproducible hash profile for this context; "
                                           "register engines with a fixed PYTHONHASHSEED or use "
                                           "/query_by_hash")
-                hashes = profile.event_hashes(req.token_ids, bs, lora_name=req.lora_name or None,  # type: ignore[arg-type]
+                hashes = profile.event_hashes(req.token_ids, bs, lora_name=req.lora_name or None,  # type: ignore[arg-type]  # ids: no hashes
                                               cache_salt=req.cache_salt, lora_path=req.lora_path)
             return bs, self.index.match(ctx, hashes, instances, shared)
 

@@ -243,7 +243,8 @@ class P2PNode:
 
     def publish_files(self, name: str, paths: Sequence[str], version: int = 0) -> int:
         """Publish files (items named by their base names), mapped copy-on-write: no copy."""
-        items, maps = [], []
+        items: list[tuple[str, bytearray | mmap.mmap]] = []
+        maps = []
         try:
             for path in paths:
                 size = os.path.getsize(path)

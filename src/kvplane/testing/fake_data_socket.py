@@ -165,7 +165,7 @@ class FakeDataSocket:
         return n
 
     def recvmsg_into(self, buffers: Sequence[memoryview], ancbufsize: int = 0,
-                     flags: int = 0) -> tuple[int, list, int, None]:  # type: ignore[type-arg]
+                     flags: int = 0) -> tuple[int, list, int, None]:
         """Scatter receive: like ``recv_into`` into the buffers in order (one chunk at most)."""
         total = 0
         for buf in buffers:
@@ -264,23 +264,23 @@ class FakeDataSocket:
                 self.hung_up = True
                 return
             try:
-                if kind is FaultKind.FAIL:
-                    raise fault.error(f"injected failure of {name} at {addr:#x}")  # type: ignore[union-attr]
+                if fault is not None and kind is FaultKind.FAIL:
+                    raise fault.error(f"injected failure of {name} at {addr:#x}")
                 parts.append(self.peer.answer(op, addr, length, body))
                 codes.append(0)
                 served.append((name, addr, length))
             except KVPlaneError as exc:
                 codes.append(exc.code)
-            if kind is FaultKind.DELAY:
-                ready_at += fault.seconds  # type: ignore[union-attr]
-            if kind is FaultKind.CORRUPT:
+            if fault is not None and kind is FaultKind.DELAY:
+                ready_at += fault.seconds
+            if fault is not None and kind is FaultKind.CORRUPT:
                 flips.append(fault)
         payload = b"".join(parts)  # WRITE answers carry none
         head = len(payload) if op == protocol.OP_READ else 4 * len(codes)
         response = bytearray(protocol.pack_resp(0, rid, head)
                              + struct.pack(f"<{len(codes)}i", *codes) + payload)
-        for fault in flips:
-            fault.flip(response)
+        for flip in flips:
+            flip.flip(response)
         self.peer.served.extend(served)
         self._outbox.append(_Outgoing(response, ready_at))
 

@@ -154,7 +154,7 @@ class MemTransport(Transport):
         source, dest = (local, remote) if s.op == OpCode.WRITE else (remote, local)
         np.copyto(dest, source)
         if fault is not None and fault.kind is FaultKind.CORRUPT:
-            fault.flip(memoryview(dest))
+            fault.flip(dest.data)
         s.done(TransferStatus.COMPLETED)
         return True
 

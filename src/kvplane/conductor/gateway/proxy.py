@@ -244,7 +244,7 @@ class Gateway:
         if not params:
             raise Final(_json_error(f"prefill {b.id} returned no kv_transfer_params (is it "
                                     "running KVPlanePDConnector?)", 502, "upstream_error"))
-        return params  # type: ignore[no-any-return]
+        return params
 
     # upstream calls -----------------------------------------------------------------------------
     def _headers(self, headers: dict[str, str]) -> dict[str, str]:
