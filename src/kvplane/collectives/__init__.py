@@ -12,11 +12,14 @@ The module-level helpers use Mooncake PG's names and take the group (or Work) ex
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvplane.common.extras import require
 
-torch = require("torch", "torch", "the kvplane collectives backend")
+if TYPE_CHECKING:
+    import torch
+else:  # a missing torch is an error that says how to install it
+    torch = require("torch", "torch", "the kvplane collectives backend")
 import torch.distributed as dist
 
 from kvplane.collectives.membership import Decision

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -172,7 +172,7 @@ class GroupCore:
             item = self._q.get()
             if item is _STOP:
                 return
-            fn, fut = item  # type: ignore[misc]
+            fn, fut = cast("tuple[Callable[[], Any], Future[Any]]", item)  # not _STOP: a job
             if not fut.set_running_or_notify_cancel():
                 continue
             try:

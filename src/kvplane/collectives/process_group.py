@@ -130,7 +130,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
                  options: KvplaneOptions | None = None) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lists only the store-taking form
         self.options = options or KvplaneOptions()
         self.core = GroupCore(store, rank, size, self.options.settings(timeout.total_seconds()))
         self._name = ""
@@ -220,7 +220,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         return fn
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, tensors: Any, opts: Any = None) -> KvplaneWork:
+    def allreduce(self, tensors: Any, opts: Any = None) -> KvplaneWork:  # type: ignore[override]  # c10d calls the opts form
         """In-place allreduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR) over the participants."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         kind = _reduce_kind(opts)
@@ -272,7 +272,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         """Allreduce several tensors as one flat buffer."""
         return self.allreduce(list(tensors), opts)
 
-    def reduce(self, tensors: Any, opts: Any = None) -> KvplaneWork:
+    def reduce(self, tensors: Any, opts: Any = None) -> KvplaneWork:  # type: ignore[override]  # c10d calls the opts form
         """Reduce to ``opts.rootRank``; other ranks' tensors are left unchanged."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         root = getattr(opts, "rootRank", 0)
@@ -291,7 +291,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
         return self._submit(self._run(body, lambda: work.copy_(orig), opts, after), tensors)
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> KvplaneWork:
+    def broadcast(self, tensors: Any, opts: Any = None) -> KvplaneWork:  # type: ignore[override]  # c10d calls the opts form
         """Binomial-tree broadcast from ``opts.rootRank`` (unchanged on receivers if the root failed)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         root = getattr(opts, "rootRank", 0)
@@ -322,7 +322,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
         return self._submit(self._run(body, None, opts, after), outs)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]  # c10d calls the opts form
                   opts: Any = None) -> KvplaneWork:
         """Ring allgather; outputs of non-participating slots are zeroed."""
         if len(output_tensors[0]) != self.size():
@@ -358,7 +358,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
         return self._submit(self._run(body, None, opts, after), [out])
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # c10d calls the opts form
                        opts: Any = None) -> KvplaneWork:
         """Ring reduce-scatter: slot ``r`` of the inputs, reduced, lands on rank ``r``."""
         return self._scatter_reduce(output_tensors[0], list(input_tensors[0]), opts)

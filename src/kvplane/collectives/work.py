@@ -39,7 +39,7 @@ class KvplaneWork(dist.Work):
     def _done(self, fut: Future[OpResult]) -> None:
         exc = fut.exception()
         if exc is not None:
-            self._tfut.set_exception(exc)
+            self._tfut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types the error as the value
         else:
             self._tfut.set_result(self._tensors)
 
