@@ -125,7 +125,7 @@ def measure(eng: Driver, prompts: list[list[int]], expect_hit: int,
         r = eng.generate(p, 1, timeout=300)
         miss.append(r["elapsed_s"])
         if saved is not None:
-            wait_until(lambda: saved(i), 60, "saves in the store")
+            wait_until(lambda: saved(i), 60, "saves in the store")  # noqa: B023  (called in this iteration)
         for _ in range(3):  # a background save may still be landing
             eng.call(60, op="reset")
             r = eng.generate(p, 1, timeout=300)

@@ -193,7 +193,7 @@ class RankGroup:
 
     def close(self) -> None:
         """Kill every worker still running, reap them and stop the store (idempotent)."""
-        for r, p in self.procs.items():
+        for p in self.procs.values():
             if p.exitcode is None and p.pid is not None:
                 try:
                     os.kill(p.pid, signal.SIGKILL)

@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvplane.bench.transfer import best_of, find_mooncake_python, numbered
 from kvplane.common.extras import pyplot
@@ -199,7 +199,8 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     rows: list[dict] = []
     mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
     if "mooncake" in opt.sides and mc is None:
-        progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
+        progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and "
+                 "set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
     if "local" in opt.topologies:
         rows += _memcpy_rows(opt, progress)
     if "remote" in opt.topologies:

@@ -106,7 +106,8 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     if "mooncake-tcp" in opt.impls:
         mc = find_mooncake_python(opt.mooncake_python)
         if mc is None:
-            progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
+            progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv "
+                     "and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
         else:
             progress("mooncake tcp")
             rows += _worker(mc, "mooncake", "tcp", "mooncake-tcp", opt)

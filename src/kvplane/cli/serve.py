@@ -20,7 +20,6 @@ from kvplane.cli.lifecycle import (
 )
 
 
-
 def serve(
     host: str = typer.Option("127.0.0.1", help="Bind address of every service."),
     master_port: int = typer.Option(50051, help="Master RPC port (Mooncake's default; 0 = any).",

@@ -286,7 +286,7 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
                 taken.append((i, size, block))
         got = self._each(self._c.batch_get_into, len(taken), [keys[i] for i, _, _ in taken],
                          [b[0] for _, _, b in taken], [s for _, s, _ in taken])
-        for (i, size, (addr, view, release)), n in zip(taken, got):
+        for (i, _size, (addr, view, release)), n in zip(taken, got):
             if n > 0:
                 out[i] = buffer_handle(addr, n, keep=view, release=release)
             else:

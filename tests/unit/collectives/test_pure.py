@@ -67,7 +67,7 @@ def test_ring_schedules_simulated(n: int) -> None:
     have = {i: {i} for i in range(n)}
     for s in range(n - 1):
         moves = [(i, schedule.ring_allgather(i, n)[s]) for i in range(n)]
-        for i, (sb, rb) in moves:
+        for i, (sb, _rb) in moves:
             assert sb in have[i]
             assert schedule.ring_allgather((i + 1) % n, n)[s][1] == sb
         for i, (_, rb) in moves:

@@ -36,7 +36,7 @@ def test_calls_errors_and_token():
                 c.call("double", Req(-1), int)
             with pytest.raises(InvalidArgument):
                 c.call("nope", Req(1), int)
-            assert "internal error" in str(pytest.raises(Exception, c.call, "boom", Req(1), int).value)
+            assert "internal error" in str(pytest.raises(Exception, c.call, "boom", Req(1), int).value)  # noqa: B017
             assert c.call("double", Req(1), int) == 2  # still usable
         with RpcClient(ep, token="bad") as c, pytest.raises(Unauthorized):
             c.call("double", Req(1), int)
