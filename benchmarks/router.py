@@ -5,10 +5,10 @@ Workload: whole multi-turn conversations of a Mooncake-format trace (default: th
 earliest first, until ``--requests``; a request continues an earlier one when that one's complete
 blocks prefix its ``hash_ids`` (as ``scheduling.trace.turns`` infers turns), so prefixes are
 shared. Requests longer than ``--max-blocks`` blocks are left out. Each hash id maps to a fixed
-random text block of ``--block-tokens`` words that the test tokenizer maps one-to-one to tokens (512-token trace blocks
-shrunk to fit CPU prefill times); block hash ``h`` always gives the same block. Arrivals keep the
-trace's order and gaps, compressed so that the offered prefill load without any cache is
-``--load`` of the instances' capacity under the fitted time model.
+random text block of ``--block-tokens`` words that the test tokenizer maps one-to-one to tokens
+(512-token trace blocks shrunk to fit CPU prefill times); block hash ``h`` always gives the same
+block. Arrivals keep the trace's order and gaps, compressed so that the offered prefill load
+without any cache is ``--load`` of the instances' capacity under the fitted time model.
 
 Time model: before the runs, prompts of several lengths are prefilled on one instance while the
 others idle and ``T(n) = c0 + k1 n + k2 n^2`` is fitted by least squares to the median TTFTs

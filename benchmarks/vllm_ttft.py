@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.access(VLLM_PYTHON, os.X_OK):
         print(f"no vLLM python at {VLLM_PYTHON}; set KVPLANE_VLLM_PYTHON", file=sys.stderr)
         return 2
-    use_mc = not args.no_mooncake and os.path.exists(os.path.join(args.mooncake_venv, "bin", "mooncake_master"))
+    master_exe = os.path.join(args.mooncake_venv, "bin", "mooncake_master")
+    use_mc = not args.no_mooncake and os.path.exists(master_exe)
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvplane-ttft-"))
     max_len = args.prompt_tokens + 64
     n_blocks = (args.prompt_tokens - 1) // BS

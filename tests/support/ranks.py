@@ -188,7 +188,8 @@ class RankGroup:
             self._drain(left)
         errors = {r: self.results[r][1] for r in ranks if self.results[r][0] != "ok"}
         if errors:
-            raise RuntimeError("worker failures:\n" + "\n".join(f"[rank {r}]\n{e}" for r, e in errors.items()))
+            raise RuntimeError("worker failures:\n"
+                               + "\n".join(f"[rank {r}]\n{e}" for r, e in errors.items()))
         return {r: self.results[r][1] for r in ranks}
 
     def close(self) -> None:

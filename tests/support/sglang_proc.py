@@ -12,8 +12,9 @@
   alone, timed.
 
 KV files hold the canonical layout ``[tokens, 2, layers, heads, head_dim]`` whatever the host
-layout, so files from any two instances compare byte for byte (a token prefix is a byte prefix). Why this level and not SGLang's
-server: docs/engines.md (the server's HiCache host pool needs CUDA).
+layout, so files from any two instances compare byte for byte (a token prefix is a byte prefix).
+Why this level and not SGLang's server: docs/engines.md (the server's HiCache host pool needs
+CUDA).
 
 Test kit, not product.
 """

@@ -2,12 +2,12 @@
 
 Topologies: ``remote`` (the segment lives in another process: ``kvplane segment`` /
 ``mooncake_client``; clients contribute nothing) and ``local`` (the client contributes its own
-segment). kvplane runs with protocol ``tcp`` (bytes over TCP even on one host, like Mooncake
-here) and ``auto`` (shared memory on one host). Every side runs ``store_loop``'s loop. Sides
-with ``-csum`` turn store checksums on; sides with ``-nocache`` turn the clients' location cache
-off (every get asks the master before it reads: a first get); sides ending in ``-ha`` run etcd and two HA masters
-(a leader and a standby) and reach them through ``etcd://`` (the ratio ``vs_non_ha`` is ops/s
-over the same side without HA).
+segment). kvplane runs with protocol ``tcp`` (bytes over TCP even on one host, like Mooncake here)
+and ``auto`` (shared memory on one host). Every side runs ``store_loop``'s loop. Sides with
+``-csum`` turn store checksums on; sides with ``-nocache`` turn the clients' location cache off
+(every get asks the master before it reads: a first get); sides ending in ``-ha`` run etcd and two
+HA masters (a leader and a standby) and reach them through ``etcd://`` (the ratio ``vs_non_ha`` is
+ops/s over the same side without HA).
 """
 
 from __future__ import annotations

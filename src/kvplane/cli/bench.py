@@ -24,7 +24,8 @@ def _ints(text: str) -> list[int]:
         raise typer.BadParameter(str(exc)) from exc
 
 
-def _measure(bench: Any, opt: Any, plot: str, as_json: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _measure(bench: Any, opt: Any, plot: str,
+             as_json: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run a bench module (``run``/``ratios``/``plot``) with a spinner; print JSON if asked."""
     from rich.progress import Progress, SpinnerColumn, TextColumn
 

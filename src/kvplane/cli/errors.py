@@ -112,7 +112,7 @@ def _click_errors() -> tuple[Any, Any]:
     try:  # typer >= 0.16 vendors click; older ones use click itself
         from typer._click import exceptions as click_exc
     except ImportError:
-        from click import exceptions as click_exc  # type: ignore[no-redef]
+        from click import exceptions as click_exc  # type: ignore[no-redef]  # the same module under its own name
     return click_exc.UsageError, getattr(click_exc, "NoArgsIsHelpError", ())
 
 

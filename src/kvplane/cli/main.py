@@ -61,7 +61,7 @@ def build() -> typer.Typer:
     if not getattr(app, "_kvplane_built", False):
         for name in COMMAND_MODULES:
             importlib.import_module(name).register(app)
-        app._kvplane_built = True  # type: ignore[attr-defined]
+        app._kvplane_built = True  # type: ignore[attr-defined]  # a marker on typer's object
     return app
 
 

@@ -23,7 +23,6 @@ from kvplane.common import envs
 from kvplane.common.config import parse_hostport
 
 
-
 def load_tenants(path: str | None) -> dict[str, str]:
     """Tenant tokens from ``path`` (default KVPLANE_TENANTS_FILE); {} when none is named."""
     from kvplane.common.errors import InvalidArgument
@@ -96,7 +95,7 @@ def master(
     with usage_checked():
         cfg = MasterConfig(lease_ttl=lease_ttl, client_ttl=client_ttl,
                            high_watermark=high_watermark, evict_ratio=evict_ratio,
-                           allocation_strategy=allocation_strategy,  # type: ignore[arg-type]
+                           allocation_strategy=allocation_strategy,  # type: ignore[arg-type]  # str from typer; the config checks it
                            recovery_grace=recovery_grace)
     tenant_tokens = load_tenants(tenants)
     check_ports(host, {"--port": port, "--admin-port": admin_port,

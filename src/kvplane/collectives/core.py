@@ -265,7 +265,8 @@ class GroupCore:
             waiting -= gone
             if not waiting:
                 break
-            posts = [(p, Post(KIND_DATA, m.cur_seq, m.cur_mask, _COMMIT_STEP, 0, empty)) for p in sorted(waiting)]
+            posts = [(p, Post(KIND_DATA, m.cur_seq, m.cur_mask, _COMMIT_STEP, 0, empty))
+                     for p in sorted(waiting)]
             try:
                 m.exchange(sends, posts, deadline, self.stale)
                 waiting.clear()

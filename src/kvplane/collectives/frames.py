@@ -6,7 +6,8 @@ older view and learn from a peer's mask that it has excluded someone.
 
 Layout (little endian, 40 bytes)::
 
-    magic u32 | kind u8 | flags u8 | src u16 | epoch u32 | seq u32 | mask u64 | step u32 | tag i32 | nbytes u64
+    magic u32 | kind u8 | flags u8 | src u16 | epoch u32 | seq u32 | mask u64 | step u32 | tag i32
+    | nbytes u64
 """
 
 from __future__ import annotations

@@ -564,7 +564,7 @@ class Mesh:
             conn.post = None
         elif conn.sink is Sink.STASH and conn.dst is not None:
             key = (header.src, header.tag, header.seq)
-            self.stash.setdefault(key, deque()).append(conn.dst.obj)  # type: ignore[arg-type]
+            self.stash.setdefault(key, deque()).append(conn.dst.obj)  # type: ignore[arg-type]  # a stash sink holds a buffer
         conn.cur, conn.sink, conn.dst, conn.got = None, Sink.NONE, None, 0
 
     def _take_stash(self, peer: int, post: Post) -> bool:

@@ -156,7 +156,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         self._name = name
 
     @property
-    def group_name(self) -> str:  # type: ignore[override]
+    def group_name(self) -> str:  # type: ignore[override]  # a property over torch's method
         """The name torch registered this group under."""
         return self._name
 
@@ -257,7 +257,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         def restore() -> None:
             copied()
             if path[0] == "shm":
-                ops.restore_from_shm(flat, shm)  # type: ignore[arg-type]
+                ops.restore_from_shm(flat, shm)  # type: ignore[arg-type]  # set on the shm path
             elif "backup" in holder:
                 flat.copy_(holder["backup"])
 
@@ -350,7 +350,8 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         dst = out.contiguous().view(-1)
 
         def body(a: ops.Attempt) -> None:
-            ops.reduce_scatter(a, [flats[r] for r in a.ranks], dst, kind, self._scratch(dst.dtype, dst.numel()))
+            ops.reduce_scatter(a, [flats[r] for r in a.ranks], dst, kind,
+                               self._scratch(dst.dtype, dst.numel()))
 
         def after(_: OpResult) -> None:
             if dst.data_ptr() != out.data_ptr():

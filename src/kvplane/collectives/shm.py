@@ -125,7 +125,7 @@ class Area:
 
     def close(self) -> None:
         """Unmap (now, or when the last tensor view of it goes)."""
-        self.inputs = self.result = None  # type: ignore[assignment]
+        self.inputs = self.result = None  # type: ignore[assignment]  # closed: no views
         try:
             self.mm.close()
         except BufferError:

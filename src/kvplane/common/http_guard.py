@@ -128,9 +128,9 @@ class GuardedH11(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._phase = ""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio.BaseTransport in the base, a socket one here
         super().connection_made(transport)
-        self.logger = _QuietLogger(self.logger, self.peer_log, self.client)  # type: ignore[assignment]
+        self.logger = _QuietLogger(self.logger, self.peer_log, self.client)  # type: ignore[assignment]  # uvicorn types its logger as logging.Logger
         if self._head is not None:
             self.data_received(self._head.raw)
 
@@ -310,4 +310,4 @@ class QuietDisconnect:
 
 def principal_of(request: Any) -> Principal | None:
     """The principal the token gate put on a Starlette/FastAPI request (None: open path)."""
-    return request.scope.get("state", {}).get(PRINCIPAL_KEY)  # type: ignore[no-any-return]
+    return request.scope.get("state", {}).get(PRINCIPAL_KEY)  # type: ignore[no-any-return]  # ASGI scope state is untyped

@@ -50,7 +50,7 @@ class Proc:
                                       stderr=subprocess.PIPE, text=True, bufsize=1,
                                       env={**os.environ, **(env or {})})
         try:
-            self.info: dict[str, Any] = json.loads(wait_for_line(self.popen.stdout, ready_timeout))  # type: ignore[arg-type]
+            self.info: dict[str, Any] = json.loads(wait_for_line(self.popen.stdout, ready_timeout))  # type: ignore[arg-type]  # stdout is a PIPE: never None
         except (Timeout, EOFError, ValueError) as exc:
             self.kill()
             err = self.popen.stderr.read() if self.popen.stderr else ""
@@ -65,7 +65,7 @@ class Proc:
         assert self.popen.stdin is not None and self.popen.stdout is not None
         self.popen.stdin.write(line + "\n")
         self.popen.stdin.flush()
-        return json.loads(wait_for_line(self.popen.stdout, timeout))  # type: ignore[no-any-return]
+        return json.loads(wait_for_line(self.popen.stdout, timeout))  # type: ignore[no-any-return]  # a JSON object by the ready-line protocol
 
     def signal(self, sig: int) -> None:
         self.popen.send_signal(sig)

@@ -109,7 +109,8 @@ class AdminMixin:
             return []
 
     # -- copy/move tasks -----------------------------------------------------------------------------
-    def _create(self, kind: str, key: str, targets: list[str], source: str = "") -> tuple[tuple[int, int], int]:
+    def _create(self, kind: str, key: str, targets: list[str],
+                source: str = "") -> tuple[tuple[int, int], int]:
         if self._c is None:
             return (0, 0), INVALID_PARAMS
         try:

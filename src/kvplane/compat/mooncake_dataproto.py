@@ -304,7 +304,8 @@ class DataProtoMixin:
     """DataProto calls of ``MooncakeBundleTransfer`` (see the module docstring)."""
 
     def _put_stage(self, batch: dict[str, Any], non_tensor: dict[str, Any], meta: dict[str, Any],
-                   stage: str, config: Any, namespace: str, partition: str) -> tuple[RemoteBundleRef, dict[str, tuple[str, str, str]], int]:
+                   stage: str, config: Any, namespace: str, partition: str
+                   ) -> tuple[RemoteBundleRef, dict[str, tuple[str, str, str]], int]:
         sizes = {len(v) for v in list(batch.values()) + list(non_tensor.values())}
         if len(sizes) > 1:
             raise ValueError(f"fields have different batch sizes: {sorted(sizes)}")
@@ -328,7 +329,7 @@ class DataProtoMixin:
             index[name] = (stage, member, "non_tensor_batch")
         meta_doc = {"dataproto": {"stage": stage, "namespace": namespace, "partition": partition,
                                   "batch_size": n, "meta_info": _plain(meta), "codecs": codecs}}
-        ref = self.put_structured_object(StructuredObjectPayload(buffers, meta_doc),  # type: ignore[attr-defined]
+        ref = self.put_structured_object(StructuredObjectPayload(buffers, meta_doc),  # type: ignore[attr-defined]  # mixin: the store class has it
                                          config=config)
         return ref, index, n
 
@@ -358,14 +359,14 @@ class DataProtoMixin:
         new_ref, index, n = self._put_stage(batch, non_tensor, meta, stage_name, config,
                                             ref.namespace, ref.partition)
         if n and n != ref.batch_size:
-            self.remove_bundle(new_ref)  # type: ignore[attr-defined]
+            self.remove_bundle(new_ref)  # type: ignore[attr-defined]  # mixin: the store class has it
             raise ValueError(f"batch size {n} != {ref.batch_size}")
         stages = {s: r for s, r in ref.stage_refs.items() if s not in old_stages or s == stage_name}
         stages[stage_name] = new_ref
         fields = {f: loc for f, loc in ref.field_index.items() if f not in clash}
         fields.update(index)
         for s in old_stages - {stage_name}:
-            self.remove_bundle(ref.stage_refs[s])  # type: ignore[attr-defined]
+            self.remove_bundle(ref.stage_refs[s])  # type: ignore[attr-defined]  # mixin
         return MooncakeDataProtoRef(stages, fields, ref.batch_size, ref.namespace, ref.partition,
                                     {**ref.meta_info, **_plain(meta)}, ref.global_indexes,
                                     ref._storage_group_id)
@@ -388,14 +389,14 @@ class DataProtoMixin:
             by_stage.setdefault(ref.field_index[f][0], []).append(f)
         for stage, names in by_stage.items():
             members = [ref.field_index[f][1] for f in names]
-            spec = self.read_spec(ref.stage_refs[stage]).select_members(members)  # type: ignore[attr-defined]
-            doc = self._manifest(ref.stage_refs[stage])  # type: ignore[attr-defined]
+            spec = self.read_spec(ref.stage_refs[stage]).select_members(members)  # type: ignore[attr-defined]  # mixin: the store class has it
+            doc = self._manifest(ref.stage_refs[stage])  # type: ignore[attr-defined]  # mixin
             codecs = doc["metadata"].get("dataproto", {}).get("codecs", {})
             if picked is not None:
                 for m in members:
                     if m not in codecs and picked == list(range(picked[0], picked[-1] + 1)):
                         spec = spec.slice_member(m, 0, picked[0], picked[-1] + 1)
-            objs = self.materialize(spec).objects  # type: ignore[attr-defined]
+            objs = self.materialize(spec).objects  # type: ignore[attr-defined]  # mixin
             for f, m in zip(names, members):
                 value = objs[m]
                 if m in codecs:
@@ -451,7 +452,7 @@ class DataProtoMixin:
         ref = self._ref(ref)
         view = {}
         for f, (stage, member, section) in ref.field_index.items():
-            spec = self._manifest(ref.stage_refs[stage])["buffers"][member]  # type: ignore[attr-defined]
+            spec = self._manifest(ref.stage_refs[stage])["buffers"][member]  # type: ignore[attr-defined]  # mixin: the store class has it
             view[f] = {k: v for k, v in spec.items() if k != "chunks"} | {"stage": stage,
                                                                           "section": section}
         return view
@@ -460,7 +461,7 @@ class DataProtoMixin:
         """Remove every stage object the ref names."""
         ref = self._ref(ref)
         for stage_ref in ref.stage_refs.values():
-            self.remove_bundle(stage_ref)  # type: ignore[attr-defined]
+            self.remove_bundle(stage_ref)  # type: ignore[attr-defined]  # mixin: the store class has it
 
     # -- unified put/get and single objects ----------------------------------------------------------
     def put(self, data: Any, type: str = "dict", stage: str = "default", config: Any = None,
@@ -508,10 +509,10 @@ class DataProtoMixin:
                                                        "rest": msgspec.msgpack.encode(rest).hex()})
         else:
             payload = StructuredObjectPayload({"value": obj}, {"object": "value"})
-        return self.put_structured_object(payload, config=config)  # type: ignore[attr-defined]
+        return self.put_structured_object(payload, config=config)  # type: ignore[attr-defined]  # mixin
 
     def get_object(self, ref: RemoteBundleRef) -> Any:
-        result = self.materialize(self.read_spec(ref))  # type: ignore[attr-defined]
+        result = self.materialize(self.read_spec(ref))  # type: ignore[attr-defined]  # mixin
         if result.metadata.get("object") == "value":
             return result.objects["value"]
         out = {k: _dec(v) for k, v in msgspec.msgpack.decode(bytes.fromhex(result.metadata["rest"])).items()}

@@ -216,8 +216,8 @@ class RangesMixin:
             return INVALID_PARAMS
         ranges = [(int(o), int(p), int(n)) for p, n, o in zip(ptrs, sizes, offsets)]
         io = self._range_io()
-        codes = (io.read(held[0], ranges, held[1]) if get  # type: ignore[index]
-                 else io.write(held, ranges))  # type: ignore[arg-type]
+        codes = (io.read(held[0], ranges, held[1]) if get  # type: ignore[index]  # held is a pair on the read path
+                 else io.write(held, ranges))  # type: ignore[arg-type]  # held is a handle on the write path
         bad = next((c for c in codes if c < 0), None)
         return bad if bad is not None else sum(codes)
 

@@ -112,7 +112,7 @@ class TensorMixin(ParallelMixin):
 
     def batch_get_tensor(self, keys: Sequence[str]) -> list[Any]:
         fmt.torch()
-        return [self._decode(d) for d in self.get_batch(list(keys))]  # type: ignore[attr-defined]
+        return [self._decode(d) for d in self.get_batch(list(keys))]  # type: ignore[attr-defined]  # mixin
 
     # -- zero-copy ------------------------------------------------------------------------------------
     def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
@@ -126,12 +126,12 @@ class TensorMixin(ParallelMixin):
         if self._c is None or not len(keys) == len(buffer_ptrs) == len(sizes) or \
                 any(int(p) == 0 for p in buffer_ptrs):
             return [INVALID_PARAMS] * len(keys)  # the whole call is refused (per-key misses: None)
-        got = self.batch_get_into(list(keys), buffer_ptrs, sizes)  # type: ignore[attr-defined]
+        got = self.batch_get_into(list(keys), buffer_ptrs, sizes)  # type: ignore[attr-defined]  # mixin
         return [self._decode_at(p, n) if n > 0 else None for p, n in zip(buffer_ptrs, got)]
 
     def _check_serialized(self, ptr: int, size: int) -> bool:
         try:
-            head = fmt.unpack(self._view(ptr, min(int(size), fmt.HEADER_SIZE)))  # type: ignore[attr-defined]
+            head = fmt.unpack(self._view(ptr, min(int(size), fmt.HEADER_SIZE)))  # type: ignore[attr-defined]  # mixin: the store class has it
         except Exception:
             return False
         return head is not None and fmt.HEADER_SIZE + head.nbytes <= int(size)
@@ -144,7 +144,7 @@ class TensorMixin(ParallelMixin):
         out = [INVALID_PARAMS] * len(keys)
         idx = [i for i, good in enumerate(ok) if good]
         if idx:
-            codes = self._put_from([keys[i] for i in idx], [ptrs[i] for i in idx],  # type: ignore[attr-defined]
+            codes = self._put_from([keys[i] for i in idx], [ptrs[i] for i in idx],  # type: ignore[attr-defined]  # mixin: the store class has it
                                    [sizes[i] for i in idx], None, upsert)
             for i, rc in zip(idx, codes):
                 out[i] = rc
@@ -201,7 +201,7 @@ class TensorMixin(ParallelMixin):
         payloads = [fmt.pack(fmt.header_for(s, global_shape=gshape, tp_size=tp_size, tp_rank=r,
                                             split_dim=split_dim % tensor.dim()))
                     + fmt.tensor_bytes(s).tobytes() for r, s in enumerate(shards)]
-        codes = self._put_values([tp_key(key, r) for r in range(tp_size)], payloads,  # type: ignore[attr-defined]
+        codes = self._put_values([tp_key(key, r) for r in range(tp_size)], payloads,  # type: ignore[attr-defined]  # mixin: the store class has it
                                  config, upsert)
         return next((c for c in codes if c), OK)
 
@@ -251,9 +251,9 @@ class TensorMixin(ParallelMixin):
         """The tensor serialized at registered ``ptr`` (a copy), or None."""
         if not self._check_serialized(ptr, size):
             return None
-        head = fmt.unpack(self._view(ptr, fmt.HEADER_SIZE))  # type: ignore[attr-defined]
-        body = bytearray(self._view(int(ptr) + fmt.HEADER_SIZE, head.nbytes)) if head.nbytes else b""  # type: ignore[attr-defined,union-attr]
-        return fmt.tensor_from(head, body)  # type: ignore[arg-type]
+        head = fmt.unpack(self._view(ptr, fmt.HEADER_SIZE))  # type: ignore[attr-defined]  # mixin
+        body = bytearray(self._view(int(ptr) + fmt.HEADER_SIZE, head.nbytes)) if head.nbytes else b""  # type: ignore[attr-defined,union-attr]  # mixin: the store class has it
+        return fmt.tensor_from(head, body)  # type: ignore[arg-type]  # bytes or bytearray
 
     def put_tensor_with_tp_from(self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0,
                                 tp_size: int = 1, split_dim: int = 0) -> int:

@@ -327,10 +327,10 @@ class BufferHandle:
     """
 
     def ptr(self) -> int:
-        return ctypes.addressof(self)  # type: ignore[arg-type]
+        return ctypes.addressof(self)  # type: ignore[arg-type]  # a ctypes array at run time
 
     def size(self) -> int:
-        return len(self)  # type: ignore[arg-type]
+        return len(self)  # type: ignore[arg-type]  # a ctypes array at run time
 
     def release(self) -> None:
         rel = self.__dict__.pop("_release", None)

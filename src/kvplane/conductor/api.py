@@ -153,7 +153,7 @@ def _decode_json(body: bytes) -> _QueryWire:
         q = _PLAIN_JSON_QUERY.decode(b"".join((body[:start], b"null", body[stop:])))
     except (msgspec.DecodeError, msgspec.ValidationError):
         return _PLAIN_JSON_QUERY.decode(body)  # raises, with the plain decoder's message
-    q.token_ids = np.frombuffer(ids, np.int64)  # type: ignore[assignment]
+    q.token_ids = np.frombuffer(ids, np.int64)  # type: ignore[assignment]  # the wire struct holds ids as a list or an array
     return q
 
 
@@ -381,8 +381,8 @@ def _admin_routes(app: FastAPI, conductor: Conductor, guarded: list[Any]) -> Non
         """Prometheus exposition of the process's metrics."""
         h = conductor.health()
         for what in ("contexts", "blocks", "entries", "holders"):
-            instruments.INDEX_SIZE.labels(what=what).set(h[what])  # type: ignore[arg-type]
-        instruments.STREAMS.set(h["streams"])  # type: ignore[arg-type]
+            instruments.INDEX_SIZE.labels(what=what).set(h[what])  # type: ignore[arg-type]  # health() values are numbers
+        instruments.STREAMS.set(h["streams"])  # type: ignore[arg-type]  # health() values are numbers
         body, ctype = common_metrics.render()
         return Response(body, media_type=ctype)
 

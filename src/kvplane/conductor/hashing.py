@@ -68,7 +68,7 @@ def _token_block(block: tuple[object, ...]) -> bytes:
     if block and set(map(type, block)) != {int}:  # bools compare equal to 0/1: keep them out
         raise TypeError("not a token id")
     try:
-        return b"".join(map(_UINTS.__getitem__, block))  # type: ignore[arg-type]
+        return b"".join(map(_UINTS.__getitem__, block))  # type: ignore[arg-type]  # ints checked above
     except KeyError:
         if len(_UINTS) > 1 << 20:
             _UINTS.clear()
@@ -76,7 +76,7 @@ def _token_block(block: tuple[object, ...]) -> bytes:
             if type(n) is not int or not 0 <= n < _UINT_LIMIT:
                 raise TypeError("not a token id") from None
             _UINTS[n] = _cbor_head(0, n)
-        return b"".join(map(_UINTS.__getitem__, block))  # type: ignore[arg-type]
+        return b"".join(map(_UINTS.__getitem__, block))  # type: ignore[arg-type]  # ints checked above
 
 
 def cbor_canonical(obj: object) -> bytes:
@@ -452,7 +452,7 @@ class HashProfile:
 
     def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> HashStream:
         """Like :meth:`digests` but yields the 64-bit event projections (index keys)."""
-        return HashStream(map(low64_all, self._blobs(token_ids, block_size, **kw)))  # type: ignore[arg-type]
+        return HashStream(map(low64_all, self._blobs(token_ids, block_size, **kw)))  # type: ignore[arg-type]  # bytes digests
 
 
 class HashStream:

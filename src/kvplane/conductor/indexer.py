@@ -365,7 +365,7 @@ class PrefixIndex:
         while m:
             low = m & -m
             m ^= low
-            h = c.holders[low.bit_length() - 1]  # type: ignore[union-attr]
+            h = c.holders[low.bit_length() - 1]  # type: ignore[union-attr]  # a set bit has a holder
             if h is not None:
                 out.append(h)
         return out
@@ -374,7 +374,7 @@ class PrefixIndex:
         """How many blocks one holder has in ``ctx``."""
         c = self._ctx.get(ctx)
         bit = None if c is None else c.slots.get(holder)
-        return 0 if bit is None else c.counts[bit]  # type: ignore[union-attr]
+        return 0 if bit is None else c.counts[bit]  # type: ignore[union-attr]  # bit is set only when c is
 
     def stats(self) -> dict[str, int]:
         """Sizes: contexts, distinct blocks, (block, holder) entries, holder slots."""

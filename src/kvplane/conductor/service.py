@@ -461,7 +461,8 @@ class Conductor:
         sizes = {s.reg.block_size for s in self._streams.values()
                  if s.reg.tenant_id == req.tenant_id and s.reg.model == req.model}
         if len(sizes) != 1:
-            raise InvalidArgument(f"block_size is required (registered sizes for this model: {sorted(sizes)})")
+            raise InvalidArgument("block_size is required (registered sizes for this model: "
+                                  f"{sorted(sizes)})")
         return sizes.pop()
 
     def _targets(self, req: QueryRequest, bs: int) -> tuple[dict[str, set[int]], set[str]]:
@@ -489,7 +490,8 @@ class Conductor:
             for s in self._streams.values():
                 r = s.reg
                 p = r.hash_profile or self.config.default_profile
-                held = {t.name: sum(self.index.held_by(self._ctx(r, lora), Holder(r.instance_id, s.dp_rank, t))
+                held = {t.name: sum(self.index.held_by(self._ctx(r, lora),
+                                                       Holder(r.instance_id, s.dp_rank, t))
                                     for lora in s.loras) for t in Tier}
                 rows.append({
                     "instance_id": r.instance_id, "tenant_id": r.tenant_id, "dp_rank": s.dp_rank,
@@ -519,5 +521,5 @@ class Conductor:
                    if s.hash_mismatches or s.block_size_mismatches]
             st = self.index.stats()
             return {"status": "degraded" if bad else "ok", "streams": len(self._streams),
-                    "mismatched_streams": bad, "uptime_s": round(time.monotonic() - self._counters.started, 3),
-                    **st}
+                    "mismatched_streams": bad,
+                    "uptime_s": round(time.monotonic() - self._counters.started, 3), **st}

@@ -78,7 +78,7 @@ def _fields(table: tuple[Field, ...], reading: bool) -> list[tuple[str, Any, Any
         if reading and f.name in _LAZY:
             out.append((f.name, msgspec.Raw, _LAZY[f.name]))
         elif f.always_written and not reading:
-            out.append((f.name, f.type))  # type: ignore[arg-type]
+            out.append((f.name, f.type))  # type: ignore[arg-type]  # a type object at run time
         else:
             out.append((f.name, f.type, f.default))
     return out

@@ -127,7 +127,7 @@ class FakeDataSocket:
     # -- the socket surface Conn uses ------------------------------------------------------------
     def setsockopt(self, level: int, option: int, value: int | bytes) -> None:
         if level == socket.SOL_SOCKET and option == socket.SO_RCVTIMEO:
-            sec, usec = _TIMEVAL.unpack(value)  # type: ignore[arg-type]
+            sec, usec = _TIMEVAL.unpack(value)  # type: ignore[arg-type]  # SO_RCVTIMEO takes a packed timeval
             self.timeout = sec + usec / 1e6
 
     def settimeout(self, value: float | None) -> None:

@@ -65,7 +65,8 @@ def test_dead_client_segments_go_within_ttl():
         url = f"http://127.0.0.1:{admin}/get_all_segments"
         assert name in httpx.get(url, headers=headers()).json()
         seg.kill()
-        wait_until(lambda: name not in httpx.get(url, headers=headers()).json(), 6, "segment unmount after TTL")
+        wait_until(lambda: name not in httpx.get(url, headers=headers()).json(), 6,
+                   "segment unmount after TTL")
         seg.stop()
 
 

@@ -38,7 +38,8 @@ def test_kill9_target_mid_batch_fails_within_timeout(engine):
         elapsed = time.monotonic() - t0
         assert all(s.done for s in statuses), statuses
         assert elapsed < 10.5
-        assert TransferStatus.FAILED in statuses or TransferStatus.TIMEOUT in statuses  # the dead peer shows up
+        # the dead peer shows up
+        assert TransferStatus.FAILED in statuses or TransferStatus.TIMEOUT in statuses
         errors = [e for e in engine.errors(bid) if e]
         assert errors and all(isinstance(e, str) for e in errors)
         engine.free_batch(bid)
@@ -49,7 +50,8 @@ def test_kill9_target_mid_batch_fails_within_timeout(engine):
         # and new transfers to the dead one fail fast (connection refused), not hang
         t1 = time.monotonic()
         assert engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
-                                                victim.info["addr"], MB)], timeout=5) == [TransferStatus.FAILED]
+                                                victim.info["addr"], MB)],
+                               timeout=5) == [TransferStatus.FAILED]
         assert time.monotonic() - t1 < 5
 
 

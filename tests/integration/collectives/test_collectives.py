@@ -181,7 +181,8 @@ def test_all_to_all(results) -> None:
     for r in range(w):
         ref = torch.cat([torch.full((r + 1, 3), float(100 * s + r)) for s in range(w)])
         assert torch.equal(res[r]["all_to_all_single"], ref)
-        assert torch.equal(res[r]["all_to_all"], torch.stack([torch.full((2,), float(10 * s + r)) for s in range(w)]))
+        assert torch.equal(res[r]["all_to_all"],
+                           torch.stack([torch.full((2,), float(10 * s + r)) for s in range(w)]))
 
 
 def test_allreduce_other_dtypes_bit_exact(results) -> None:

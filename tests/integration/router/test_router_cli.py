@@ -27,7 +27,8 @@ def test_router_process_serves_and_stops_on_sigterm():
             assert info["mode"] == "colocated" and info["policy"] == "round-robin"
             assert info["zmq"][0].startswith("tcp://127.0.0.1:")
             got = {httpx.post(info["router"] + "/v1/completions", json={"prompt": words(i)},
-                              headers=headers(), timeout=10, trust_env=False).headers["x-kvplane-backend"] for i in range(4)}
+                              headers=headers(), timeout=10,
+                              trust_env=False).headers["x-kvplane-backend"] for i in range(4)}
             assert got == {a.id, b.id}
             # secure by default: the token file's token, nothing without it
             tokenless = httpx.post(info["router"] + "/v1/completions", json={"prompt": words(9)},

@@ -116,7 +116,8 @@ def test_another_tenants_task_does_not_exist(pool):
     assert work.code == 0 and work.size == len(b"tenant a's bytes")
     mine = a.rpc.call("task_query", TaskReq(a.config.client_id, tid), TaskInfo)
     assert mine.assigned_client == a.config.client_id
-    with RpcClient(pool[1], token=TOK["a"], timeout=5) as other_a:  # the same tenant, another client: runner hidden
+    # the same tenant, another client: runner hidden
+    with RpcClient(pool[1], token=TOK["a"], timeout=5) as other_a:
         seen = other_a.call("task_query", TaskReq("another-client", tid), TaskInfo)
     assert seen.code == 0 and seen.assigned_client == ""
 

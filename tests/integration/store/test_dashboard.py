@@ -59,7 +59,8 @@ def test_dashboard_in_chromium(cluster, browser, tmp_path):
     assert page.evaluate("document.querySelector('#card-objects b').textContent") == "0"
 
     keys = [f"dash-{i}" for i in range(3)]
-    assert cluster["worker"].ask(json.dumps({"op": "put", "keys": keys, "size": 300_000}))["result"] == [0] * 3
+    put = json.dumps({"op": "put", "keys": keys, "size": 300_000})
+    assert cluster["worker"].ask(put)["result"] == [0] * 3
     page.wait_for("document.querySelector('#card-objects b').textContent === '3'", 30)
     page.wait_for("document.querySelector('#card-replicas b').textContent === '3'", 10)
     used = page.evaluate("Array.from(document.querySelectorAll('#segments tbody tr td:nth-child(4)'))"

@@ -107,7 +107,8 @@ def test_status_matches_the_masters_state(cluster):
             d["evictions"]["total"] == m[("master_evicted_key_count_total", ())],
             d["objects"]["objects"] == len(listed) == 5 + put - d["evictions"]["total"],
             d["objects"]["objects"] + d["objects"]["pending_puts"] == m[("master_key_count", ())],
-            d["used_bytes"] == sum(s["allocator_used_bytes"] for s in segs) == m[("master_allocated_bytes", ())],
+            d["used_bytes"] == sum(s["allocator_used_bytes"] for s in segs)
+            == m[("master_allocated_bytes", ())],
             {s["name"]: s["used_bytes"] for s in d["segments"]}
             == {s["segment_name"]: s["allocator_used_bytes"] for s in segs},
             all(d["ops"]["rpc_calls"][meth] == m[("master_rpc_requests_total", (("method", meth),))]

@@ -36,7 +36,8 @@ def test_calls_errors_and_token():
                 c.call("double", Req(-1), int)
             with pytest.raises(InvalidArgument):
                 c.call("nope", Req(1), int)
-            assert "internal error" in str(pytest.raises(Exception, c.call, "boom", Req(1), int).value)  # noqa: B017
+            raised = pytest.raises(Exception, c.call, "boom", Req(1), int)  # noqa: B017
+            assert "internal error" in str(raised.value)
             assert c.call("double", Req(1), int) == 2  # still usable
         with RpcClient(ep, token="bad") as c, pytest.raises(Unauthorized):
             c.call("double", Req(1), int)
@@ -44,7 +45,8 @@ def test_calls_errors_and_token():
 
 def test_malformed_frames_close_only_that_connection():
     with make_server() as srv:
-        for junk in (b"\xff" * 64, struct.pack("<I", 1 << 30), struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1"):
+        for junk in (b"\xff" * 64, struct.pack("<I", 1 << 30),
+                     struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1"):
             with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
                 s.sendall(junk)
                 try:

@@ -39,9 +39,11 @@ def test_golden_vectors(algo):
 
 def test_extra_keys_golden_lora_and_salt():
     p = HashProfile("sha256", "0")
-    assert list(p.event_hashes(TOKENS[:4], 4, extra_keys=[("adapter-A", "tenant-salt")])) == [602575766154556200]
+    assert list(p.event_hashes(TOKENS[:4], 4, extra_keys=[("adapter-A", "tenant-salt")])) \
+        == [602575766154556200]
     # the same keys built from a LoRA name (every block) and a cache salt (first block only)
-    assert list(p.event_hashes(TOKENS[:4], 4, lora_name="adapter-A", cache_salt="tenant-salt")) == [602575766154556200]
+    assert list(p.event_hashes(TOKENS[:4], 4, lora_name="adapter-A", cache_salt="tenant-salt")) \
+        == [602575766154556200]
 
 
 def test_salt_only_first_block_lora_every_block():

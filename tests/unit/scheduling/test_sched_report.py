@@ -66,7 +66,8 @@ def test_hit_ratio_grows_with_turns_and_tiers():
     assert set(by_turn) == {1, 2, 3, 4}
     assert by_turn[1] < by_turn[2] < by_turn[4]
     setups = tier_setups(CFG, 500)
-    assert setups["GPU only"].cluster.cpu_cache_blocks == 0 and setups["GPU + CPU + pool"].cluster.pool_blocks == 500
+    assert setups["GPU only"].cluster.cpu_cache_blocks == 0
+    assert setups["GPU + CPU + pool"].cluster.pool_blocks == 500
     series = tier_series(reqs, CFG, "least-loaded", 500)
     assert set(series) == set(setups)
 

@@ -31,7 +31,8 @@ from kvplane.compat.mooncake_tensor import (  # noqa: F401  (Mooncake's module s
     deserialize_tensor as _deserialize_tensor,
 )
 
-__all__ = ["BufferHandle", "BufferLease", "BufferPool", "RegisteredBufferPool", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
+__all__ = ["BufferHandle", "BufferLease", "BufferPool", "RegisteredBufferPool", "Descriptor",
+           "DiskDescriptor", "MemoryDescriptor",
            "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType",
            "ParallelAxis", "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor",
            "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",
