@@ -7,6 +7,7 @@ already has (vLLM's or the engines' pins) is never upgraded; only missing packag
 import importlib.util
 import subprocess
 import sys
+
 import tomllib
 
 IMPORT_NAME = {"pyzmq": "zmq", "prometheus-client": "prometheus_client"}

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import kvplane.collectives as kc
 from kvplane.common.config import parse_size
-from kvplane.testing.ranks import RankContext, RankGroup
+from tests.support.ranks import RankContext, RankGroup
 
 VICTIM = 2
 
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"allreduce": [], "recovery": {}, "cpus": os.cpu_count()}
     backends = ["gloo", "kvplane", "kvplane-ring"] + ([] if a.no_exact_column else ["kvplane-ring-noexact"])
     print(f"{'ranks':>5} {'bytes':>10} " + " ".join(f"{b + ' ms':>22}" for b in backends)
-          + f" {'kv/gloo':>8} {'ring/gloo':>9}" + ("" if a.no_exact_column else f" {'ring-noexact/gloo':>17}"))
+          + f" {'kv/gloo':>8} {'ring/gloo':>9}"
+          + ("" if a.no_exact_column else f" {'ring-noexact/gloo':>17}"))
     for n in ranks:
         for size in sizes:
             iters = a.iters or (30 if size < (8 << 20) else 8)

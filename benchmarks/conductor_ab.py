@@ -120,7 +120,8 @@ def run(a: argparse.Namespace, urls: dict[str, str], bodies: dict[str, list[str]
     for path in bodies:
         b, f = lat[(path, "before")], lat[(path, "after")]
         print(f"{path:15s} p50 before {statistics.median(b) * 1e3:6.2f} ms after "
-              f"{statistics.median(f) * 1e3:6.2f} ms after/before {statistics.median(f) / statistics.median(b):.2f} | "
+              f"{statistics.median(f) * 1e3:6.2f} ms after/before "
+              f"{statistics.median(f) / statistics.median(b):.2f} | "
               f"p99 before {_pct(b, 0.99) * 1e3:6.2f} after {_pct(f, 0.99) * 1e3:6.2f} | "
               f"min before {min(b) * 1e3:5.2f} after {min(f) * 1e3:5.2f}")
 
@@ -128,7 +129,8 @@ def run(a: argparse.Namespace, urls: dict[str, str], bodies: dict[str, list[str]
 def _alternate(a: argparse.Namespace, clients: dict[str, object], bodies: dict[str, list[str]],
                lat: dict[tuple[str, str], list[float]]) -> None:
     hdr = {"content-type": "application/json"}
-    answers = {s: c.post("/query", content=bodies["/query"][0], headers=hdr).json() for s, c in clients.items()}  # type: ignore[attr-defined]
+    answers = {s: c.post("/query", content=bodies["/query"][0],  # type: ignore[attr-defined]
+                         headers=hdr).json() for s, c in clients.items()}
     if answers["before"] != answers["after"]:
         raise RuntimeError("the two trees answer differently")
     for r in range(a.rounds):

@@ -33,11 +33,14 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from kvplane.testing.engines_harness import (
-    ENGINES_PYTHON, REAL_MOONCAKE, EngineDriver, real_mooncake_reason,
+from tests.support.engines_harness import (
+    ENGINES_PYTHON,
+    REAL_MOONCAKE,
+    EngineDriver,
+    real_mooncake_reason,
 )
-from kvplane.testing.mooncake_real import RealMooncake
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.mooncake_real import RealMooncake
+from tests.support.store_procs import spawn_master, spawn_segment
 
 GEOMETRIES = {  # per-token KV: 2 x layers x heads x head_dim x itemsize
     "llama8b": {"layers": 32, "heads": 8, "head_dim": 128, "dtype": "bfloat16"},  # 128 KiB

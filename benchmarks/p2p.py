@@ -32,11 +32,11 @@ import time
 from typing import Any
 
 from kvplane.common.config import parse_size
-from kvplane.testing.netns import Host, NetBed
-from kvplane.testing.procs import Proc, wait_for_line
+from kvplane.common.procs import Proc, wait_for_line
+from tests.support.netns import Host, NetBed
 
 TOKEN = secrets.token_hex(8)
-NODE = [sys.executable, "-m", "kvplane.testing.p2p_proc"]
+NODE = [sys.executable, "-m", "tests.support.p2p_proc"]
 
 
 # -- gloo ranks (run inside the hosts: ``p2p.py gloo-rank ...``) ----------------------------

@@ -5,10 +5,10 @@ Workload: whole multi-turn conversations of a Mooncake-format trace (default: th
 earliest first, until ``--requests``; a request continues an earlier one when that one's complete
 blocks prefix its ``hash_ids`` (as ``scheduling.trace.turns`` infers turns), so prefixes are
 shared. Requests longer than ``--max-blocks`` blocks are left out. Each hash id maps to a fixed
-random text block of ``--block-tokens`` words that the test tokenizer maps one-to-one to tokens (512-token trace blocks
-shrunk to fit CPU prefill times); block hash ``h`` always gives the same block. Arrivals keep the
-trace's order and gaps, compressed so that the offered prefill load without any cache is
-``--load`` of the instances' capacity under the fitted time model.
+random text block of ``--block-tokens`` words that the test tokenizer maps one-to-one to tokens
+(512-token trace blocks shrunk to fit CPU prefill times); block hash ``h`` always gives the same
+block. Arrivals keep the trace's order and gaps, compressed so that the offered prefill load
+without any cache is ``--load`` of the instances' capacity under the fitted time model.
 
 Time model: before the runs, prompts of several lengths are prefilled on one instance while the
 others idle and ``T(n) = c0 + k1 n + k2 n^2`` is fitted by least squares to the median TTFTs
@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvplane.common.procs import Proc
 from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
 from kvplane.conductor.gateway.server import sim_config
 from kvplane.conductor.scheduling.outcomes import summarize
@@ -57,7 +58,6 @@ from kvplane.conductor.scheduling.simulator import Simulator
 from kvplane.conductor.scheduling.trace import load_trace
 from kvplane.conductor.scheduling.view import Request
 from kvplane.data import SAMPLE_TRACE
-from kvplane.testing.procs import Proc
 
 # one token each in the test tokenizer, and short: vLLM refuses prompts of more than 4 characters
 # per token of context before tokenizing them
@@ -129,8 +129,8 @@ def ideal_hit_ratio(items: list[Item]) -> float:
 
 # instances --------------------------------------------------------------------------------------
 def start_instances(count: int, max_model_len: int, tmp: pathlib.Path, model_dir: str | None) -> list[Any]:
-    from kvplane.testing.services import wait_until
-    from kvplane.testing.vllm_harness import OpenAIServer, make_model
+    from tests.support.services import wait_until
+    from tests.support.vllm_harness import OpenAIServer, make_model
 
     model = model_dir or str(make_model(tmp / "model", MODEL_SPEC, timeout=600))
     out = [OpenAIServer(model, tmp / f"vllm{i}.log", events=f"ipc://{tmp}/kv{i}",

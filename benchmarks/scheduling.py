@@ -14,7 +14,6 @@ import argparse
 import json
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from kvplane.conductor.indexer import ContextKey, Match, PrefixIndex

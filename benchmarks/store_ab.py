@@ -29,7 +29,11 @@ def worker() -> int:
     import numpy as np
 
     from kvplane.store.client.client import StoreClient
-    from kvplane.testing.store_procs import spawn_master, spawn_segment
+
+    try:  # the tree measured: kvplane.bench.services since issue 29, the test kit before it
+        from kvplane.bench.services import spawn_master, spawn_segment
+    except ImportError:
+        from kvplane.testing.store_procs import spawn_master, spawn_segment  # type: ignore[no-redef]  # a tree before issue 29
 
     with spawn_master() as m, spawn_segment(m.info["master"], "256MiB"):
         clients = {p: StoreClient(master=m.info["master"], protocol=p) for p in ("tcp", "auto")}
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                     lat[name] += json.loads(p.stdout.readline())  # type: ignore[union-attr]
             b, n = (statistics.median(lat[k]) * 1e6 for k in ("before", "after"))
             row = {"op": op, "size": int(size), "protocol": proto, "before_p50_us": b,
-                   "after_p50_us": n, "after_vs_before": n / b, "calls": [len(lat["before"]), len(lat["after"])]}
+                   "after_p50_us": n, "after_vs_before": n / b,
+                   "calls": [len(lat["before"]), len(lat["after"])]}
             print(json.dumps(row) if a.json else
                   f"{proto:4s} {op} {int(size):>8d} B  p50 before {b:6.0f} us  after {n:6.0f} us"
                   f"  after/before {n / b:.2f}", flush=True)

@@ -46,7 +46,7 @@ def measure(master: str, protocol: str, size: int, rounds: int, slice_s: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvplane.testing.store_procs import spawn_master, spawn_segment
+    from tests.support.store_procs import spawn_master, spawn_segment
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="4096,1048576")

@@ -30,8 +30,8 @@ def etcd_vs_put(puts: int) -> dict[str, float]:
     """Median latency of an etcd write and of a 4 KiB store put, alternating."""
     from kvplane.store.client.client import StoreClient
     from kvplane.store.etcd import Etcd, HaAddress
-    from kvplane.testing.services import start_etcd
-    from kvplane.testing.store_procs import spawn_master, spawn_segment
+    from tests.support.services import start_etcd
+    from tests.support.store_procs import spawn_master, spawn_segment
 
     with tempfile.TemporaryDirectory() as tmp:
         svc = start_etcd(tmp)

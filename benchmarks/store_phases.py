@@ -94,7 +94,7 @@ def measure(master: str, protocol: str, size: int, batch: int, calls: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvplane.testing.store_procs import spawn_master, spawn_segment
+    from tests.support.store_procs import spawn_master, spawn_segment
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=4096, help="bytes per object")

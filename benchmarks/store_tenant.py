@@ -55,7 +55,7 @@ def _round(client, who: str, rnd: int, ops: int, size: int) -> tuple[float, floa
 def main(argv: list[str] | None = None) -> int:
     """Run the three sides interleaved; print a table or JSON rows."""
     from kvplane.store import StoreClient
-    from kvplane.testing.store_procs import spawn_master, spawn_segment
+    from tests.support.store_procs import spawn_master, spawn_segment
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=4096)

@@ -29,10 +29,10 @@ from typing import Any
 
 import httpx
 
-from kvplane.testing.vllm_harness import BS, VLLM_PYTHON, Driver, make_model, store_kv_config, vllm_env
-from kvplane.testing.services import free_port, wait_until
-from kvplane.testing.auth import headers
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.auth import headers
+from tests.support.services import free_port, wait_until
+from tests.support.store_procs import spawn_master, spawn_segment
+from tests.support.vllm_harness import BS, VLLM_PYTHON, Driver, make_model, store_kv_config, vllm_env
 
 MODELS = {"tiny": {"hidden": 128, "layers": 2, "heads": 2, "intermediate": 256, "max_pos": 4096},
           "small": {"hidden": 512, "layers": 4, "heads": 8, "intermediate": 1536, "max_pos": 4096}}
@@ -125,7 +125,7 @@ def measure(eng: Driver, prompts: list[list[int]], expect_hit: int,
         r = eng.generate(p, 1, timeout=300)
         miss.append(r["elapsed_s"])
         if saved is not None:
-            wait_until(lambda: saved(i), 60, "saves in the store")
+            wait_until(lambda: saved(i), 60, "saves in the store")  # noqa: B023  (called in this iteration)
         for _ in range(3):  # a background save may still be landing
             eng.call(60, op="reset")
             r = eng.generate(p, 1, timeout=300)
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.access(VLLM_PYTHON, os.X_OK):
         print(f"no vLLM python at {VLLM_PYTHON}; set KVPLANE_VLLM_PYTHON", file=sys.stderr)
         return 2
-    use_mc = not args.no_mooncake and os.path.exists(os.path.join(args.mooncake_venv, "bin", "mooncake_master"))
+    master_exe = os.path.join(args.mooncake_venv, "bin", "mooncake_master")
+    use_mc = not args.no_mooncake and os.path.exists(master_exe)
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvplane-ttft-"))
     max_len = args.prompt_tokens + 64
     n_blocks = (args.prompt_tokens - 1) // BS

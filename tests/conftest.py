@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import random
 
 import numpy as np
 import pytest
 
+from tests.support.netns import netbed  # noqa: F401  (the multi-host test bed fixture, docs/testbed.md)
 
 # where the external engines live (read by the test kit, not kvplane settings), and the token file
 _KEEP = ("KVPLANE_VLLM_PYTHON", "KVPLANE_MOONCAKE_PYTHON", "KVPLANE_ENGINES_VENV",
          "KVPLANE_ENGINES_PYTHON", "KVPLANE_TOKEN_FILE")
+
+# harness entry modules run as ``python -m tests.support.X`` from any cwd: the repo root goes on
+# the children's path (pyproject's ``pythonpath`` puts it on this process's)
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,20 +41,19 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, token_file: str) -> None:
     np.random.seed(1234)
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """``@pytest.mark.requires("etcd", ...)``: skip with the reason when one is missing (in CI,
-    ``CI`` set, fail), before any fixture runs. Names: kvplane.testing.needs.REQUIREMENTS."""
-    from kvplane.testing.needs import requires
+def pytest_configure(config: pytest.Config) -> None:
+    """Load kvplane's pytest plugin (the ``requires`` marker) when the ``pytest11`` entry point
+    did not (kvplane run from ``PYTHONPATH`` rather than installed)."""
+    if not config.pluginmanager.has_plugin("kvplane"):
+        from kvplane.testing import plugin
 
-    for mark in item.iter_markers("requires"):
-        for name in mark.args:
-            requires(name)
+        config.pluginmanager.register(plugin, "kvplane")
 
 
 @pytest.fixture(scope="session")
 def redis_url():
     from kvplane.testing.needs import requires
-    from kvplane.testing.services import start_redis
+    from tests.support.services import start_redis
 
     requires("redis")
     svc = start_redis()
@@ -57,7 +64,7 @@ def redis_url():
 @pytest.fixture(scope="session")
 def etcd_url(tmp_path_factory: pytest.TempPathFactory):
     from kvplane.testing.needs import requires
-    from kvplane.testing.services import start_etcd
+    from tests.support.services import start_etcd
 
     requires("etcd")
     svc = start_etcd(str(tmp_path_factory.mktemp("etcd")))

@@ -23,7 +23,8 @@ def _size(n: int) -> str:
 
 def transfer(rows: list[dict]) -> None:
     cells = {(r["impl"], r.get("op"), r["size"], r.get("batch")): r for r in rows if not r.get("ratio")}
-    print("| op | block | batch | kvplane tcp GB/s | ops/s | / raw socket | Mooncake tcp GB/s | ops/s | kvplane / Mooncake | kvplane shm GB/s | shm / memcpy |")
+    print("| op | block | batch | kvplane tcp GB/s | ops/s | / raw socket | Mooncake tcp GB/s | ops/s | "
+          "kvplane / Mooncake | kvplane shm GB/s | shm / memcpy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if not r.get("ratio"):

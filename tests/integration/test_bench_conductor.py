@@ -22,11 +22,11 @@ def test_bench_conductor_smoke(capsys):
     m = re.search(r"ingest: (\d+) block events in [\d.]+s = ([\d,]+)/s \(gaps 0, indexed (\d+)\)", out)
     assert m and int(m.group(1)) == 2048 and int(m.group(3)) == 2048 and int(m.group(2).replace(",", "")) > 0
     assert re.search(r"memory \(tracemalloc, 3000 blocks\): \d+ B per indexed block", out)
-    row = re.search(r"^\s+3000\s+4 \|.*\(cpu\s+[\d.]+\).*\| +[\d.]+ / +[\d.]+ \| [\d.]+, [\d.]+ \| (met|NOT met), (met|NOT met)$",
-                    out, re.M)
+    row = re.search(r"^\s+3000\s+4 \|.*\(cpu\s+[\d.]+\).*\| +[\d.]+ / +[\d.]+ \| [\d.]+, [\d.]+ \| "
+                    r"(met|NOT met), (met|NOT met)$", out, re.M)
     assert row, out
-    assert re.search(r"^walk    4 instances \| GPU tier only +[\d.]+ / +[\d.]+ \| shared pool on CPU +[\d.]+ / +[\d.]+$",
-                     out, re.M), out
+    assert re.search(r"^walk    4 instances \| GPU tier only +[\d.]+ / +[\d.]+ \| "
+                     r"shared pool on CPU +[\d.]+ / +[\d.]+$", out, re.M), out
 
 
 def test_bench_conductor_ab_smoke(capsys):
@@ -36,7 +36,9 @@ def test_bench_conductor_ab_smoke(capsys):
     spec.loader.exec_module(mod)
     src = str(BENCH.parents[1] / "src")
     assert mod.main(["--before", src, "--after", src, "--rounds", "2", "--per-turn", "2",
-                     "--blocks", "2000", "--instances", "4", "--prompt-tokens", "1024", "--prompts", "2"]) == 0
+                     "--blocks", "2000", "--instances", "4", "--prompt-tokens", "1024",
+                     "--prompts", "2"]) == 0
     out = capsys.readouterr().out
     for path in ("/query_by_hash", "/query"):
-        assert re.search(rf"^{path} +p50 before +[\d.]+ ms after +[\d.]+ ms after/before [\d.]+ \|", out, re.M), out
+        assert re.search(rf"^{path} +p50 before +[\d.]+ ms after +[\d.]+ ms after/before [\d.]+ \|",
+                         out, re.M), out

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from kvplane.testing.needs import missing, need_module
-from kvplane.testing.netns import available
+from tests.support.netns import available
 
 need_module("torch", "pip install torch==2.13.0")  # the gloo broadcast column
 need_module("matplotlib", "pip install 'kvplane[plots]'")

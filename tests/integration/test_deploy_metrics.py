@@ -15,9 +15,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import Proc
-from kvplane.testing.store_procs import CLI, spawn_master, spawn_segment
+from kvplane.common.procs import Proc
+from tests.support.auth import headers
+from tests.support.store_procs import CLI, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"

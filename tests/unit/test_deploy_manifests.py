@@ -26,7 +26,7 @@ def documents():
 def test_manifests_match_the_kubernetes_schema():
     validate = need_module("kubernetes_validate", "pip install kubernetes-validate (the dev extra)")
     kinds = []
-    for name, doc in documents():
+    for _name, doc in documents():
         validate.validate(doc, VERSION, strict=True)  # raises ValidationError
         kinds.append(doc["kind"])
     assert {"StatefulSet", "DaemonSet", "Service", "Secret", "Deployment"} <= set(kinds)

@@ -54,7 +54,7 @@ def _row(tier: str, size: int, lat: list[float], **extra: Any) -> dict[str, Any]
 
 
 def _node(addr: str, root: Path, seg_mb: int, direct: bool) -> Any:
-    from kvplane.testing.store_procs import spawn_segment
+    from kvplane.bench.services import spawn_segment
 
     return spawn_segment(addr, f"{seg_mb}MiB", "--disk-dir", str(root), "--disk-size", "8GiB",
                          "--disk-write-through", "--disk-direct" if direct else "--disk-page-cache")
@@ -73,10 +73,10 @@ def _gets(client: Any, keys: list[str], values: dict[str, bytes]) -> list[float]
 
 def store_rows(size: int, n: int, root: Path) -> tuple[list[dict[str, Any]], str]:
     """The store rows, and the token the processes used (it keys the files' tags)."""
+    from kvplane.bench.services import spawn_master
+    from kvplane.common.procs import wait_until
     from kvplane.store.client.client import StoreClient
     from kvplane.store.client.replica_ops import ReplicaOps
-    from kvplane.testing.services import wait_until
-    from kvplane.testing.store_procs import spawn_master
 
     seg_mb = max(64, 2 * n * size >> 20)
     rows = []

@@ -26,7 +26,7 @@ def memcpy(size: int, buf_bytes: int, duration: float) -> dict[str, float]:
     return {"ops_s": n / el, "gb_s": n * size / el / 1e9}
 
 
-def _sink(conn, size: int) -> None:  # type: ignore[no-untyped-def]
+def _sink(conn, size: int) -> None:
     ls = socket.create_server(("127.0.0.1", 0))
     conn.send(ls.getsockname()[1])
     c, _ = ls.accept()
@@ -50,7 +50,7 @@ def raw_stream(size: int, duration: float) -> dict[str, float]:
     try:
         s = socket.create_connection(("127.0.0.1", a.recv()), timeout=30)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        data = memoryview(np.ones(size, np.uint8))
+        data = np.ones(size, np.uint8).data
         n = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < duration or n < 3:
@@ -69,12 +69,12 @@ def raw_stream(size: int, duration: float) -> dict[str, float]:
             p.kill()
 
 
-def _responder(conn, size: int) -> None:  # type: ignore[no-untyped-def]
+def _responder(conn, size: int) -> None:
     ls = socket.create_server(("127.0.0.1", 0))
     conn.send(ls.getsockname()[1])
     c, _ = ls.accept()
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    data = memoryview(np.ones(size, np.uint8))
+    data = np.ones(size, np.uint8).data
     req = bytearray(8)
     while c.recv_into(req, 8, socket.MSG_WAITALL) == 8:
         c.sendall(data[:int.from_bytes(req, "little")])

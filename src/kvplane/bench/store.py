@@ -2,12 +2,12 @@
 
 Topologies: ``remote`` (the segment lives in another process: ``kvplane segment`` /
 ``mooncake_client``; clients contribute nothing) and ``local`` (the client contributes its own
-segment). kvplane runs with protocol ``tcp`` (bytes over TCP even on one host, like Mooncake
-here) and ``auto`` (shared memory on one host). Every side runs ``store_loop``'s loop. Sides
-with ``-csum`` turn store checksums on; sides with ``-nocache`` turn the clients' location cache
-off (every get asks the master before it reads: a first get); sides ending in ``-ha`` run etcd and two HA masters
-(a leader and a standby) and reach them through ``etcd://`` (the ratio ``vs_non_ha`` is ops/s
-over the same side without HA).
+segment). kvplane runs with protocol ``tcp`` (bytes over TCP even on one host, like Mooncake here)
+and ``auto`` (shared memory on one host). Every side runs ``store_loop``'s loop. Sides with
+``-csum`` turn store checksums on; sides with ``-nocache`` turn the clients' location cache off
+(every get asks the master before it reads: a first get); sides ending in ``-ha`` run etcd and two
+HA masters (a leader and a standby) and reach them through ``etcd://`` (the ratio ``vs_non_ha`` is
+ops/s over the same side without HA).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvplane.bench.transfer import best_of, find_mooncake_python
+from kvplane.bench.transfer import best_of, find_mooncake_python, numbered
 from kvplane.common.extras import pyplot
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py")
@@ -50,11 +51,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+            args: Any = proc.args
+            raise RuntimeError(f"{args[0]} exited with {proc.returncode}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             return
@@ -95,7 +97,7 @@ def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False) -> str:
     port, admin = _free_port(), _free_port()
     cli = [sys.executable, "-m", "kvplane.cli.main"]
     if ha:  # etcd, a leader and a standby; clients and the segment use the etcd:// address
-        from kvplane.testing.services import start_etcd
+        from kvplane.bench.services import start_etcd
 
         etcd = start_etcd(os.path.join(svc.tmp, "etcd"))
         svc.procs.append(etcd.proc)
@@ -127,13 +129,13 @@ def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False) -> str:
 def _wait_leader(admin: int, timeout: float = 30.0) -> None:
     import httpx
 
-    from kvplane.testing.auth import headers
+    from kvplane.common.auth import token_headers
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{admin}/ha_status", timeout=1, trust_env=False,
-                         headers=headers()).json().get("role") == "leader":
+                         headers=token_headers()).json().get("role") == "leader":
                 return
         except httpx.HTTPError:
             pass
@@ -187,7 +189,7 @@ def _worker(py: str, impl: str, label: str, master: str, opt: Options, clients: 
 
 def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     """Measure everything ``opt.repeat`` times (interleaved); best row per cell."""
-    runs = [run_once(opt, lambda s, i=i: progress(f"[{i + 1}/{opt.repeat}] {s}"))
+    runs = [run_once(opt, numbered(progress, i, opt.repeat))
             for i in range(max(1, opt.repeat))]
     return best_of(runs, ("impl", "topology", "clients", "op", "size", "batch"))
 
@@ -197,7 +199,8 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     rows: list[dict] = []
     mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
     if "mooncake" in opt.sides and mc is None:
-        progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
+        progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and "
+                 "set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
     if "local" in opt.topologies:
         rows += _memcpy_rows(opt, progress)
     if "remote" in opt.topologies:

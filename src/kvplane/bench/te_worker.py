@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 
-def engine_class(impl: str):  # type: ignore[no-untyped-def]
+def engine_class(impl: str):
     if impl == "mooncake":
         from mooncake.engine import TransferEngine
     else:
@@ -27,7 +27,7 @@ def engine_class(impl: str):  # type: ignore[no-untyped-def]
     return TransferEngine
 
 
-def _target(conn, impl: str, protocol: str, buf_bytes: int, managed: bool) -> None:  # type: ignore[no-untyped-def]
+def _target(conn, impl: str, protocol: str, buf_bytes: int, managed: bool) -> None:
     te = engine_class(impl)()
     rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "")
     keep = None
@@ -48,7 +48,7 @@ def _pct(v: list[int], q: float) -> float:
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))] / 1e3 if v else float("nan")
 
 
-def measure(te, ep: str, lp: int, rp: int, nbytes: int, size: int, k: int, op: str,  # type: ignore[no-untyped-def]
+def measure(te, ep: str, lp: int, rp: int, nbytes: int, size: int, k: int, op: str,
             duration: float, min_calls: int) -> dict:
     nslots = nbytes // size
     single = te.transfer_sync_write if op == "write" else te.transfer_sync_read

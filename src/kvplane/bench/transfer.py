@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvplane.bench import limits
 from kvplane.common.extras import pyplot
@@ -73,11 +73,16 @@ def best_of(runs: list[list[dict]], key: tuple[str, ...]) -> list[dict]:
     return list(best.values())
 
 
+def numbered(progress: Callable[[str], None], i: int, n: int) -> Callable[[str], None]:
+    """``progress`` that prefixes ``[i+1/n]``: the lines of round ``i`` of ``n`` repeats."""
+    return lambda s: progress(f"[{i + 1}/{n}] {s}")
+
+
 def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     """Measure every side ``opt.repeat`` times (interleaved); best row per cell."""
     runs = []
     for i in range(max(1, opt.repeat)):
-        runs.append(run_once(opt, lambda s, i=i: progress(f"[{i + 1}/{opt.repeat}] {s}")))
+        runs.append(run_once(opt, numbered(progress, i, opt.repeat)))
     return best_of(runs, ("impl", "op", "size", "batch"))
 
 
@@ -101,7 +106,8 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     if "mooncake-tcp" in opt.impls:
         mc = find_mooncake_python(opt.mooncake_python)
         if mc is None:
-            progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
+            progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv "
+                     "and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
         else:
             progress("mooncake tcp")
             rows += _worker(mc, "mooncake", "tcp", "mooncake-tcp", opt)

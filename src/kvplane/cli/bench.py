@@ -24,7 +24,8 @@ def _ints(text: str) -> list[int]:
         raise typer.BadParameter(str(exc)) from exc
 
 
-def _measure(bench: Any, opt: Any, plot: str, as_json: bool) -> tuple[list[dict], list[dict]]:
+def _measure(bench: Any, opt: Any, plot: str,
+             as_json: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run a bench module (``run``/``ratios``/``plot``) with a spinner; print JSON if asked."""
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
@@ -55,10 +56,14 @@ def transfer(
     buf_mb: int = typer.Option(512, help="Registered buffer per side, MiB."),
     duration: float = typer.Option(1.0, help="Seconds per cell."),
     impls: str = typer.Option("limits,kvplane-tcp,kvplane-shm,mooncake-tcp", help="Sides to measure."),
-    mooncake_python: str = typer.Option(None, help="Python with mooncake installed (default /tmp/mc-venv/bin/python)."),
-    repeat: int = typer.Option(1, help="Run every side N times, interleaved; keep each cell's best (noisy machines)."),
+    mooncake_python: str = typer.Option(None,
+                                        help="Python with mooncake installed (default "
+                                             "/tmp/mc-venv/bin/python)."),
+    repeat: int = typer.Option(1, help="Run every side N times, interleaved; keep each cell's best (noisy "
+                                       "machines)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per row instead of tables."),
-    plot: str = typer.Option("transfer_bench.png", help="Where to write the GB/s-vs-block-size plot ('' for none)."),
+    plot: str = typer.Option("transfer_bench.png",
+                             help="Where to write the GB/s-vs-block-size plot ('' for none)."),
 ) -> None:
     """Transfer engine: kvplane tcp and shm vs real Mooncake TCP vs raw socket and memcpy.
 
@@ -102,8 +107,13 @@ def store(
     batch: str = typer.Option("32", help="Objects per batch call, comma separated (e.g. 32,128)."),
     duration: float = typer.Option(1.0, help="Seconds per cell."),
     clients: str = typer.Option("1,2", help="Client process counts (remote topology)."),
-    sides: str = typer.Option("kvplane-tcp,kvplane-shm,mooncake,redis", help="What to measure (kvplane-tcp-csum and kvplane-shm-csum: with store checksums on; kvplane-tcp-nocache: no location cache, every get asks the master first; kvplane-tcp-ha and kvplane-shm-ha: etcd + leader + standby, clients on etcd://)."),
-    topologies: str = typer.Option("remote,local", help="remote: segment in another process; local: own segment."),
+    sides: str = typer.Option("kvplane-tcp,kvplane-shm,mooncake,redis",
+                              help="What to measure (kvplane-tcp-csum and kvplane-shm-csum: with store "
+                                   "checksums on; kvplane-tcp-nocache: no location cache, every get asks the "
+                                   "master first; kvplane-tcp-ha and kvplane-shm-ha: etcd + leader + "
+                                   "standby, clients on etcd://)."),
+    topologies: str = typer.Option("remote,local",
+                                   help="remote: segment in another process; local: own segment."),
     segment_mb: int = typer.Option(2048, help="Segment size, MiB."),
     cap_mb: int = typer.Option(256, help="Live bytes per client before keys are recycled."),
     mooncake_python: str = typer.Option(None, help="Python with mooncake installed."),

@@ -13,7 +13,12 @@ import typer
 
 from kvplane.cli.errors import check_ports
 from kvplane.cli.lifecycle import (
-    announce, no_auth_option, note, resolve_token, size_option, token_option,
+    announce,
+    no_auth_option,
+    note,
+    resolve_token,
+    size_option,
+    token_option,
 )
 from kvplane.common.errors import InvalidArgument
 
@@ -106,7 +111,7 @@ def run(
     try:
         cfg = ConductorConfig(
             host=host, port=port, token=resolve_token(token, no_auth),
-            bind=tuple(bind), default_profile=HashProfile(hash_algo, hash_seed),  # type: ignore[arg-type]
+            bind=tuple(bind), default_profile=HashProfile(hash_algo, hash_seed),  # type: ignore[arg-type]  # typer gives str; the config checks the name
             max_batch_bytes=max_batch_bytes,
             max_request_bytes=max_request_bytes, replay_timeout=replay_timeout)
     except InvalidArgument as exc:

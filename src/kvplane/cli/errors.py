@@ -16,7 +16,7 @@ import re
 import socket
 import sys
 import traceback
-from typing import Any
+from typing import Any, TypedDict
 
 import typer
 
@@ -106,12 +106,13 @@ def run(app: Any, argv: list[str] | None = None) -> int:
         return RUNTIME
 
 
-def _click_errors() -> tuple[type, Any]:
-    """(UsageError, NoArgsIsHelpError or ()) of the click that typer uses."""
+def _click_errors() -> tuple[Any, Any]:
+    """(UsageError, NoArgsIsHelpError or ()) of the click that typer uses (Any: which click
+    that is, vendored or not, is known only at run time)."""
     try:  # typer >= 0.16 vendors click; older ones use click itself
         from typer._click import exceptions as click_exc
     except ImportError:
-        from click import exceptions as click_exc  # type: ignore[no-redef]
+        from click import exceptions as click_exc  # type: ignore[no-redef]  # the same module under its own name
     return click_exc.UsageError, getattr(click_exc, "NoArgsIsHelpError", ())
 
 
@@ -120,7 +121,7 @@ def _trace() -> None:
         traceback.print_exc()
 
 
-def _flat(text: str) -> str:
+def _flat(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -155,6 +156,17 @@ def in_use(host: str, port: int, option: str | None) -> str:
     who = f" (pid {holder[0]}: {holder[1]})" if holder else ""
     fix = f"pass another {option} (0 picks a free one)" if option else "pick another port"
     return f"port {port} on {host} is in use{who}; {fix} or stop it"
+
+
+
+class PortRange(TypedDict):
+    """typer.Option keywords of a port option (a TypedDict, so ``**PORT`` type-checks)."""
+
+    min: int
+    max: int
+
+
+PORT: PortRange = {"min": 0, "max": 65535}
 
 
 def check_ports(host: str, ports: dict[str, int | None]) -> None:

@@ -32,7 +32,8 @@ app = typer.Typer(
     help=(
         "kvplane: the KVCache-centric data plane for LLM inference.\n\n"
         "Start with `kvplane serve` (a store master, the metadata server, the admin/metrics port "
-        "and a 1 GiB DRAM segment, all on 127.0.0.1), then point clients at it. Every service binds 127.0.0.1 unless --host says otherwise and "
+        "and a 1 GiB DRAM segment, all on 127.0.0.1), then point clients at it. Every service binds "
+        "127.0.0.1 unless --host says otherwise and "
         "requires a token (--token, KVPLANE_TOKEN, or the token file it generates and local clients read; "
         "--no-auth turns this off). Each command's --help explains it."
     ),
@@ -60,7 +61,7 @@ def build() -> typer.Typer:
     if not getattr(app, "_kvplane_built", False):
         for name in COMMAND_MODULES:
             importlib.import_module(name).register(app)
-        app._kvplane_built = True  # type: ignore[attr-defined]
+        app._kvplane_built = True  # type: ignore[attr-defined]  # a marker on typer's object
     return app
 
 

@@ -6,7 +6,11 @@ import typer
 
 from kvplane.cli.errors import check_ports
 from kvplane.cli.lifecycle import (
-    announce, no_auth_option, resolve_token, token_option, wait_for_signal,
+    announce,
+    no_auth_option,
+    resolve_token,
+    token_option,
+    wait_for_signal,
 )
 
 

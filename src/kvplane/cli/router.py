@@ -90,9 +90,9 @@ def run(
                  + [BackendSpec.parse(b, "decode") for b in decode])
         cfg = GatewayConfig(
             host=host, port=port, token=resolve_token(token, no_auth),
-            mode=mode or ("pd" if prefill or decode else "colocated"),  # type: ignore[arg-type]
+            mode=mode or ("pd" if prefill or decode else "colocated"),  # type: ignore[arg-type]  # str from typer; the config checks it
             backends=tuple(specs), model=model, block_size=block_size,
-            hash_profile=HashProfile(hash_algo, hash_seed, "vllm_v1_tagged"),  # type: ignore[arg-type]
+            hash_profile=HashProfile(hash_algo, hash_seed, "vllm_v1_tagged"),  # type: ignore[arg-type]  # str from typer; the config checks it
             policy=policy, settings=_settings(settings),
             reject=reject, retry_after_s=retry_after, pull_hints=pull_hints, bind=tuple(bind),
             discover=discover, discover_key=discover_key, connect_timeout_s=connect_timeout,
@@ -134,7 +134,7 @@ def serve(cfg: GatewayConfig) -> None:
         server = GatewayServer(cfg)
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from exc
-    ready = {"router": server.url, "zmq": server.zmq_endpoints, "policy": cfg.policy,
+    ready: dict[str, object] = {"router": server.url, "zmq": server.zmq_endpoints, "policy": cfg.policy,
              "mode": cfg.mode}
     if cfg.pd:
         ready["proxy"] = server.url  # the ready line `kvplane pd-proxy` always printed

@@ -7,13 +7,17 @@ from typing import Any
 import typer
 
 from kvplane.cli import disk_opts
-from kvplane.cli.errors import check_ports
+from kvplane.cli.errors import PORT, check_ports
 from kvplane.cli.lifecycle import (
-    admin_token_option, announce, no_auth_option, resolve_token, size_option, store_client,
-    token_option, wait_for_signal,
+    admin_token_option,
+    announce,
+    no_auth_option,
+    resolve_token,
+    size_option,
+    store_client,
+    token_option,
+    wait_for_signal,
 )
-
-PORT = {"min": 0, "max": 65535}
 
 
 def serve(

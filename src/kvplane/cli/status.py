@@ -148,7 +148,8 @@ def _token(token: str | None) -> str:
 
 AdminOpt = typer.Option("http://127.0.0.1:9003", "--admin", help="The master's admin URL (its --admin-port).")
 ConductorOpt = typer.Option(None, help="Also show this conductor's instances (e.g. http://127.0.0.1:13333).")
-TokenOpt = typer.Option(None, help="Service or admin token (default: KVPLANE_TOKEN, else the local token file).")
+TokenOpt = typer.Option(None, help="Service or admin token (default: KVPLANE_TOKEN, else the local token "
+                                   "file).")
 TimeoutOpt = typer.Option(5.0, help="Seconds to wait for each answer.")
 
 

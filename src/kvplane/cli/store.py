@@ -7,15 +7,20 @@ from typing import Any
 import typer
 
 from kvplane.cli import disk_opts
-from kvplane.cli.errors import check_ports
+from kvplane.cli.errors import PORT, check_ports
 from kvplane.cli.lifecycle import (
-    admin_token_option, announce, no_auth_option, resolve_token, size_option, store_client,
-    token_option, usage_checked, wait_for_signal,
+    admin_token_option,
+    announce,
+    no_auth_option,
+    resolve_token,
+    size_option,
+    store_client,
+    token_option,
+    usage_checked,
+    wait_for_signal,
 )
 from kvplane.common import envs
 from kvplane.common.config import parse_hostport
-
-PORT = {"min": 0, "max": 65535}
 
 
 def load_tenants(path: str | None) -> dict[str, str]:
@@ -32,15 +37,24 @@ def load_tenants(path: str | None) -> dict[str, str]:
 
 def master(
     host: str = typer.Option("127.0.0.1", help="Bind address of the RPC and admin listeners."),
-    port: int = typer.Option(50051, "--port", "--rpc-port", help="Master RPC port (Mooncake's default; 0 = any).", **PORT),
-    admin_port: int = typer.Option(9003, help="Admin HTTP: /metrics /health /query_key /segments (0 = any).", **PORT),
-    metadata_port: int = typer.Option(None, help="Also serve the HTTP metadata server on this port (e.g. 8080).", **PORT),
-    lease_ttl: float = typer.Option(10.0, help="Read lease, seconds (blocks remove and eviction).", min=0.001),
-    client_ttl: float = typer.Option(10.0, help="Seconds without a heartbeat before a client's segments go.", min=0.001),
+    port: int = typer.Option(50051, "--port", "--rpc-port", **PORT,
+                             help="Master RPC port (Mooncake's default; 0 = any)."),
+    admin_port: int = typer.Option(9003, **PORT,
+                                   help="Admin HTTP: /metrics /health /query_key /segments (0 = any)."),
+    metadata_port: int = typer.Option(None, **PORT,
+                                      help="Also serve the HTTP metadata server on this port (e.g. 8080)."),
+    lease_ttl: float = typer.Option(10.0, min=0.001,
+                                    help="Read lease, seconds (blocks remove and eviction)."),
+    client_ttl: float = typer.Option(10.0, min=0.001,
+                                     help="Seconds without a heartbeat before a client's segments go."),
     high_watermark: float = typer.Option(0.90, help="Used ratio that starts eviction.", min=0.0, max=1.0),
-    evict_ratio: float = typer.Option(0.05, help="Share of capacity one eviction pass frees.", min=0.0, max=1.0),
+    evict_ratio: float = typer.Option(0.05, min=0.0, max=1.0,
+                                      help="Share of capacity one eviction pass frees."),
     allocation_strategy: str = typer.Option("random", help="random | free_ratio_first"),
-    kv_events_port: int = typer.Option(None, **PORT, help="Publish BlockStored/BlockRemoved (vLLM format, medium CPU) on this ZMQ port (0 = any); register the store with the conductor as type kvplane."),
+    kv_events_port: int = typer.Option(None, **PORT,
+                                       help="Publish BlockStored/BlockRemoved (vLLM format, medium CPU) on "
+                                            "this ZMQ port (0 = any); register the store with the conductor "
+                                            "as type kvplane."),
     token: str = token_option(),
     no_auth: bool = no_auth_option("the RPC port (anyone can read, overwrite and delete every "
                                    "object and unmount any segment), the admin port (key "
@@ -50,11 +64,22 @@ def master(
     tenants: str = typer.Option(None, help="JSON file of tenant tokens ({\"tenants\": {NAME: "
                                 "TOKEN}}): each tenant sees only its own keys (default "
                                 "KVPLANE_TENANTS_FILE). The service token is tenant default."),
-    ha: str = typer.Option(None, "--ha", help="High availability: etcd://h1:2379;h2:2379 (one or more etcd 3.4+ endpoints). Masters of one cluster elect a leader; clients then use the master address etcd://h1:2379;h2:2379/CLUSTER (the /CLUSTER part is optional)."),
-    cluster_id: str = typer.Option(None, "--cluster-id", help="HA cluster id (default KVPLANE_CLUSTER_ID or kvplane)."),
-    advertise: str = typer.Option(None, help="HA: the HOST:PORT clients reach this master at (default --host and the bound port)."),
-    ha_lease_ttl: int = typer.Option(3, help="HA: leader lease in seconds (>= 2); a dead leader is replaced about this long after it died."),
-    recovery_grace: float = typer.Option(3.0, help="Seconds a new leader (or a restarted master) answers misses with 'retry' while segments re-register what they hold."),
+    ha: str = typer.Option(None, "--ha",
+                           help="High availability: etcd://h1:2379;h2:2379 (one or more etcd 3.4+ "
+                                "endpoints). Masters of one cluster elect a leader; clients then use the "
+                                "master address etcd://h1:2379;h2:2379/CLUSTER (the /CLUSTER part is "
+                                "optional)."),
+    cluster_id: str = typer.Option(None, "--cluster-id",
+                                   help="HA cluster id (default KVPLANE_CLUSTER_ID or kvplane)."),
+    advertise: str = typer.Option(None,
+                                  help="HA: the HOST:PORT clients reach this master at (default --host and "
+                                       "the bound port)."),
+    ha_lease_ttl: int = typer.Option(3,
+                                     help="HA: leader lease in seconds (>= 2); a dead leader is replaced "
+                                          "about this long after it died."),
+    recovery_grace: float = typer.Option(3.0,
+                                         help="Seconds a new leader (or a restarted master) answers misses "
+                                              "with 'retry' while segments re-register what they hold."),
     ready_file: str = typer.Option(None, help="Write the bound ports here as JSON once ready."),
 ) -> None:
     """Run the store master: metadata only (placement, leases, eviction, liveness).
@@ -70,7 +95,7 @@ def master(
     with usage_checked():
         cfg = MasterConfig(lease_ttl=lease_ttl, client_ttl=client_ttl,
                            high_watermark=high_watermark, evict_ratio=evict_ratio,
-                           allocation_strategy=allocation_strategy,  # type: ignore[arg-type]
+                           allocation_strategy=allocation_strategy,  # type: ignore[arg-type]  # str from typer; the config checks it
                            recovery_grace=recovery_grace)
     tenant_tokens = load_tenants(tenants)
     check_ports(host, {"--port": port, "--admin-port": admin_port,
@@ -110,10 +135,13 @@ def _run_master(cfg: Any, host: str, port: int, admin_port: int, metadata_port: 
 
 def segment(
     size: int = size_option("4GiB", help="DRAM this process contributes to the pool."),
-    master_addr: str = typer.Option("127.0.0.1:50051", "--master", help="Master RPC address: HOST:PORT, or etcd://h1:2379;h2:2379/CLUSTER for HA masters (the /CLUSTER part is optional)."),
+    master_addr: str = typer.Option("127.0.0.1:50051", "--master",
+                                    help="Master RPC address: HOST:PORT, or etcd://h1:2379;h2:2379/CLUSTER "
+                                         "for HA masters (the /CLUSTER part is optional)."),
     metadata: str = typer.Option("P2PHANDSHAKE", help="Transfer-engine metadata: P2PHANDSHAKE or a URL."),
     host: str = typer.Option("127.0.0.1", help="Address the data listener binds and advertises."),
-    data_port: int = typer.Option(0, min=0, max=65535, help="Port of the data listener (0 = any free port; fix it "
+    data_port: int = typer.Option(0, min=0, max=65535,
+                                  help="Port of the data listener (0 = any free port; fix it "
                                   "to open one port in a firewall). The segment is named HOST:PORT."),
     token: str = token_option(),
     no_auth: bool = no_auth_option("the data port (anyone can read and overwrite this segment's "

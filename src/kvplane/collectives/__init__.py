@@ -12,12 +12,15 @@ The module-level helpers use Mooncake PG's names and take the group (or Work) ex
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvplane.common.extras import require
 
-torch = require("torch", "torch", "the kvplane collectives backend")
-import torch.distributed as dist  # noqa: E402
+if TYPE_CHECKING:
+    import torch
+else:  # a missing torch is an error that says how to install it
+    torch = require("torch", "torch", "the kvplane collectives backend")
+import torch.distributed as dist
 
 from kvplane.collectives.membership import Decision
 from kvplane.collectives.process_group import KvplaneOptions, KvplaneProcessGroup
@@ -123,7 +126,7 @@ def set_collective_timeout_us(timeout_us: int, group: Any = None) -> None:
     pg.core.settings = dataclasses.replace(pg.core.settings, timeout=timeout_us / 1e6)
 
 
-def elastic_allreduce_hook(state: Any, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
+def elastic_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average gradients over the ranks that actually took part.
 
     ``state`` may be None or an object with a ``works`` list to which each Work is appended (so a

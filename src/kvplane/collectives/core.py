@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -143,7 +143,7 @@ class GroupCore:
             self.active_ranks[r] = mask >> r & 1
 
     # ------------------------------------------------------------------ thread
-    def submit(self, fn: Callable[[], T]) -> "Future[T]":
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue ``fn`` for the communication thread (non-blocking, any thread).
 
         Raises:
@@ -172,7 +172,7 @@ class GroupCore:
             item = self._q.get()
             if item is _STOP:
                 return
-            fn, fut = item  # type: ignore[misc]
+            fn, fut = cast("tuple[Callable[[], Any], Future[Any]]", item)  # not _STOP: a job
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -265,7 +265,8 @@ class GroupCore:
             waiting -= gone
             if not waiting:
                 break
-            posts = [(p, Post(KIND_DATA, m.cur_seq, m.cur_mask, _COMMIT_STEP, 0, empty)) for p in sorted(waiting)]
+            posts = [(p, Post(KIND_DATA, m.cur_seq, m.cur_mask, _COMMIT_STEP, 0, empty))
+                     for p in sorted(waiting)]
             try:
                 m.exchange(sends, posts, deadline, self.stale)
                 waiting.clear()

@@ -6,7 +6,8 @@ older view and learn from a peer's mask that it has excluded someone.
 
 Layout (little endian, 40 bytes)::
 
-    magic u32 | kind u8 | flags u8 | src u16 | epoch u32 | seq u32 | mask u64 | step u32 | tag i32 | nbytes u64
+    magic u32 | kind u8 | flags u8 | src u16 | epoch u32 | seq u32 | mask u64 | step u32 | tag i32
+    | nbytes u64
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Header:
                          self.step, self.tag, self.nbytes)
 
     @classmethod
-    def unpack(cls, buf: bytes | bytearray | memoryview, max_payload: int) -> "Header":
+    def unpack(cls, buf: bytes | bytearray | memoryview, max_payload: int) -> Header:
         """Decode and validate a header.
 
         Args:
@@ -81,7 +82,7 @@ class Header:
         return cls(kind, src, epoch, seq, mask, step, tag, nbytes)
 
 
-def bits(ranks: "list[int] | set[int] | range") -> int:
+def bits(ranks: list[int] | set[int] | range) -> int:
     """The bitmask of a set of ranks."""
     m = 0
     for r in ranks:

@@ -25,7 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvplane.collectives.frames import (
-    HEADER_SIZE, KIND_ABORT, KIND_DATA, KIND_HELLO, KIND_P2P, Header, bits,
+    HEADER_SIZE,
+    KIND_ABORT,
+    KIND_DATA,
+    KIND_HELLO,
+    KIND_P2P,
+    Header,
+    bits,
 )
 from kvplane.common.errors import ProtocolError, Timeout, Unavailable
 
@@ -344,9 +350,10 @@ class Mesh:
                     outs.append(self._queue(self._conn(right), [memoryview(self.data_header(
                         fr.step, len(fr.view)).pack()), fr.view], KIND_DATA))
                 if post is None and done_recvs < len(recvs):
-                    fr = recvs[done_recvs]
-                    if fr.after_send < 0 or (fr.after_send < len(outs) and not outs[fr.after_send].left):
-                        post = self._post(left, Post(KIND_DATA, self.cur_seq, self.cur_mask, fr.step, 0, fr.view))
+                    rv = recvs[done_recvs]
+                    if rv.after_send < 0 or (rv.after_send < len(outs) and not outs[rv.after_send].left):
+                        post = self._post(left, Post(KIND_DATA, self.cur_seq, self.cur_mask, rv.step, 0,
+                                                     rv.view))
                         progressed = progressed or post.done
             sending = len(outs) < len(sends) or any(o.left for o in outs)
             if done_recvs == len(recvs) and not sending:
@@ -557,7 +564,7 @@ class Mesh:
             conn.post = None
         elif conn.sink is Sink.STASH and conn.dst is not None:
             key = (header.src, header.tag, header.seq)
-            self.stash.setdefault(key, deque()).append(conn.dst.obj)  # type: ignore[arg-type]
+            self.stash.setdefault(key, deque()).append(conn.dst.obj)  # type: ignore[arg-type]  # a stash sink holds a buffer
         conn.cur, conn.sink, conn.dst, conn.got = None, Sink.NONE, None, 0
 
     def _take_stash(self, peer: int, post: Post) -> bool:

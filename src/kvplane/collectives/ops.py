@@ -59,7 +59,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte memoryview over a contiguous tensor's storage (zero copy)."""
     if t.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 @dataclass
@@ -163,8 +163,10 @@ class _Ring:
                 buf = self.seg(scratch[s % 2][: self.blocks[rb].numel()], j)
                 dst = self.seg(out, j) if last else buf
                 hook = before_write if last and j == 0 else None
-                done = _folder(op, buf, self.seg(self.blocks[rb], j), dst, hook, n if last and op == AVG else 0)
-                self.recvs.append(StreamRecv(s * k + j, byte_view(buf), done, (s - 1) * k + j if s >= 2 else -1))
+                done = _folder(op, buf, self.seg(self.blocks[rb], j), dst, hook,
+                               n if last and op == AVG else 0)
+                self.recvs.append(StreamRecv(s * k + j, byte_view(buf), done,
+                                             (s - 1) * k + j if s >= 2 else -1))
                 if last:
                     self.rs_last[j] = len(self.recvs) - 1
 
@@ -258,17 +260,17 @@ def allreduce_shm(a: Attempt, flat: torch.Tensor, op: str, arena: ShmArena,
     if 0 in said:
         arena.refuse(nbytes)  # someone has no room for it: not again, and free ours
         return False
-    areas = [own if k == me else arena.peer(incs[k], AreaId.unpack(v))  # type: ignore[arg-type]
+    areas = [own if k == me else arena.peer(incs[k], AreaId.unpack(v))  # type: ignore[arg-type]  # None only where refused
              for k, v in enumerate(said)]
     ok = all(x is not None and x.cap >= nbytes for x in areas)
     spans = schedule.split(flat.numel(), n)
     if ok:
-        _reduce_block(areas, me, spans[me], flat.dtype, nbytes, op)  # type: ignore[arg-type]
+        _reduce_block(areas, me, spans[me], flat.dtype, nbytes, op)  # type: ignore[arg-type]  # ok
     if 0 in a.share(_SHM_REDUCED, int(ok)):
         arena.renew()  # someone could not map an area: every owner starts a new generation
         return False
     for k, (lo, hi) in enumerate(spans):
-        flat[lo:hi].copy_(areas[k].result[:(hi - lo) * size].view(flat.dtype))  # type: ignore[union-attr]
+        flat[lo:hi].copy_(areas[k].result[:(hi - lo) * size].view(flat.dtype))  # type: ignore[union-attr]  # ok: none is None
     return True
 
 

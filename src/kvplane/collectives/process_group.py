@@ -130,7 +130,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
                  options: KvplaneOptions | None = None) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lists only the store-taking form
         self.options = options or KvplaneOptions()
         self.core = GroupCore(store, rank, size, self.options.settings(timeout.total_seconds()))
         self._name = ""
@@ -148,7 +148,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
             self._shm.forget(inc)
 
     # ------------------------------------------------------------------ identity
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         """The backend name."""
         return "kvplane"
 
@@ -156,7 +156,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         self._name = name
 
     @property
-    def group_name(self) -> str:  # type: ignore[override]
+    def group_name(self) -> str:  # type: ignore[override]  # a property over torch's method
         """The name torch registered this group under."""
         return self._name
 
@@ -220,7 +220,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         return fn
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, tensors: Any, opts: Any = None) -> KvplaneWork:
+    def allreduce(self, tensors: Any, opts: Any = None) -> KvplaneWork:  # type: ignore[override]  # c10d calls the opts form
         """In-place allreduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR) over the participants."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         kind = _reduce_kind(opts)
@@ -257,7 +257,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         def restore() -> None:
             copied()
             if path[0] == "shm":
-                ops.restore_from_shm(flat, shm)  # type: ignore[arg-type]
+                ops.restore_from_shm(flat, shm)  # type: ignore[arg-type]  # set on the shm path
             elif "backup" in holder:
                 flat.copy_(holder["backup"])
 
@@ -272,7 +272,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         """Allreduce several tensors as one flat buffer."""
         return self.allreduce(list(tensors), opts)
 
-    def reduce(self, tensors: Any, opts: Any = None) -> KvplaneWork:
+    def reduce(self, tensors: Any, opts: Any = None) -> KvplaneWork:  # type: ignore[override]  # c10d calls the opts form
         """Reduce to ``opts.rootRank``; other ranks' tensors are left unchanged."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         root = getattr(opts, "rootRank", 0)
@@ -291,7 +291,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
         return self._submit(self._run(body, lambda: work.copy_(orig), opts, after), tensors)
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> KvplaneWork:
+    def broadcast(self, tensors: Any, opts: Any = None) -> KvplaneWork:  # type: ignore[override]  # c10d calls the opts form
         """Binomial-tree broadcast from ``opts.rootRank`` (unchanged on receivers if the root failed)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         root = getattr(opts, "rootRank", 0)
@@ -322,7 +322,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
         return self._submit(self._run(body, None, opts, after), outs)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]  # c10d calls the opts form
                   opts: Any = None) -> KvplaneWork:
         """Ring allgather; outputs of non-participating slots are zeroed."""
         if len(output_tensors[0]) != self.size():
@@ -350,7 +350,8 @@ class KvplaneProcessGroup(dist.ProcessGroup):
         dst = out.contiguous().view(-1)
 
         def body(a: ops.Attempt) -> None:
-            ops.reduce_scatter(a, [flats[r] for r in a.ranks], dst, kind, self._scratch(dst.dtype, dst.numel()))
+            ops.reduce_scatter(a, [flats[r] for r in a.ranks], dst, kind,
+                               self._scratch(dst.dtype, dst.numel()))
 
         def after(_: OpResult) -> None:
             if dst.data_ptr() != out.data_ptr():
@@ -358,7 +359,7 @@ class KvplaneProcessGroup(dist.ProcessGroup):
 
         return self._submit(self._run(body, None, opts, after), [out])
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # c10d calls the opts form
                        opts: Any = None) -> KvplaneWork:
         """Ring reduce-scatter: slot ``r`` of the inputs, reduced, lands on rank ``r``."""
         return self._scatter_reduce(output_tensors[0], list(input_tensors[0]), opts)
@@ -427,13 +428,13 @@ class KvplaneProcessGroup(dist.ProcessGroup):
                                       None, opts), [t])
 
     # ------------------------------------------------------------------ point to point
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> KvplaneWork:  # noqa: N803
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> KvplaneWork:
         """Send to ``dstRank``; completes with ``local_success=False`` if the peer failed."""
         t = tensors[0].contiguous()
         _check(t)
         return self._submit(lambda: self.core.p2p(t, dstRank, tag, True, None), [t])
 
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> KvplaneWork:  # noqa: N803
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> KvplaneWork:
         """Receive from ``srcRank``; completes with ``local_success=False`` if the peer failed."""
         out = tensors[0]
         _check(out)

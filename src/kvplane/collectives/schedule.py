@@ -36,7 +36,8 @@ def ring_reduce_scatter(i: int, n: int) -> list[tuple[int, int]]:
 
 
 def ring_allgather(i: int, n: int) -> list[tuple[int, int]]:
-    """The ``(send_block, recv_block)`` pairs of position ``i`` when position ``p`` starts with block ``p``."""
+    """The ``(send_block, recv_block)`` pairs of position ``i`` when position ``p`` starts with
+    block ``p``."""
     return [((i - s) % n, (i - s - 1) % n) for s in range(n - 1)]
 
 

@@ -96,7 +96,7 @@ class AreaId:
         return self.cap | self.gen << 64 | self.pid << 96
 
     @staticmethod
-    def unpack(v: int) -> "AreaId":
+    def unpack(v: int) -> AreaId:
         return AreaId(pid=v >> 96, gen=v >> 64 & 0xFFFFFFFF, cap=v & (1 << 64) - 1)
 
 
@@ -125,7 +125,7 @@ class Area:
 
     def close(self) -> None:
         """Unmap (now, or when the last tensor view of it goes)."""
-        self.inputs = self.result = None  # type: ignore[assignment]
+        self.inputs = self.result = None  # type: ignore[assignment]  # closed: no views
         try:
             self.mm.close()
         except BufferError:

@@ -26,7 +26,7 @@ class KvplaneWork(dist.Work):
         max_wait: upper bound for ``wait()`` without a timeout (the op has its own deadline).
     """
 
-    def __init__(self, fut: "Future[OpResult]", tensors: list[torch.Tensor], size: int,
+    def __init__(self, fut: Future[OpResult], tensors: list[torch.Tensor], size: int,
                  max_wait: float) -> None:
         super().__init__()
         self._fut = fut
@@ -36,10 +36,10 @@ class KvplaneWork(dist.Work):
         self._tfut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         fut.add_done_callback(self._done)
 
-    def _done(self, fut: "Future[OpResult]") -> None:
+    def _done(self, fut: Future[OpResult]) -> None:
         exc = fut.exception()
         if exc is not None:
-            self._tfut.set_exception(exc)
+            self._tfut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types the error as the value
         else:
             self._tfut.set_result(self._tensors)
 
@@ -62,7 +62,7 @@ class KvplaneWork(dist.Work):
         self._result(secs if secs > 0 else None)
         return True
 
-    def get_future(self) -> "torch.futures.Future[list[torch.Tensor]]":
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         """A torch Future resolving to the op's output tensors."""
         return self._tfut
 
@@ -74,7 +74,7 @@ class KvplaneWork(dist.Work):
         """True if the op finished without raising (peers may still have been missing)."""
         return self._fut.done() and self._fut.exception() is None
 
-    def exception(self) -> BaseException | None:  # type: ignore[override]
+    def exception(self) -> BaseException | None:
         """The op's exception, if it raised."""
         return self._fut.exception() if self._fut.done() else None
 

@@ -49,7 +49,7 @@ class LoopThread:
         if not self._thread.is_alive():
             self.loop.close()
 
-    def __enter__(self) -> "LoopThread":
+    def __enter__(self) -> LoopThread:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -213,3 +213,12 @@ def _write_new(path: str) -> str:
     finally:
         os.unlink(tmp)
     return token
+
+
+def token_headers(admin: bool = False) -> dict[str, str]:
+    """``X-KVPlane-Token`` with the local token (the admin token with ``admin``), or {}.
+
+    For local tools (``kvplane bench``, tests) that call a service's HTTP API as its operator.
+    """
+    token = client_admin_token() if admin else client_token()
+    return {"X-KVPlane-Token": token} if token else {}

@@ -60,7 +60,7 @@ def parse_hostport(value: str, default_port: int | None = None) -> tuple[str, in
 
 def from_mapping(cls: type[T], data: Mapping[str, Any]) -> T:
     """Build a dataclass from a mapping, rejecting unknown keys with the list of valid ones."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # T is bound to dataclasses at the callers; TypeVar cannot say so
     unknown = set(data) - names
     if unknown:
         raise InvalidArgument(f"unknown config keys {sorted(unknown)}; valid: {sorted(names)}")

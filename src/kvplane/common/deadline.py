@@ -19,7 +19,7 @@ class Deadline:
     at: float
 
     @classmethod
-    def after(cls, timeout: float | None) -> "Deadline":
+    def after(cls, timeout: float | None) -> Deadline:
         """A deadline ``timeout`` seconds from now (``None`` means one day, never unbounded)."""
         return cls(time.monotonic() + (86400.0 if timeout is None else max(0.0, timeout)))
 

@@ -13,6 +13,7 @@ Imports only ``kvplane.common``.
 from __future__ import annotations
 
 import errno
+import functools
 import heapq
 import itertools
 import logging
@@ -112,7 +113,7 @@ class HttpFront:
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             box: list[_Pending] = []
-            ticket = self.admission.admit(str(addr[0]), lambda b=box: b and self._drop(b[0]))
+            ticket = self.admission.admit(str(addr[0]), functools.partial(self._drop_boxed, box))
             if ticket is None:
                 conn.close()
                 continue
@@ -203,6 +204,12 @@ class HttpFront:
         fd = p.sock.fileno()
         if self._pending.pop(fd, None) is not None:
             self._sel.unregister(p.sock)
+
+    def _drop_boxed(self, box: list[_Pending]) -> None:
+        """Drop the connection in ``box`` if it got that far (the admission may evict it before
+        it is registered: the box is filled after ``admit``)."""
+        if box:
+            self._drop(box[0])
 
     def _drop(self, p: _Pending) -> None:
         self._forget(p)

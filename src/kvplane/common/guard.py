@@ -68,7 +68,7 @@ class Limits:
             raise InvalidArgument("preauth_frame must be >= 1 KiB")
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "Limits":
+    def from_env(cls, **overrides: Any) -> Limits:
         """Defaults, then the KVPLANE_* environment, then explicit ``overrides`` (which win)."""
         base = cls(max_preauth=envs.get("KVPLANE_MAX_PREAUTH"),
                    max_preauth_per_peer=envs.get("KVPLANE_MAX_PREAUTH_PER_PEER"),

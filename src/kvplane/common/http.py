@@ -14,7 +14,7 @@ import functools
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -68,7 +68,8 @@ class GuardedServer:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
                  authenticate: Authenticator | None = None, name: str = "http",
-                 limits: Limits | None = None, lifespan: str = "off") -> None:
+                 limits: Limits | None = None,
+                 lifespan: Literal["auto", "on", "off"] = "off") -> None:
         self.limits = limits or Limits.from_env()
         self._auth = authenticate
         self._proto = guarded_protocol(self.limits, name)
@@ -134,7 +135,7 @@ class GuardedServer:
         task.add_done_callback(lambda t: _close_on_error(t, sock))
 
 
-def _close_on_error(task: "asyncio.Task[Any]", sock: socket.socket) -> None:
+def _close_on_error(task: asyncio.Task[Any], sock: socket.socket) -> None:
     if not task.cancelled() and task.exception() is not None:
         sock.close()
 
@@ -176,7 +177,7 @@ class ServerThread:
         self.server.stop()
         self._thread.join(5)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self
 
     def __exit__(self, *exc: object) -> None:

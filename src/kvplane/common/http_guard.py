@@ -48,7 +48,7 @@ _METHODS = (b"GET ", b"PUT ", b"POST ", b"DELETE ", b"HEAD ", b"OPTIONS", b"PATC
 
 @dataclass
 class Head:
-    """The first request of a connection, as read by :func:`preauth`."""
+    """The first request of a connection, as :func:`parse_head` read and authenticated it."""
 
     raw: bytes
     path: str
@@ -115,7 +115,8 @@ def parse_head(raw: bytes, authenticate: Authenticator | None) -> Head:
 
 
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol for a connection :func:`preauth` accepted (module docstring)."""
+    """uvicorn's h11 protocol for a connection whose head :func:`parse_head` accepted (see the
+    module docstring)."""
 
     limits: Limits = Limits()
     peer_log: PeerLog = PeerLog(log)
@@ -127,9 +128,9 @@ class GuardedH11(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._phase = ""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio.BaseTransport in the base, a socket one here
         super().connection_made(transport)
-        self.logger = _QuietLogger(self.logger, self.peer_log, self.client)  # type: ignore[assignment]
+        self.logger = _QuietLogger(self.logger, self.peer_log, self.client)  # type: ignore[assignment]  # uvicorn types its logger as logging.Logger
         if self._head is not None:
             self.data_received(self._head.raw)
 
@@ -309,4 +310,4 @@ class QuietDisconnect:
 
 def principal_of(request: Any) -> Principal | None:
     """The principal the token gate put on a Starlette/FastAPI request (None: open path)."""
-    return request.scope.get("state", {}).get(PRINCIPAL_KEY)  # type: ignore[no-any-return]
+    return request.scope.get("state", {}).get(PRINCIPAL_KEY)  # type: ignore[no-any-return]  # ASGI scope state is untyped

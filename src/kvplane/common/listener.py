@@ -11,6 +11,7 @@ connection down.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import socket
 import threading
@@ -49,7 +50,7 @@ class Listener:
 
     def __init__(self, serve: Callable[[socket.socket], None], host: str = "127.0.0.1",
                  port: int = 0, name: str = "listener", max_connections: int = 512,
-                 on_refuse: Callable[[], None] = lambda: None, limits: Limits | None = None,
+                 on_refuse: Callable[[], object] = lambda: None, limits: Limits | None = None,
                  listen: bool = True) -> None:
         self._serve = serve
         self._name = name
@@ -95,7 +96,7 @@ class Listener:
                 self._peer_log.warn("*", "accept failed (%s); retrying", exc)
                 self.closed.wait(0.05)
                 continue
-            ticket = self.admission.admit(str(addr[0]), lambda c=conn: _shutdown(c))
+            ticket = self.admission.admit(str(addr[0]), functools.partial(_shutdown, conn))
             if ticket is None:
                 conn.close()
                 self._on_refuse()

@@ -64,7 +64,7 @@ def add_route(app: Any) -> None:
         app.add_route(path, exposition, methods=["GET"], include_in_schema=False)
 
 
-def asgi_app():  # type: ignore[no-untyped-def]
+def asgi_app() -> Any:
     """An ASGI app serving /metrics, to mount inside a FastAPI service."""
     return make_asgi_app()
 

@@ -47,4 +47,4 @@ class Registry(Generic[T]):
                 raise InvalidArgument(f"unknown {self.kind} {name!r}; choose one of {self.names()}")
             path = name
         module, _, attr = path.partition(":")
-        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]  # the factory the registry names

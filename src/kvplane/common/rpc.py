@@ -31,12 +31,18 @@ import msgspec
 
 from kvplane.common import wire
 from kvplane.common.auth import ADMIN, Authenticator, Principal, token_authenticator
+from kvplane.common.errors import (
+    InvalidArgument,
+    KVPlaneError,
+    ProtocolError,
+    Timeout,
+    Unauthorized,
+    Unavailable,
+    from_code,
+)
 from kvplane.common.guard import REJECTED, Limits, PeerLog
 from kvplane.common.listener import Listener
 from kvplane.common.sockets import SPIN_SECONDS, poll_spin, recv_exact, set_io_timeout
-from kvplane.common.errors import (
-    InvalidArgument, KVPlaneError, ProtocolError, Timeout, Unauthorized, Unavailable, from_code,
-)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -239,7 +245,7 @@ class RpcServer:
         """Register ``handler(request) -> reply`` for ``method``."""
         self._handlers[method] = (handler, request_type)
 
-    def start(self) -> "RpcServer":
+    def start(self) -> RpcServer:
         """Open the port (built with ``listen=False``: once every handler is added); with the
         default ``listen=True`` the listener is accepting already."""
         self._listener.start()
@@ -307,7 +313,7 @@ class RpcServer:
         """Stop serving and drop every connection (idempotent)."""
         self._listener.close()
 
-    def __enter__(self) -> "RpcServer":
+    def __enter__(self) -> RpcServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -377,7 +383,7 @@ class RpcClient:
         _send_frame(sock, wire.encode(env))
         if meanwhile is not None:
             meanwhile()
-        rep = wire.decode(_recv_frame(sock, self._max), wire.Reply)
+        rep = wire.decode(memoryview(_recv_frame(sock, self._max)), wire.Reply)
         if rep.id != rid:
             raise ProtocolError(f"reply id {rep.id} != request id {rid}")
         if rep.code and method == HELLO:
@@ -428,7 +434,7 @@ class RpcClient:
         with self._lock:
             self._reset()
 
-    def __enter__(self) -> "RpcClient":
+    def __enter__(self) -> RpcClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

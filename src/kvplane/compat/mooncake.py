@@ -16,8 +16,14 @@ from typing import Any
 
 from kvplane.common.config import parse_hostport
 from kvplane.common.errors import (
-    AddressNotRegistered, Conflict, InvalidArgument, KVPlaneError, NotFound, ProtocolError,
-    Timeout, Unavailable,
+    AddressNotRegistered,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NotFound,
+    ProtocolError,
+    Timeout,
+    Unavailable,
 )
 from kvplane.transfer.config import EngineConfig
 from kvplane.transfer.engine import TransferEngine as _Engine
@@ -354,12 +360,25 @@ class TransferEngine:
 from kvplane.compat.mooncake_buffer_pool import BufferPool  # noqa: E402
 from kvplane.compat.mooncake_store import MooncakeDistributedStore  # noqa: E402
 from kvplane.compat.mooncake_tensor_format import (  # noqa: E402
-    ParallelAxis, ReadTarget, TensorParallelism,
+    ParallelAxis,
+    ReadTarget,
+    TensorParallelism,
 )
 from kvplane.compat.mooncake_types import (  # noqa: E402
-    BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, MooncakeHostMemAllocator,
-    ObjectDataType, QueryTaskResponse, ReplicaDescriptor, ReplicaStatus, ReplicateConfig,
-    SoftPinAction, TaskStatus, TaskType, bind_to_numa_node,
+    BufferHandle,
+    Descriptor,
+    DiskDescriptor,
+    MemoryDescriptor,
+    MooncakeHostMemAllocator,
+    ObjectDataType,
+    QueryTaskResponse,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    ReplicateConfig,
+    SoftPinAction,
+    TaskStatus,
+    TaskType,
+    bind_to_numa_node,
 )
 
 __all__ = ["BufferHandle", "BufferPool", "Descriptor", "DiskDescriptor", "MemoryDescriptor",

@@ -23,8 +23,16 @@ from typing import Any
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.compat.mooncake_types import (
-    INVALID_PARAMS, NOT_SUPPORTED, Descriptor, DiskDescriptor, QueryTaskResponse,
-    ReplicaDescriptor, ReplicaStatus, TaskStatus, TaskType, code_of,
+    INVALID_PARAMS,
+    NOT_SUPPORTED,
+    Descriptor,
+    DiskDescriptor,
+    QueryTaskResponse,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    TaskStatus,
+    TaskType,
+    code_of,
 )
 from kvplane.store.client.replica_ops import ReplicaOps
 from kvplane.store.replica_types import MEMORY, ReplicaInfo, TaskId
@@ -101,7 +109,8 @@ class AdminMixin:
             return []
 
     # -- copy/move tasks -----------------------------------------------------------------------------
-    def _create(self, kind: str, key: str, targets: list[str], source: str = "") -> tuple[tuple[int, int], int]:
+    def _create(self, kind: str, key: str, targets: list[str],
+                source: str = "") -> tuple[tuple[int, int], int]:
         if self._c is None:
             return (0, 0), INVALID_PARAMS
         try:

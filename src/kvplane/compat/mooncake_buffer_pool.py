@@ -29,7 +29,7 @@ MAX_LEASE = 1 << 48  # bytes one lease may ask for (a guard against size arithme
 class BufferLease:
     """One leased buffer (see the module docstring)."""
 
-    def __init__(self, pool: "BufferPool", ptr: int, size: int, release: Any, nbytes: int) -> None:
+    def __init__(self, pool: BufferPool, ptr: int, size: int, release: Any, nbytes: int) -> None:
         self.ptr, self.size = ptr, size
         self._pool, self._release, self._nbytes = pool, release, nbytes
         self._owner = (ctypes.c_ubyte * size).from_address(ptr) if size else bytearray(0)
@@ -51,7 +51,7 @@ class BufferLease:
         self._release()
         self._pool._returned(self._nbytes)
 
-    def __enter__(self) -> "BufferLease":
+    def __enter__(self) -> BufferLease:
         return self
 
     def __exit__(self, *exc: object) -> None:

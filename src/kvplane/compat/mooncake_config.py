@@ -90,7 +90,7 @@ class MooncakeConfig:
                 raise ValueError(f"Config field {name!r} must be a non-empty string, got {value!r}")
 
     @staticmethod
-    def from_file(file_path: str) -> "MooncakeConfig":
+    def from_file(file_path: str) -> MooncakeConfig:
         """Read a JSON config file (ValueError when a required field is missing)."""
         with open(file_path, encoding="utf-8") as f:
             data = json.load(f)
@@ -112,7 +112,7 @@ class MooncakeConfig:
             client_http_port=int(data.get("client_http_port", 9300)))
 
     @staticmethod
-    def load_from_env() -> "MooncakeConfig":
+    def load_from_env() -> MooncakeConfig:
         """From ``MOONCAKE_CONFIG_PATH``, else the ``MOONCAKE_*`` variables (``MOONCAKE_MASTER``
         required, ValueError otherwise)."""
         path = os.getenv("MOONCAKE_CONFIG_PATH")

@@ -9,7 +9,7 @@ object columns encoded row by row (msgpack; ndarrays and tensors inside rows kee
 shape); ``meta_info`` goes in the manifest. The ref maps each field to (stage, member, section);
 ``export_dataproto_ref`` turns it into a JSON-safe handle of manifest keys.
 
-Also here: the leaf-codec choice (``_choose_leaf_codec``) and structure inference
+Also here: the leaf-codec choice (``choose_leaf_codec``) and structure inference
 (``infer_structure``) for nested non-tensor values, with ``MISSING`` for absent dict keys.
 """
 
@@ -23,8 +23,12 @@ import msgspec
 import numpy as np
 
 from kvplane.compat.mooncake_structured import (
-    BundleTransferPolicy, RemoteBundleRef, StructuredMemberSlice, StructuredObjectPayload,
-    StructuredStore, import_ref,
+    BundleTransferPolicy,
+    RemoteBundleRef,
+    StructuredMemberSlice,
+    StructuredObjectPayload,
+    StructuredStore,
+    import_ref,
 )
 
 MAX_DEPTH = 32
@@ -35,9 +39,9 @@ SECTIONS = ("batch", "non_tensor_batch")
 class _Missing:
     """A dict key absent from one row (unlike a present key whose value is None)."""
 
-    _instance: "_Missing | None" = None
+    _instance: _Missing | None = None
 
-    def __new__(cls) -> "_Missing":
+    def __new__(cls) -> _Missing:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -49,7 +53,7 @@ class _Missing:
 MISSING = _Missing()
 
 
-def _escape_key(key: str) -> str:
+def escape_key(key: str) -> str:
     """A dict key as one path component: ``\\``, ``.`` and ``[`` escaped."""
     return key.replace("\\", "\\\\").replace(".", "\\.").replace("[", "\\[")
 
@@ -102,7 +106,7 @@ def _jsonable(v: Any, depth: int = 0) -> bool:
     return False
 
 
-def _choose_leaf_codec(values: Sequence[Any]) -> LeafDecision:
+def choose_leaf_codec(values: Sequence[Any]) -> LeafDecision:
     """Which codec one column of row values takes (None and MISSING rows are nulls)."""
     present = [v for v in values if v is not None and v is not MISSING]
     if not present:
@@ -139,7 +143,7 @@ def infer_structure(path: str, values: Sequence[Any], leaves: list[LeafSpec],
         nodes.append(node)
         for k in keys:
             column = [(v.get(k, MISSING) if isinstance(v, dict) else None) for v in values]
-            infer_structure(f"{path}.{_escape_key(str(k))}", column, leaves, nodes, depth + 1)
+            infer_structure(f"{path}.{escape_key(str(k))}", column, leaves, nodes, depth + 1)
         return
     if present and all(isinstance(v, list) for v in present) and all(
             isinstance(x, dict) or x is None for v in present for x in v) and any(v for v in present):
@@ -148,7 +152,7 @@ def infer_structure(path: str, values: Sequence[Any], leaves: list[LeafSpec],
         flat = [x for v in values if isinstance(v, list) for x in v]
         infer_structure(f"{path}[0]", flat, leaves, nodes, depth + 1)
         return
-    leaves.append(LeafSpec(path, list(values), _choose_leaf_codec(values)))
+    leaves.append(LeafSpec(path, list(values), choose_leaf_codec(values)))
 
 
 # -- row encoding of object columns --------------------------------------------------------------------
@@ -185,10 +189,10 @@ def _dec(v: Any) -> Any:
     if "__nd__" in v:
         return np.frombuffer(v["data"], np.dtype(v["__nd__"])).reshape(v["shape"]).copy()
     if "__t__" in v:
-        from kvplane.compat.mooncake_structured import _to_torch, _torch_np_dtype
+        from kvplane.compat.mooncake_structured import to_torch, torch_np_dtype
 
-        arr = np.frombuffer(v["data"], _torch_np_dtype(v["__t__"])).reshape(v["shape"])
-        return _to_torch(arr, v["__t__"])
+        arr = np.frombuffer(v["data"], torch_np_dtype(v["__t__"])).reshape(v["shape"])
+        return to_torch(arr, v["__t__"])
     if "__list__" in v:
         return np.asarray([_dec(x) for x in v["__list__"]] + [None], dtype=object)[:-1]
     return {_dec(k): _dec(x) for k, x in v["__dict__"]}
@@ -300,7 +304,8 @@ class DataProtoMixin:
     """DataProto calls of ``MooncakeBundleTransfer`` (see the module docstring)."""
 
     def _put_stage(self, batch: dict[str, Any], non_tensor: dict[str, Any], meta: dict[str, Any],
-                   stage: str, config: Any, namespace: str, partition: str) -> tuple[RemoteBundleRef, dict[str, tuple[str, str, str]], int]:
+                   stage: str, config: Any, namespace: str, partition: str
+                   ) -> tuple[RemoteBundleRef, dict[str, tuple[str, str, str]], int]:
         sizes = {len(v) for v in list(batch.values()) + list(non_tensor.values())}
         if len(sizes) > 1:
             raise ValueError(f"fields have different batch sizes: {sorted(sizes)}")
@@ -324,7 +329,7 @@ class DataProtoMixin:
             index[name] = (stage, member, "non_tensor_batch")
         meta_doc = {"dataproto": {"stage": stage, "namespace": namespace, "partition": partition,
                                   "batch_size": n, "meta_info": _plain(meta), "codecs": codecs}}
-        ref = self.put_structured_object(StructuredObjectPayload(buffers, meta_doc),  # type: ignore[attr-defined]
+        ref = self.put_structured_object(StructuredObjectPayload(buffers, meta_doc),  # type: ignore[attr-defined]  # mixin: the store class has it
                                          config=config)
         return ref, index, n
 
@@ -354,14 +359,14 @@ class DataProtoMixin:
         new_ref, index, n = self._put_stage(batch, non_tensor, meta, stage_name, config,
                                             ref.namespace, ref.partition)
         if n and n != ref.batch_size:
-            self.remove_bundle(new_ref)  # type: ignore[attr-defined]
+            self.remove_bundle(new_ref)  # type: ignore[attr-defined]  # mixin: the store class has it
             raise ValueError(f"batch size {n} != {ref.batch_size}")
         stages = {s: r for s, r in ref.stage_refs.items() if s not in old_stages or s == stage_name}
         stages[stage_name] = new_ref
         fields = {f: loc for f, loc in ref.field_index.items() if f not in clash}
         fields.update(index)
         for s in old_stages - {stage_name}:
-            self.remove_bundle(ref.stage_refs[s])  # type: ignore[attr-defined]
+            self.remove_bundle(ref.stage_refs[s])  # type: ignore[attr-defined]  # mixin
         return MooncakeDataProtoRef(stages, fields, ref.batch_size, ref.namespace, ref.partition,
                                     {**ref.meta_info, **_plain(meta)}, ref.global_indexes,
                                     ref._storage_group_id)
@@ -384,14 +389,14 @@ class DataProtoMixin:
             by_stage.setdefault(ref.field_index[f][0], []).append(f)
         for stage, names in by_stage.items():
             members = [ref.field_index[f][1] for f in names]
-            spec = self.read_spec(ref.stage_refs[stage]).select_members(members)  # type: ignore[attr-defined]
-            doc = self._manifest(ref.stage_refs[stage])  # type: ignore[attr-defined]
+            spec = self.read_spec(ref.stage_refs[stage]).select_members(members)  # type: ignore[attr-defined]  # mixin: the store class has it
+            doc = self._manifest(ref.stage_refs[stage])  # type: ignore[attr-defined]  # mixin
             codecs = doc["metadata"].get("dataproto", {}).get("codecs", {})
             if picked is not None:
                 for m in members:
                     if m not in codecs and picked == list(range(picked[0], picked[-1] + 1)):
                         spec = spec.slice_member(m, 0, picked[0], picked[-1] + 1)
-            objs = self.materialize(spec).objects  # type: ignore[attr-defined]
+            objs = self.materialize(spec).objects  # type: ignore[attr-defined]  # mixin
             for f, m in zip(names, members):
                 value = objs[m]
                 if m in codecs:
@@ -447,7 +452,7 @@ class DataProtoMixin:
         ref = self._ref(ref)
         view = {}
         for f, (stage, member, section) in ref.field_index.items():
-            spec = self._manifest(ref.stage_refs[stage])["buffers"][member]  # type: ignore[attr-defined]
+            spec = self._manifest(ref.stage_refs[stage])["buffers"][member]  # type: ignore[attr-defined]  # mixin: the store class has it
             view[f] = {k: v for k, v in spec.items() if k != "chunks"} | {"stage": stage,
                                                                           "section": section}
         return view
@@ -456,7 +461,7 @@ class DataProtoMixin:
         """Remove every stage object the ref names."""
         ref = self._ref(ref)
         for stage_ref in ref.stage_refs.values():
-            self.remove_bundle(stage_ref)  # type: ignore[attr-defined]
+            self.remove_bundle(stage_ref)  # type: ignore[attr-defined]  # mixin: the store class has it
 
     # -- unified put/get and single objects ----------------------------------------------------------
     def put(self, data: Any, type: str = "dict", stage: str = "default", config: Any = None,
@@ -504,10 +509,10 @@ class DataProtoMixin:
                                                        "rest": msgspec.msgpack.encode(rest).hex()})
         else:
             payload = StructuredObjectPayload({"value": obj}, {"object": "value"})
-        return self.put_structured_object(payload, config=config)  # type: ignore[attr-defined]
+        return self.put_structured_object(payload, config=config)  # type: ignore[attr-defined]  # mixin
 
     def get_object(self, ref: RemoteBundleRef) -> Any:
-        result = self.materialize(self.read_spec(ref))  # type: ignore[attr-defined]
+        result = self.materialize(self.read_spec(ref))  # type: ignore[attr-defined]  # mixin
         if result.metadata.get("object") == "value":
             return result.objects["value"]
         out = {k: _dec(v) for k, v in msgspec.msgpack.decode(bytes.fromhex(result.metadata["rest"])).items()}

@@ -19,7 +19,12 @@ from typing import Any
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.compat.mooncake_types import (
-    INVALID_PARAMS, OBJECT_NOT_FOUND, OK, check_config, code_of, natives,
+    INVALID_PARAMS,
+    OBJECT_NOT_FOUND,
+    OK,
+    check_config,
+    code_of,
+    natives,
 )
 from kvplane.store.client.ranges import Ranges
 from kvplane.store.types import KeyResult
@@ -211,8 +216,8 @@ class RangesMixin:
             return INVALID_PARAMS
         ranges = [(int(o), int(p), int(n)) for p, n, o in zip(ptrs, sizes, offsets)]
         io = self._range_io()
-        codes = (io.read(held[0], ranges, held[1]) if get  # type: ignore[index]
-                 else io.write(held, ranges))  # type: ignore[arg-type]
+        codes = (io.read(held[0], ranges, held[1]) if get  # type: ignore[index]  # held is a pair on the read path
+                 else io.write(held, ranges))  # type: ignore[arg-type]  # held is a handle on the write path
         bad = next((c for c in codes if c < 0), None)
         return bad if bad is not None else sum(codes)
 
@@ -221,5 +226,5 @@ class RangesMixin:
                                size: int, metadata_size: int, config: Any = None) -> int:
         """One object: ``metadata_size`` bytes at ``metadata_buffer_ptr`` then ``size`` bytes
         at ``buffer_ptr`` (both registered)."""
-        return self.batch_put_from_multi_buffers(  # type: ignore[attr-defined,no-any-return]
+        return self.batch_put_from_multi_buffers(  # type: ignore[attr-defined]  # mixin: the store class has it
             [key], [[metadata_buffer_ptr, buffer_ptr]], [[metadata_size, size]], config)[0]

@@ -32,8 +32,15 @@ from kvplane.compat.mooncake_dummy import DummyMixin
 from kvplane.compat.mooncake_ranges import RangesMixin
 from kvplane.compat.mooncake_tensor import TensorMixin
 from kvplane.compat.mooncake_types import (
-    INTERNAL_ERROR, INVALID_PARAMS, OK, BufferHandle, ReplicateConfig, buffer_handle,
-    check_config, code_of, natives,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    OK,
+    BufferHandle,
+    ReplicateConfig,
+    buffer_handle,
+    check_config,
+    code_of,
+    natives,
 )
 
 log = logging.getLogger(__name__)
@@ -165,9 +172,9 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
         return self._c
 
     # -- plumbing ----------------------------------------------------------------------------------
-    def _rc(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _rc(self, fn: Callable[..., Any] | None, *args: Any) -> Any:
         """Call the native client: None becomes 0, a kvplane error its code; -600 if not set up."""
-        if self._c is None:
+        if self._c is None or fn is None:
             return INVALID_PARAMS
         try:
             out = fn(*args)
@@ -185,7 +192,7 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
 
     def _view(self, addr: int, size: int) -> memoryview:
         """A bounds-checked view of registered memory (raises AddressNotRegistered)."""
-        return self._c.engine.memory.view(int(addr), int(size))  # type: ignore[no-any-return]
+        return self._c.engine.memory.view(int(addr), int(size))
 
     def _grouped(self, cfg: ReplicateConfig | None, n: int,
                  call: Callable[[list[int], Any], list[int]]) -> list[int]:
@@ -279,7 +286,7 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
                 taken.append((i, size, block))
         got = self._each(self._c.batch_get_into, len(taken), [keys[i] for i, _, _ in taken],
                          [b[0] for _, _, b in taken], [s for _, s, _ in taken])
-        for (i, size, (addr, view, release)), n in zip(taken, got):
+        for (i, _size, (addr, view, release)), n in zip(taken, got):
             if n > 0:
                 out[i] = buffer_handle(addr, n, keep=view, release=release)
             else:
@@ -332,7 +339,7 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
         if self._c is None:
             return INVALID_PARAMS
         try:
-            return self._c.get_into(key, int(buffer_ptr), int(size))  # type: ignore[no-any-return]
+            return self._c.get_into(key, int(buffer_ptr), int(size))
         except KVPlaneError as exc:  # a miss is no warning: the batch form logs none either
             return code_of(exc)
 
@@ -372,7 +379,7 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
                 for p, n in zip(ptrs, sizes):
                     view[off:off + int(n)] = np.frombuffer(self._view(p, n), np.uint8)
                     off += int(n)
-                return self._rc(self._c.put_from, key, addr, total, native)  # type: ignore[no-any-return]
+                return self._rc(self._c.put_from, key, addr, total, native)
         except KVPlaneError as exc:
             return code_of(exc)
 
@@ -399,7 +406,7 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
                         take = max(0, min(int(k), n - off))
                         self._view(p, take)[:] = view[off:off + take].data
                         off += take
-                return n  # type: ignore[no-any-return]
+                return n
         except KVPlaneError as exc:
             return code_of(exc)
 
@@ -417,11 +424,11 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
 
     def get_size(self, key: str) -> int:
         """Bytes of the object, or a negative code (-704 missing)."""
-        return self._rc(self._c.get_size if self._c else None, key)  # type: ignore[no-any-return]
+        return self._rc(self._c.get_size if self._c else None, key)
 
     def remove(self, key: str, force: bool = False) -> int:
         """0, -704 missing, -706 leased (``force`` ignores leases)."""
-        return self._rc(self._c.remove if self._c else None, key, bool(force))  # type: ignore[no-any-return]
+        return self._rc(self._c.remove if self._c else None, key, bool(force))
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         keys = list(keys)
@@ -435,18 +442,18 @@ class MooncakeDistributedStore(RangesMixin, AdminMixin, TensorMixin, DummyMixin)
             re.compile(regex_pattern)
         except re.error:
             return INVALID_PARAMS
-        return self._rc(self._c.remove_by_regex if self._c else None, regex_pattern,  # type: ignore[no-any-return]
+        return self._rc(self._c.remove_by_regex if self._c else None, regex_pattern,
                         bool(force))
 
     def remove_all(self, force: bool = False) -> int:
         """How many objects went (leased ones stay unless ``force``)."""
-        return self._rc(self._c.remove_all if self._c else None, bool(force))  # type: ignore[no-any-return]
+        return self._rc(self._c.remove_all if self._c else None, bool(force))
 
     def get_offload_rpc_read_count(self) -> int:
         """Reads served from an SSD tier through the owner's RPC: 0 (no SSD tier yet)."""
         return 0
 
-    def __enter__(self) -> "MooncakeDistributedStore":
+    def __enter__(self) -> MooncakeDistributedStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -80,11 +80,11 @@ class StructuredObjectReadSpec:
     members: tuple[str, ...] | None = None
     slices: dict[str, StructuredMemberSlice] = field(default_factory=dict)
 
-    def select_members(self, names: Sequence[str]) -> "StructuredObjectReadSpec":
+    def select_members(self, names: Sequence[str]) -> StructuredObjectReadSpec:
         return replace(self, members=tuple(names))
 
     def slice_member(self, name: str, axis: int = 0, start: int | None = None,
-                     end: int | None = None, step: int | None = None) -> "StructuredObjectReadSpec":
+                     end: int | None = None, step: int | None = None) -> StructuredObjectReadSpec:
         if axis != 0:
             raise ValueError("slice_member supports axis=0")
         return replace(self, slices={**self.slices, name: StructuredMemberSlice(axis, start, end, step)})
@@ -121,7 +121,7 @@ def _member_spec(value: Any) -> tuple[dict[str, Any], memoryview]:
     if isinstance(value, np.ndarray) and value.dtype != object:
         arr = np.ascontiguousarray(value)
         return ({"encoding": "ndarray", "dtype": arr.dtype.str, "shape": list(arr.shape)},
-                memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b""))
+                arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b""))
     raise TypeError(f"structured members are ndarrays, torch tensors or bytes, not "
                     f"{type(value).__name__}")
 
@@ -277,7 +277,7 @@ class StructuredStore:
             if sl is not None:
                 raise ValueError("byte members are read whole")
             return self._read_member_bytes(spec)
-        dtype = np.dtype(spec["dtype"]) if enc == "ndarray" else _torch_np_dtype(spec["dtype"])
+        dtype = np.dtype(spec["dtype"]) if enc == "ndarray" else torch_np_dtype(spec["dtype"])
         shape = list(spec["shape"])
         rows = range(shape[0]) if shape else range(0)
         if sl is not None:
@@ -292,7 +292,7 @@ class StructuredStore:
             lo, hi = min(rows) * row_bytes, (max(rows) + 1) * row_bytes
             block = np.frombuffer(self._read_range(spec, lo, hi), dtype).reshape([-1] + shape[1:])
             arr = np.ascontiguousarray(block[[r - min(rows) for r in rows]])
-        return _to_torch(arr, spec["dtype"]) if enc == "tensor" else arr
+        return to_torch(arr, spec["dtype"]) if enc == "tensor" else arr
 
     def materialize(self, spec: StructuredObjectReadSpec) -> MaterializeResult:
         """New objects for the members ``spec`` selects (slices applied)."""
@@ -369,7 +369,7 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:128] or "_"
 
 
-def _torch_np_dtype(name: str) -> np.dtype:
+def torch_np_dtype(name: str) -> np.dtype:
     """The numpy dtype with the byte size of a torch dtype (bytes are reinterpreted)."""
     from kvplane.compat import mooncake_tensor_format as fmt
 
@@ -377,7 +377,7 @@ def _torch_np_dtype(name: str) -> np.dtype:
     return np.dtype(f"V{torch.empty(0, dtype=getattr(torch, name)).element_size()}")
 
 
-def _to_torch(arr: np.ndarray, name: str) -> Any:
+def to_torch(arr: np.ndarray, name: str) -> Any:
     from kvplane.compat import mooncake_tensor_format as fmt
 
     torch = fmt.torch()

@@ -1,7 +1,7 @@
 """``MooncakeDistributedStore``'s tensor family: ``put_tensor``/``get_tensor`` and their batch,
 ``pub_`` (with a ReplicateConfig), upsert, ``_into``/``_from`` (zero-copy, registered buffers)
 and tensor-parallel (``_with_tp``: shard ``r`` of a tensor lives under ``"{key}_tp_{r}"``)
-forms, the safetensors helpers, and ``_serialize_tensor`` & co.
+forms, the safetensors helpers, and ``serialize_tensor`` & co.
 
 Objects are ``[304-byte header][bytes]`` (``mooncake_tensor_format``). Writes return 0 or a
 code; reads return a tensor or None. ``_into`` reads return a tensor that shares the caller's
@@ -54,7 +54,7 @@ class TensorMixin(ParallelMixin):
         except (ValueError, TypeError, AttributeError) as exc:
             log.error("tensor write: %s", exc)
             return [INVALID_PARAMS] * len(keys)
-        return self._put_values(list(keys), payloads, config, upsert)  # type: ignore[attr-defined,no-any-return]
+        return self._put_values(list(keys), payloads, config, upsert)  # type: ignore[attr-defined]  # mixin: the store class has it
 
     @staticmethod
     def _decode(data: bytes | None) -> Any:
@@ -112,7 +112,7 @@ class TensorMixin(ParallelMixin):
 
     def batch_get_tensor(self, keys: Sequence[str]) -> list[Any]:
         fmt.torch()
-        return [self._decode(d) for d in self.get_batch(list(keys))]  # type: ignore[attr-defined]
+        return [self._decode(d) for d in self.get_batch(list(keys))]  # type: ignore[attr-defined]  # mixin
 
     # -- zero-copy ------------------------------------------------------------------------------------
     def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
@@ -126,13 +126,13 @@ class TensorMixin(ParallelMixin):
         if self._c is None or not len(keys) == len(buffer_ptrs) == len(sizes) or \
                 any(int(p) == 0 for p in buffer_ptrs):
             return [INVALID_PARAMS] * len(keys)  # the whole call is refused (per-key misses: None)
-        got = self.batch_get_into(list(keys), buffer_ptrs, sizes)  # type: ignore[attr-defined]
+        got = self.batch_get_into(list(keys), buffer_ptrs, sizes)  # type: ignore[attr-defined]  # mixin
         return [self._decode_at(p, n) if n > 0 else None for p, n in zip(buffer_ptrs, got)]
 
     def _check_serialized(self, ptr: int, size: int) -> bool:
         try:
-            head = fmt.unpack(self._view(ptr, min(int(size), fmt.HEADER_SIZE)))  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - unregistered or unreadable: not a tensor buffer
+            head = fmt.unpack(self._view(ptr, min(int(size), fmt.HEADER_SIZE)))  # type: ignore[attr-defined]  # mixin: the store class has it
+        except Exception:
             return False
         return head is not None and fmt.HEADER_SIZE + head.nbytes <= int(size)
 
@@ -144,7 +144,7 @@ class TensorMixin(ParallelMixin):
         out = [INVALID_PARAMS] * len(keys)
         idx = [i for i, good in enumerate(ok) if good]
         if idx:
-            codes = self._put_from([keys[i] for i in idx], [ptrs[i] for i in idx],  # type: ignore[attr-defined]
+            codes = self._put_from([keys[i] for i in idx], [ptrs[i] for i in idx],  # type: ignore[attr-defined]  # mixin: the store class has it
                                    [sizes[i] for i in idx], None, upsert)
             for i, rc in zip(idx, codes):
                 out[i] = rc
@@ -201,7 +201,7 @@ class TensorMixin(ParallelMixin):
         payloads = [fmt.pack(fmt.header_for(s, global_shape=gshape, tp_size=tp_size, tp_rank=r,
                                             split_dim=split_dim % tensor.dim()))
                     + fmt.tensor_bytes(s).tobytes() for r, s in enumerate(shards)]
-        codes = self._put_values([tp_key(key, r) for r in range(tp_size)], payloads,  # type: ignore[attr-defined]
+        codes = self._put_values([tp_key(key, r) for r in range(tp_size)], payloads,  # type: ignore[attr-defined]  # mixin: the store class has it
                                  config, upsert)
         return next((c for c in codes if c), OK)
 
@@ -251,9 +251,9 @@ class TensorMixin(ParallelMixin):
         """The tensor serialized at registered ``ptr`` (a copy), or None."""
         if not self._check_serialized(ptr, size):
             return None
-        head = fmt.unpack(self._view(ptr, fmt.HEADER_SIZE))  # type: ignore[attr-defined]
-        body = bytearray(self._view(int(ptr) + fmt.HEADER_SIZE, head.nbytes)) if head.nbytes else b""  # type: ignore[attr-defined,union-attr]
-        return fmt.tensor_from(head, body)  # type: ignore[arg-type]
+        head = fmt.unpack(self._view(ptr, fmt.HEADER_SIZE))  # type: ignore[attr-defined]  # mixin
+        body = bytearray(self._view(int(ptr) + fmt.HEADER_SIZE, head.nbytes)) if head.nbytes else b""  # type: ignore[attr-defined,union-attr]  # mixin: the store class has it
+        return fmt.tensor_from(head, body)  # type: ignore[arg-type]  # bytes or bytearray
 
     def put_tensor_with_tp_from(self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0,
                                 tp_size: int = 1, split_dim: int = 0) -> int:
@@ -356,12 +356,12 @@ def read_safetensors(path: str) -> dict[str, Any]:
 
 
 # -- module helpers Mooncake's extension exposes -----------------------------------------------------
-def _tensor_metadata_size() -> int:
+def tensor_metadata_size() -> int:
     """Bytes of the header in front of a stored tensor's data."""
     return fmt.HEADER_SIZE
 
 
-def _serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
+def serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
     """(header bytes, data address, data size, owner keeping the data alive) of a tensor."""
     data = fmt.tensor_bytes(tensor)
     owner = data.obj if hasattr(data, "obj") else data
@@ -369,7 +369,7 @@ def _serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
     return fmt.pack(fmt.header_for(tensor)), int(addr), len(data), owner
 
 
-def _deserialize_tensor(payload: bytes) -> Any:
+def deserialize_tensor(payload: bytes) -> Any:
     """The tensor of ``header + data`` bytes (ValueError when they are not one)."""
     tensor = TensorMixin._decode(payload)
     if tensor is None:

@@ -78,7 +78,7 @@ class ParallelMixin:
                 return INVALID_PARAMS
             return self._shard_payload(key, tensor, rank, size, split, [], full_input=True)
         if parallelism is None:
-            return key, self._payload(tensor)  # type: ignore[attr-defined,no-any-return]
+            return key, self._payload(tensor)  # type: ignore[attr-defined]  # mixin: the store class has it
         axes = list(parallelism.axes)
         why = fmt.check_axes(axes)
         if why:
@@ -87,7 +87,7 @@ class ParallelMixin:
         group = group_key(key, axes)
         tp = tp_axis(axes)
         if tp is None:
-            return group, self._payload(tensor, axes=fmt.axes_tuple(parallelism))  # type: ignore[attr-defined,no-any-return]
+            return group, self._payload(tensor, axes=fmt.axes_tuple(parallelism))  # type: ignore[attr-defined]  # mixin
         return self._shard_payload(group, tensor, tp.rank, tp.size, tp.split_dim,
                                    fmt.axes_tuple(parallelism), full_input=len(axes) > 1)
 
@@ -128,7 +128,7 @@ class ParallelMixin:
             if not isinstance(got, int):
                 todo.append((i, got))
         if todo:
-            codes = self._put_values([k for _, (k, _) in todo], [p for _, (_, p) in todo],  # type: ignore[attr-defined]
+            codes = self._put_values([k for _, (k, _) in todo], [p for _, (_, p) in todo],  # type: ignore[attr-defined]  # mixin: the store class has it
                                      config, upsert)
             for (i, _), rc in zip(todo, codes):
                 out[i] = rc
@@ -159,7 +159,7 @@ class ParallelMixin:
                                     writer_partitions, True)
 
     def _from_buffers(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[Any]:
-        return [self._tensor_at(p, n) for p, n in zip(ptrs, sizes)]  # type: ignore[attr-defined]
+        return [self._tensor_at(p, n) for p, n in zip(ptrs, sizes)]  # type: ignore[attr-defined]  # mixin
 
     def _write_parallel_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
                              parallelisms: Any, config: Any, partitions: Any,
@@ -213,10 +213,10 @@ class ParallelMixin:
     def _fetch(self, keys: list[str]) -> list[tuple[fmt.Header, Any] | None]:
         """Per key (header, tensor) of the stored object, or None."""
         out: list[tuple[fmt.Header, Any] | None] = []
-        for data in self.get_batch(keys):  # type: ignore[attr-defined]
+        for data in self.get_batch(keys):  # type: ignore[attr-defined]  # mixin: the store class has it
             head = fmt.unpack(data) if data else None
-            tensor = self._decode(data) if head is not None else None  # type: ignore[attr-defined]
-            out.append((head, tensor) if tensor is not None else None)  # type: ignore[arg-type]
+            tensor = self._decode(data) if head is not None else None  # type: ignore[attr-defined]  # mixin
+            out.append((head, tensor) if tensor is not None else None)  # type: ignore[arg-type]  # tensor is not None here
         return out
 
     def _full(self, group: str) -> Any:
@@ -231,7 +231,7 @@ class ParallelMixin:
         rest = self._fetch([f"{group}_tp_{r}" for r in range(1, head.tp_size)])
         if any(r is None for r in rest):
             return None
-        return fmt.torch().cat([t0, *(r[1] for r in rest)], dim=head.split_dim)  # type: ignore[index]
+        return fmt.torch().cat([t0, *(r[1] for r in rest)], dim=head.split_dim)  # type: ignore[index]  # rest holds found pairs
 
     def _read_one(self, key: str, target: Any) -> Any:
         mode = "as_stored" if target is None else getattr(target, "mode", "as_stored")
@@ -245,12 +245,12 @@ class ParallelMixin:
             return self._full(group)
         if mode == "as_stored":
             if par is None:
-                return self.get_tensor(key)  # type: ignore[attr-defined]
-            return self.get_tensor(f"{group}_tp_{tp.rank}" if tp is not None else group)  # type: ignore[attr-defined]
+                return self.get_tensor(key)  # type: ignore[attr-defined]  # mixin: the store class has it
+            return self.get_tensor(f"{group}_tp_{tp.rank}" if tp is not None else group)  # type: ignore[attr-defined]  # mixin: the store class has it
         if mode != "shard" or par is None:
             return None
         if tp is None:
-            return self.get_tensor(group)  # type: ignore[attr-defined]
+            return self.get_tensor(group)  # type: ignore[attr-defined]  # mixin: the store class has it
         direct = self._fetch([f"{group}_tp_{tp.rank}"])[0]
         if direct is not None and direct[0].tp_size == tp.size and direct[0].split_dim == tp.split_dim:
             return direct[1]
@@ -282,8 +282,8 @@ class ParallelMixin:
         if total > int(size):
             return None
         try:
-            self._view(ptr, total)  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - not registered memory
+            self._view(ptr, total)  # type: ignore[attr-defined]  # mixin: the store class has it
+        except Exception:
             return None
         view = view_at(int(ptr), total)
         view[:fmt.HEADER_SIZE] = fmt.pack(fmt.header_for(tensor))

@@ -21,7 +21,13 @@ import threading
 from typing import Any
 
 from kvplane.common.errors import (
-    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, Timeout, Unavailable,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NoSpace,
+    NotFound,
+    Timeout,
+    Unavailable,
 )
 from kvplane.store.errors import ChecksumMismatch
 from kvplane.store.types import ReplicateConfig as NativeConfig
@@ -321,10 +327,10 @@ class BufferHandle:
     """
 
     def ptr(self) -> int:
-        return ctypes.addressof(self)  # type: ignore[arg-type]
+        return ctypes.addressof(self)  # type: ignore[arg-type]  # a ctypes array at run time
 
     def size(self) -> int:
-        return len(self)  # type: ignore[arg-type]
+        return len(self)  # type: ignore[arg-type]  # a ctypes array at run time
 
     def release(self) -> None:
         rel = self.__dict__.pop("_release", None)
@@ -340,7 +346,7 @@ class BufferHandle:
 
 
 @functools.lru_cache(maxsize=256)
-def _handle_type(size: int) -> type:
+def _handle_type(size: int) -> Any:  # a ctypes array class made at run time
     return type("BufferHandle", (BufferHandle, ctypes.c_ubyte * size), {})
 
 
@@ -350,7 +356,7 @@ def buffer_handle(ptr: int, size: int, keep: Any = None, release: Any = None) ->
     handle = _handle_type(int(size)).from_address(int(ptr))
     handle._keep = keep
     handle._release = release
-    return handle  # type: ignore[no-any-return]
+    return handle
 
 
 class QueryTaskResponse:

@@ -134,6 +134,20 @@ done:
 
 static int is_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
+/* The eight bytes at p as a little-endian integer: one load on little-endian hosts, assembled
+ * byte by byte elsewhere (swar_digits needs p[0] in the low byte). */
+static inline uint64_t load_le64(const unsigned char *p) {
+#if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+#else
+    uint64_t w = 0;
+    for (int k = 7; k >= 0; k--) w = (w << 8) | p[k];
+    return w;
+#endif
+}
+
 /* The run of ASCII digits that starts the 8 bytes at p, as a number in *v (all eight bytes are
  * read): how many digits, or 8 when all eight are (the caller then parses the run byte by byte).
  * Byte-parallel, so a run of 1-7 digits costs no branch per digit: a byte is a digit when
@@ -141,8 +155,7 @@ static int is_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' ||
  * towards later bytes, past the first non-digit, so that one is found exactly. */
 static inline int swar_digits(const unsigned char *p, uint64_t *v) {
     const uint64_t ones = 0x0101010101010101ULL, high = 0x8080808080808080ULL;
-    uint64_t w;
-    memcpy(&w, p, 8);  /* little-endian: p[0] is the low byte */
+    uint64_t w = load_le64(p);  /* p[0] is the low byte, whatever the host's byte order */
     uint64_t not_digit = (w | (w + 0x46 * ones) | (w - 0x30 * ones)) & high;
     if (not_digit == 0) return 8;
     int n = __builtin_ctzll(not_digit) >> 3;
@@ -213,11 +226,16 @@ static PyObject *parse_ids(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* Past the JSON string that starts at p (its opening quote); NULL if unterminated. */
+/* Past the JSON string that starts at p (its opening quote); NULL if unterminated, including
+ * when the text ends right after an escape's backslash (p never steps past end). */
 static const unsigned char *skip_string(const unsigned char *p, const unsigned char *end, int *escaped) {
     for (p++; p < end; p++) {
-        if (*p == '\\') { *escaped = 1; p++; }
-        else if (*p == '"') return p + 1;
+        if (*p == '\\') {
+            *escaped = 1;
+            if (++p == end) return NULL;  /* the escaped byte is missing */
+        } else if (*p == '"') {
+            return p + 1;
+        }
     }
     return NULL;
 }

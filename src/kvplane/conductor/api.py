@@ -24,13 +24,19 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from kvplane.common import metrics as common_metrics
-from kvplane.common.errors import (Conflict, InvalidArgument, KVPlaneError, NotFound,
-                                   ProtocolError, Unauthorized)
-Secret = Annotated[str, Field(max_length=4096)]
+from kvplane.common.errors import (
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NotFound,
+    ProtocolError,
+    Unauthorized,
+)
 from kvplane.conductor import instruments
 from kvplane.conductor.hashing import HashProfile, native
 from kvplane.conductor.service import Conductor, QueryRequest, Registration
 
+Secret = Annotated[str, Field(max_length=4096)]
 Name = Annotated[str, Field(max_length=256)]
 Endpoint = Annotated[str, Field(max_length=512, pattern=r"^(tcp|ipc|inproc)://")]
 Token = Annotated[int, Field(ge=0, lt=1 << 32)]
@@ -147,7 +153,7 @@ def _decode_json(body: bytes) -> _QueryWire:
         q = _PLAIN_JSON_QUERY.decode(b"".join((body[:start], b"null", body[stop:])))
     except (msgspec.DecodeError, msgspec.ValidationError):
         return _PLAIN_JSON_QUERY.decode(body)  # raises, with the plain decoder's message
-    q.token_ids = np.frombuffer(ids, np.int64)  # type: ignore[assignment]
+    q.token_ids = np.frombuffer(ids, np.int64)  # type: ignore[assignment]  # the wire struct holds ids as a list or an array
     return q
 
 
@@ -375,8 +381,8 @@ def _admin_routes(app: FastAPI, conductor: Conductor, guarded: list[Any]) -> Non
         """Prometheus exposition of the process's metrics."""
         h = conductor.health()
         for what in ("contexts", "blocks", "entries", "holders"):
-            instruments.INDEX_SIZE.labels(what=what).set(h[what])  # type: ignore[arg-type]
-        instruments.STREAMS.set(h["streams"])  # type: ignore[arg-type]
+            instruments.INDEX_SIZE.labels(what=what).set(h[what])  # type: ignore[arg-type]  # health() values are numbers
+        instruments.STREAMS.set(h["streams"])  # type: ignore[arg-type]  # health() values are numbers
         body, ctype = common_metrics.render()
         return Response(body, media_type=ctype)
 

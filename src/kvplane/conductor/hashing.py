@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from itertools import chain
 import pickle
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Literal
 
 import numpy as np
@@ -34,7 +34,7 @@ from kvplane.common.errors import InvalidArgument
 try:  # ``native``: the optional C accelerator (pyproject's ext-modules); the numpy path below is the fallback
     from kvplane.conductor import _accel as native
 except ImportError:  # pragma: no cover - depends on the build
-    native = None
+    native = None  # type: ignore[assignment]  # not built: callers test for None
 
 Algorithm = Literal["sha256", "sha256_cbor"]
 ALGORITHMS: tuple[str, ...] = ("sha256", "sha256_cbor")
@@ -68,7 +68,7 @@ def _token_block(block: tuple[object, ...]) -> bytes:
     if block and set(map(type, block)) != {int}:  # bools compare equal to 0/1: keep them out
         raise TypeError("not a token id")
     try:
-        return b"".join(map(_UINTS.__getitem__, block))  # type: ignore[arg-type]
+        return b"".join(map(_UINTS.__getitem__, block))  # type: ignore[arg-type]  # ints checked above
     except KeyError:
         if len(_UINTS) > 1 << 20:
             _UINTS.clear()
@@ -76,7 +76,7 @@ def _token_block(block: tuple[object, ...]) -> bytes:
             if type(n) is not int or not 0 <= n < _UINT_LIMIT:
                 raise TypeError("not a token id") from None
             _UINTS[n] = _cbor_head(0, n)
-        return b"".join(map(_UINTS.__getitem__, block))  # type: ignore[arg-type]
+        return b"".join(map(_UINTS.__getitem__, block))  # type: ignore[arg-type]  # ints checked above
 
 
 def cbor_canonical(obj: object) -> bytes:
@@ -422,17 +422,17 @@ class HashProfile:
         """Forget the remembered chunks (benchmarks measure the cold path with this)."""
         self._chunks.clear()
 
-    def _generic(self, token_ids: Sequence[int], bs: int, start: int, stop: int, parent: bytes,
+    def _generic(self, token_ids: Sequence[int] | np.ndarray, bs: int, start: int, stop: int, parent: bytes,
                  lora_name: str | None, lora_path: str | None, cache_salt: str | None,
                  extra_keys: Sequence[ExtraKeys] | None) -> list[bytes]:
         """Block by block, any extra keys (the reference path)."""
         fn = _HASH_FNS[self.algorithm]
         plain = not lora_name and not cache_salt and extra_keys is None
-        array = isinstance(token_ids, np.ndarray)
         out = []
         for i in range(start, stop):
             chunk = token_ids[i * bs:(i + 1) * bs]
-            block = tuple(chunk.tolist() if array else map(operator.index, chunk))  # type: ignore[union-attr]
+            block = tuple(chunk.tolist() if isinstance(chunk, np.ndarray)
+                          else map(operator.index, chunk))
             extra = None if plain else self._extra(i, lora_name, lora_path, cache_salt, extra_keys)
             parent = fn((parent, block, extra))
             out.append(parent)
@@ -450,9 +450,9 @@ class HashProfile:
             keys.append(("cache_salt", cache_salt) if tagged else cache_salt)
         return tuple(keys) if keys else None
 
-    def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> "HashStream":
+    def event_hashes(self, token_ids: Sequence[int], block_size: int, **kw: object) -> HashStream:
         """Like :meth:`digests` but yields the 64-bit event projections (index keys)."""
-        return HashStream(map(low64_all, self._blobs(token_ids, block_size, **kw)))  # type: ignore[arg-type]
+        return HashStream(map(low64_all, self._blobs(token_ids, block_size, **kw)))  # type: ignore[arg-type]  # bytes digests
 
 
 class HashStream:

@@ -30,7 +30,7 @@ from kvplane.kvevents import Tier
 try:  # the optional C accelerator (see _walk); the Python loops below are the fallback
     from kvplane.conductor import _accel as native
 except ImportError:  # pragma: no cover - depends on the build
-    native = None
+    native = None  # type: ignore[assignment]  # not built: callers test for None
 
 _INTERN_LIMIT = 1 << 16
 
@@ -270,13 +270,13 @@ class PrefixIndex:
         removed = sum(c.counts[b] for b in bits)
         if removed:
             keep = ~mask
-            for h, m in list(c.blocks.items()):
+            for block, m in list(c.blocks.items()):
                 if m & mask:
                     rest = m & keep
                     if rest:
-                        c.blocks[h] = self._m(rest)
+                        c.blocks[block] = self._m(rest)
                     else:
-                        del c.blocks[h]
+                        del c.blocks[block]
         for h, b in zip(chosen, bits):
             c.counts[b] = 0
             if release:
@@ -344,13 +344,13 @@ class PrefixIndex:
             for r in ranks:
                 cur = _Cursor(inst, r, cpu, disk)
                 cursors.append(cur)
-                bit = c.slots.get(Holder(inst, r, Tier.GPU))
-                if bit is None:
+                slot = c.slots.get(Holder(inst, r, Tier.GPU))
+                if slot is None:
                     cur.gpu = 0
                     stages.start_on_cpu(cur)
                 else:
-                    stages.by_bit[bit] = cur
-                    stages.gpu |= 1 << bit
+                    stages.by_bit[slot] = cur
+                    stages.gpu |= 1 << slot
         return cursors, stages
 
     def contexts(self) -> list[ContextKey]:
@@ -365,7 +365,7 @@ class PrefixIndex:
         while m:
             low = m & -m
             m ^= low
-            h = c.holders[low.bit_length() - 1]  # type: ignore[union-attr]
+            h = c.holders[low.bit_length() - 1]  # type: ignore[union-attr]  # a set bit has a holder
             if h is not None:
                 out.append(h)
         return out
@@ -374,7 +374,7 @@ class PrefixIndex:
         """How many blocks one holder has in ``ctx``."""
         c = self._ctx.get(ctx)
         bit = None if c is None else c.slots.get(holder)
-        return 0 if bit is None else c.counts[bit]  # type: ignore[union-attr]
+        return 0 if bit is None else c.counts[bit]  # type: ignore[union-attr]  # bit is set only when c is
 
     def stats(self) -> dict[str, int]:
         """Sizes: contexts, distinct blocks, (block, holder) entries, holder slots."""

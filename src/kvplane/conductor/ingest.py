@@ -33,9 +33,9 @@ import zmq
 from kvplane.common.errors import ProtocolError
 from kvplane.common.guard import Limits
 from kvplane.conductor import instruments
+from kvplane.conductor.service import Conductor, Stream
 from kvplane.kvevents import EventBatch, decode_batch, decode_seq
 from kvplane.kvevents.secure import harden
-from kvplane.conductor.service import Conductor, Stream
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -119,7 +119,7 @@ class EventIngestor:
         self.endpoints.append(ep)
 
     # lifecycle ---------------------------------------------------------------------------------
-    def start(self, timeout: float = 5.0) -> "EventIngestor":
+    def start(self, timeout: float = 5.0) -> EventIngestor:
         """Start the ingest thread and subscribe to already-registered streams."""
         for s in self._c.streams():
             self._cmds.put(("add", s))
@@ -142,7 +142,7 @@ class EventIngestor:
         if not self._thread.is_alive():
             self._zctx.destroy(linger=0)
 
-    def __enter__(self) -> "EventIngestor":
+    def __enter__(self) -> EventIngestor:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -197,11 +197,11 @@ class EventIngestor:
                 poller.register(s, zmq.POLLIN)
             elif op == "remove":
                 self._last.pop(stream.key, None)
-                s = self._subs.pop(stream.key, None)
-                if s is not None:
-                    poller.unregister(s)
-                    del self._by_sock[s]
-                    s.close(0)
+                gone = self._subs.pop(stream.key, None)
+                if gone is not None:
+                    poller.unregister(gone)
+                    del self._by_sock[gone]
+                    gone.close(0)
 
     def _shutdown(self) -> None:
         for s in list(self._subs.values()) + self._bound + [self._wake_rx]:

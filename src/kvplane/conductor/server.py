@@ -70,7 +70,7 @@ class ConductorServer:
             on_ready()
         await task
 
-    def start(self, timeout: float = 10.0) -> "ConductorServer":
+    def start(self, timeout: float = 10.0) -> ConductorServer:
         """Start ingest and serve HTTP from a daemon thread; return once it accepts requests.
 
         Raises:
@@ -108,7 +108,7 @@ class ConductorServer:
             self._thread.join(timeout)
         self.ingestor.close(timeout)
 
-    def __enter__(self) -> "ConductorServer":
+    def __enter__(self) -> ConductorServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

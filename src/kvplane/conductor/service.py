@@ -11,17 +11,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvplane.common import log as kvlog
 from kvplane.common.errors import Conflict, InvalidArgument, NotFound, ProtocolError
 from kvplane.conductor import instruments
 from kvplane.conductor.config import ConductorConfig
-from kvplane.kvevents import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
-                                      Tier, extra_keys_of, tier_of, tokens_of)
 from kvplane.conductor.hashing import HashProfile, low64
 from kvplane.conductor.indexer import ContextKey, Holder, Match, PrefixIndex
+from kvplane.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    Tier,
+    extra_keys_of,
+    tier_of,
+    tokens_of,
+)
 
 log = logging.getLogger(__name__)
 SHARED_TYPES = frozenset({"mooncake", "kvplane"})
@@ -421,6 +429,7 @@ class Conductor:
             instances, shared = self._targets(req, bs)
             if not instances:
                 return bs, {}
+            hashes: Iterable[int]
             if req.seq_hashes is not None:
                 hashes = req.seq_hashes
             else:
@@ -429,7 +438,7 @@ class Conductor:
                     raise InvalidArgument("no reproducible hash profile for this context; "
                                           "register engines with a fixed PYTHONHASHSEED or use "
                                           "/query_by_hash")
-                hashes = profile.event_hashes(req.token_ids, bs, lora_name=req.lora_name or None,  # type: ignore[arg-type]
+                hashes = profile.event_hashes(req.token_ids, bs, lora_name=req.lora_name or None,  # type: ignore[arg-type]  # ids: no hashes
                                               cache_salt=req.cache_salt, lora_path=req.lora_path)
             return bs, self.index.match(ctx, hashes, instances, shared)
 
@@ -452,7 +461,8 @@ class Conductor:
         sizes = {s.reg.block_size for s in self._streams.values()
                  if s.reg.tenant_id == req.tenant_id and s.reg.model == req.model}
         if len(sizes) != 1:
-            raise InvalidArgument(f"block_size is required (registered sizes for this model: {sorted(sizes)})")
+            raise InvalidArgument("block_size is required (registered sizes for this model: "
+                                  f"{sorted(sizes)})")
         return sizes.pop()
 
     def _targets(self, req: QueryRequest, bs: int) -> tuple[dict[str, set[int]], set[str]]:
@@ -480,7 +490,8 @@ class Conductor:
             for s in self._streams.values():
                 r = s.reg
                 p = r.hash_profile or self.config.default_profile
-                held = {t.name: sum(self.index.held_by(self._ctx(r, lora), Holder(r.instance_id, s.dp_rank, t))
+                held = {t.name: sum(self.index.held_by(self._ctx(r, lora),
+                                                       Holder(r.instance_id, s.dp_rank, t))
                                     for lora in s.loras) for t in Tier}
                 rows.append({
                     "instance_id": r.instance_id, "tenant_id": r.tenant_id, "dp_rank": s.dp_rank,
@@ -510,5 +521,5 @@ class Conductor:
                    if s.hash_mismatches or s.block_size_mismatches]
             st = self.index.stats()
             return {"status": "degraded" if bad else "ok", "streams": len(self._streams),
-                    "mismatched_streams": bad, "uptime_s": round(time.monotonic() - self._counters.started, 3),
-                    **st}
+                    "mismatched_streams": bad,
+                    "uptime_s": round(time.monotonic() - self._counters.started, 3), **st}

@@ -102,11 +102,14 @@ class Buffer:
         return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, None
 
     def dispatch(self, x: torch.Tensor, handle: DispatchHandle | None = None,
-                 num_tokens_per_rank: torch.Tensor | None = None, num_tokens_per_rdma_rank: Any = None,
-                 is_token_in_rank: torch.Tensor | None = None, num_tokens_per_expert: torch.Tensor | None = None,
+                 num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: Any = None,
+                 is_token_in_rank: torch.Tensor | None = None,
+                 num_tokens_per_expert: torch.Tensor | None = None,
                  topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Any = None,
-                 previous_event: Any = None, async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                 previous_event: Any = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False,
                  *, active_ranks: torch.Tensor | None = None, timeout_us: int = -1
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], DispatchHandle, None]:
         """Send each token once to every rank owning one of its experts.
@@ -122,7 +125,8 @@ class Buffer:
         if num_experts is None:
             raise InvalidArgument("pass num_tokens_per_expert from get_dispatch_layout")
         if is_token_in_rank is None:
-            is_token_in_rank = topology.dispatch_layout(topk_idx, num_experts, self.group_size, act).is_token_in_rank
+            layout = topology.dispatch_layout(topk_idx, num_experts, self.group_size, act)
+            is_token_in_rank = layout.is_token_in_rank
         tokens = torch.arange(x.shape[0])
         rows, meta = [], []
         for r in range(self.group_size):
@@ -163,12 +167,15 @@ class Buffer:
         return out, topk_weights, None
 
     # ------------------------------------------------------------------ low-latency mode
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Any = None,
                              dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = False,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False,
                              return_recv_hook: bool = False, *, active_ranks: torch.Tensor | None = None,
-                             timeout_us: int = -1) -> tuple[torch.Tensor, torch.Tensor, LowLatencyHandle, None, None]:
+                             timeout_us: int = -1
+                             ) -> tuple[torch.Tensor, torch.Tensor, LowLatencyHandle, None, None]:
         """Send every (token, expert) pair to the expert's owner.
 
         Returns:
@@ -204,14 +211,16 @@ class Buffer:
             slot[i] = count[e]
             recv_x[e, int(count[e])] = ex.rows[i]
             count[e] += 1
-        handle = LowLatencyHandle(src_tok, lexp, slot, ex.counts, x.shape[0], num_max_dispatch_tokens_per_rank,
-                                  hidden, num_experts)
+        handle = LowLatencyHandle(src_tok, lexp, slot, ex.counts, x.shape[0],
+                                  num_max_dispatch_tokens_per_rank, hidden, num_experts)
         return recv_x, count, handle, None, None
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False, out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: Any = None, *, active_ranks: torch.Tensor | None = None,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: Any = None, *,
+                            active_ranks: torch.Tensor | None = None,
                             timeout_us: int = -1) -> tuple[torch.Tensor, None, None]:
         """Return expert outputs to their tokens and sum them weighted by ``topk_weights``.
 
@@ -228,7 +237,8 @@ class Buffer:
         offs = [0]
         for c in handle.counts:
             offs.append(offs[-1] + c)
-        gexp = torch.where(valid, handle.local_expert + self.rank * (handle.num_experts // self.group_size), -1)
+        per_rank = handle.num_experts // self.group_size
+        gexp = torch.where(valid, handle.local_expert + self.rank * per_rank, -1)
         rows = [vals[offs[r]:offs[r + 1]] for r in range(self.group_size)]
         meta = [torch.stack([handle.src_token[offs[r]:offs[r + 1]], gexp[offs[r]:offs[r + 1]]], dim=1)
                 for r in range(self.group_size)]

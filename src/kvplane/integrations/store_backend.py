@@ -68,7 +68,7 @@ class StoreBackendConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None,
-                     ignore: Iterable[str] = ()) -> "StoreBackendConfig":
+                     ignore: Iterable[str] = ()) -> StoreBackendConfig:
         """Build from Mooncake/kvplane key names; ``mooncake_<key>`` spells ``<key>`` too.
 
         Raises:

@@ -6,8 +6,20 @@ on the other. Importing it does not import zmq: the publisher lives in
 """
 
 from kvplane.kvevents.codec import (
-    AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch, cleared, decode_batch,
-    decode_seq, encode_batch, extra_keys_of, removed, stored, to_event_hash, tokens_of,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    cleared,
+    decode_batch,
+    decode_seq,
+    encode_batch,
+    extra_keys_of,
+    removed,
+    stored,
+    to_event_hash,
+    tokens_of,
 )
 from kvplane.kvevents.schema import Tier, tier_of
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -141,14 +141,14 @@ _DEC_MAPS = msgspec.msgpack.Decoder(_READ_MAP.batch)
 _DEC_ARRS = msgspec.msgpack.Decoder(_READ_ARR.batch)
 _DEC_ARR_RAW = msgspec.msgpack.Decoder(_RawArrBatch)
 _DEC_MAP_RAW = msgspec.msgpack.Decoder(_RawMapBatch)
-_EV_MAP = Union[_READ_MAP.stored, _READ_MAP.removed, _READ_MAP.cleared]  # type: ignore[name-defined]
-_EV_ARR = Union[_READ_ARR.stored, _READ_ARR.removed, _READ_ARR.cleared]  # type: ignore[name-defined]
+_EV_MAP = Union[_READ_MAP.stored, _READ_MAP.removed, _READ_MAP.cleared]  # type: ignore[name-defined]  # classes built at run time
+_EV_ARR = Union[_READ_ARR.stored, _READ_ARR.removed, _READ_ARR.cleared]  # type: ignore[name-defined]  # classes built at run time
 _DEC_EV_MAP = msgspec.msgpack.Decoder(_EV_MAP)
 _DEC_EV_ARR = msgspec.msgpack.Decoder(_EV_ARR)
 _DEC_TOKENS = msgspec.msgpack.Decoder(list[int])
 _DEC_ANY = msgspec.msgpack.Decoder()
-_STORED = (_READ_MAP.stored, _READ_ARR.stored)
-_REMOVED = (_READ_MAP.removed, _READ_ARR.removed)
+_STORED: tuple[Any, ...] = (_READ_MAP.stored, _READ_ARR.stored)  # classes built at run time
+_REMOVED: tuple[Any, ...] = (_READ_MAP.removed, _READ_ARR.removed)
 
 
 def to_event_hash(value: int | bytes) -> int:
@@ -165,7 +165,7 @@ def _hashes(values: list[Hash]) -> list[int]:
     return [v & LOW64 if isinstance(v, int) else to_event_hash(v) for v in values]
 
 
-def _convert(ev: msgspec.Struct) -> Event:
+def _convert(ev: Any) -> Event:  # a struct class built at run time (schema.py)
     if isinstance(ev, _STORED):
         parent = None if ev.parent_block_hash is None else to_event_hash(ev.parent_block_hash)
         return BlockStored(_hashes(ev.block_hashes), parent, ev.medium, ev.block_size,
@@ -192,7 +192,7 @@ def decode_batch(payload: bytes) -> EventBatch:
     Raises:
         ProtocolError: when the payload is not a valid batch in any known encoding.
     """
-    batch = None
+    batch: Any = None  # a batch struct of one of the decoders (classes built at run time)
     for dec in (_DEC_MAPS, _DEC_ARRS):
         try:
             batch = dec.decode(payload)

@@ -25,6 +25,7 @@ from kvplane.common.guard import Limits
 from kvplane.kvevents.codec import END_OF_REPLAY, encode_batch, encode_seq
 from kvplane.kvevents.secure import MAX_INBOUND, harden
 
+
 class KVEventPublisher:
     """A vLLM-compatible KV event publisher (XPUB + replay ROUTER).
 
@@ -151,7 +152,7 @@ class KVEventPublisher:
         self._pub.close(0)
         self._ctx.destroy(linger=0)
 
-    def __enter__(self) -> "KVEventPublisher":
+    def __enter__(self) -> KVEventPublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:

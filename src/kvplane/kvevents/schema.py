@@ -44,7 +44,7 @@ STORED_FIELDS: tuple[Field, ...] = (
     Field("lora_id", Union[int, None], None, True),  # deprecated in vLLM, always nil
     Field("medium", Union[str, None], None, True),
     Field("lora_name", Union[str, None], None, True),
-    Field("extra_keys", Union[list[Union[tuple[object, ...], None]], None]),
+    Field("extra_keys", Union[list[tuple[object, ...] | None], None]),
     Field("group_idx", Union[int, None]),
     Field("kv_cache_spec_kind", Union[str, None]),
     Field("kv_cache_spec_sliding_window", Union[int, None]),
@@ -78,7 +78,7 @@ def _fields(table: tuple[Field, ...], reading: bool) -> list[tuple[str, Any, Any
         if reading and f.name in _LAZY:
             out.append((f.name, msgspec.Raw, _LAZY[f.name]))
         elif f.always_written and not reading:
-            out.append((f.name, f.type))  # type: ignore[arg-type]
+            out.append((f.name, f.type))  # type: ignore[arg-type]  # a type object at run time
         else:
             out.append((f.name, f.type, f.default))
     return out
@@ -99,7 +99,7 @@ def event_types(encoding: Encoding, reading: bool) -> EventTypes:
     kinds = [msgspec.defstruct(f"{name}_{encoding}{'_r' if reading else ''}",
                                _fields(table, reading), tag=name, **opts)
              for name, table in EVENT_TABLES.items()]
-    union = Union[tuple(kinds)]  # type: ignore[valid-type]
+    union: Any = Union[tuple(kinds)]  # built at run time: a value to mypy, not a type
     batch = msgspec.defstruct(
         f"Batch_{encoding}{'_r' if reading else ''}",
         [("ts", float), ("events", list[union]), ("data_parallel_rank", Union[int, None], None)],

@@ -44,6 +44,13 @@ def topic_of(tenant: str) -> bytes:
     return f"{tenant}@kvplane".encode()
 
 
+
+def user_id(frame: zmq.Frame) -> str:
+    """The ZAP user id of the peer that sent ``frame`` (its tenant), or ""."""
+    value = frame.get("User-Id")
+    return value if isinstance(value, str) else ""
+
+
 def harden(sock: zmq.Socket, limits: Limits, max_inbound: int, server: bool = True) -> None:
     """Pre-authentication limits on a ZMQ socket (and PLAIN server mode if ``server``)."""
     sock.setsockopt(zmq.LINGER, 0)
@@ -154,7 +161,7 @@ class SecurePublisher:
             timeout_ms = 0
             frame = self._pub.recv(copy=False)
             data = frame.bytes
-            tenant = frame.get("User-Id")
+            tenant = user_id(frame)
             if not data or data[0] not in (0, 1) or not tenant:
                 continue
             opt = zmq.SUBSCRIBE if data[0] == 1 else zmq.UNSUBSCRIBE
@@ -202,7 +209,7 @@ class SecurePublisher:
             if not self._router.poll(50):
                 continue
             frames = self._router.recv_multipart(copy=False)
-            tenant = frames[-1].get("User-Id") if frames else ""
+            tenant = user_id(frames[-1]) if frames else ""
             if len(frames) != 3 or not tenant:
                 continue
             ident, start = frames[0].bytes, int.from_bytes(frames[2].bytes[:8], "big")
@@ -226,7 +233,7 @@ class SecurePublisher:
         self._zap.stop()
         self._ctx.destroy(linger=0)
 
-    def __enter__(self) -> "SecurePublisher":
+    def __enter__(self) -> SecurePublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:

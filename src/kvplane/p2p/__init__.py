@@ -3,7 +3,7 @@
 Mooncake's P2P store (checkpoint engine) on kvplane's transfer engine: chunked, hashed objects,
 a tracker of holders per chunk (routes under ``/p2p`` of ``kvplane metadata``), receivers that
 fetch from every holder at once and serve what they hold. See docs/p2p.md. Only ``kvplane.cli``
-and ``kvplane.testing`` import this package.
+(and the tests' harness ``tests/support/p2p_proc.py``) import this package.
 """
 
 from kvplane.p2p.client import TrackerClient

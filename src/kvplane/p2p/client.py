@@ -13,7 +13,13 @@ import httpx
 import msgspec
 
 from kvplane.common.errors import (
-    Conflict, InvalidArgument, KVPlaneError, NotFound, Timeout, Unauthorized, Unavailable,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NotFound,
+    Timeout,
+    Unauthorized,
+    Unavailable,
 )
 from kvplane.p2p import wire
 from kvplane.p2p.manifest import Manifest, validate

@@ -136,7 +136,7 @@ class Fetch:
         chunk = self.plan.manifest.chunks[c]
         local = self.plan.addrs[c]
         status = TransferStatus.FAILED
-        for attempt in range(2):  # a second try re-handshakes (the holder may have re-registered)
+        for _attempt in range(2):  # a second try re-handshakes (the holder may have re-registered)
             try:
                 h = self._handle(holder, min(2.0, self.plan.chunk_timeout))
                 req = TransferRequest(OpCode.READ, local, h, addr, chunk.size)

@@ -54,7 +54,7 @@ class Manifest(msgspec.Struct, frozen=True):
         """Bytes of every item together."""
         return sum(i.size for i in self.items)
 
-    def with_version(self, version: int) -> "Manifest":
+    def with_version(self, version: int) -> Manifest:
         """The same manifest under another version number."""
         return msgspec.structs.replace(self, version=version)
 

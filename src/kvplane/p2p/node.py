@@ -74,7 +74,7 @@ class P2PConfig:
             raise InvalidArgument("parallel, chunk_size and chunk_timeout must be positive")
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "P2PConfig":
+    def from_env(cls, **overrides: Any) -> P2PConfig:
         """Defaults, then KVPLANE_P2P_TRACKER and the token (KVPLANE_TOKEN, else the token file),
         then ``overrides``."""
         base = cls(tracker=envs.get("KVPLANE_P2P_TRACKER"), token=client_token())
@@ -243,7 +243,8 @@ class P2PNode:
 
     def publish_files(self, name: str, paths: Sequence[str], version: int = 0) -> int:
         """Publish files (items named by their base names), mapped copy-on-write: no copy."""
-        items, maps = [], []
+        items: list[tuple[str, bytearray | mmap.mmap]] = []
+        maps = []
         try:
             for path in paths:
                 size = os.path.getsize(path)
@@ -427,7 +428,7 @@ class P2PNode:
         self.engine.close()
         self.tracker.close()
 
-    def __enter__(self) -> "P2PNode":
+    def __enter__(self) -> P2PNode:
         return self
 
     def __exit__(self, *exc: object) -> None:

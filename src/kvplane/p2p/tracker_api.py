@@ -18,7 +18,11 @@ import msgspec
 from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
 
 from kvplane.common.errors import (
-    Conflict, InvalidArgument, KVPlaneError, NotFound, ProtocolError,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NotFound,
+    ProtocolError,
 )
 from kvplane.p2p import wire
 from kvplane.p2p.tracker import TrackerState
@@ -105,13 +109,20 @@ def mount(app: FastAPI, auth: Callable[[str | None], None], tracker: Tracker | N
     async def claim(req: wire.ClaimReq) -> Any:
         return await trk.claim(req)
 
+    def close(req: wire.CloseReq) -> dict[str, str]:
+        st.close(req.name, req.version, req.reader)
+        return {"status": "ok"}
+
+    def remove(name: str) -> dict[str, str]:
+        st.remove(name)
+        return {"status": "ok"}
+
     posts: list[tuple[str, type[Any], Callable[[Any], Any], bool]] = [
         ("publish", wire.PublishReq,
          lambda r: {"version": st.publish(r.manifest, r.holder, r.addrs, now())}, True),
         ("open", wire.OpenReq, lambda r: st.open(r.name, r.version, r.reader, now()), False),
         ("claim", wire.ClaimReq, claim, False),
-        ("close", wire.CloseReq, lambda r: st.close(r.name, r.version, r.reader) or {"status": "ok"},
-         True),
+        ("close", wire.CloseReq, close, True),
         ("withdraw", wire.WithdrawReq,
          lambda r: {"withdrawn": st.withdraw(r.name, r.version, r.holder)}, True),
         ("heartbeat", wire.HeartbeatReq,
@@ -129,7 +140,7 @@ def mount(app: FastAPI, auth: Callable[[str | None], None], tracker: Tracker | N
 
     @app.delete(f"{wire.PREFIX}/objects")
     async def rm(name: str = NameQ, x_token: str | None = TokenH) -> Response:
-        return await _call(trk, auth, x_token, lambda: st.remove(name) or {"status": "ok"}, True)
+        return await _call(trk, auth, x_token, lambda: remove(name), True)
 
     @app.get(f"{wire.PREFIX}/status")
     async def status(name: str = NameQ, version: int = 0, x_token: str | None = TokenH) -> Response:

@@ -65,7 +65,7 @@ class MooncakeP2PStore:
         """Withdraw everything and stop the node."""
         self.node.close()
 
-    def __enter__(self) -> "MooncakeP2PStore":
+    def __enter__(self) -> MooncakeP2PStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

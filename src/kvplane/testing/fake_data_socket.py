@@ -79,7 +79,7 @@ class FakeDataPeer:
         self.served: list[tuple[str, int, int]] = []  # (op, addr, length) answered without fault
         self.arrivals: list[tuple[str, int]] = []  # (op, responses still unread when it arrived)
 
-    def connect(self) -> "FakeDataSocket":
+    def connect(self) -> FakeDataSocket:
         """A new connection to this peer."""
         sock = FakeDataSocket(self)
         self.sockets.append(sock)
@@ -127,7 +127,7 @@ class FakeDataSocket:
     # -- the socket surface Conn uses ------------------------------------------------------------
     def setsockopt(self, level: int, option: int, value: int | bytes) -> None:
         if level == socket.SOL_SOCKET and option == socket.SO_RCVTIMEO:
-            sec, usec = _TIMEVAL.unpack(value)  # type: ignore[arg-type]
+            sec, usec = _TIMEVAL.unpack(value)  # type: ignore[arg-type]  # SO_RCVTIMEO takes a packed timeval
             self.timeout = sec + usec / 1e6
 
     def settimeout(self, value: float | None) -> None:
@@ -165,7 +165,7 @@ class FakeDataSocket:
         return n
 
     def recvmsg_into(self, buffers: Sequence[memoryview], ancbufsize: int = 0,
-                     flags: int = 0) -> tuple[int, list, int, None]:  # type: ignore[type-arg]
+                     flags: int = 0) -> tuple[int, list, int, None]:
         """Scatter receive: like ``recv_into`` into the buffers in order (one chunk at most)."""
         total = 0
         for buf in buffers:
@@ -264,23 +264,23 @@ class FakeDataSocket:
                 self.hung_up = True
                 return
             try:
-                if kind is FaultKind.FAIL:
-                    raise fault.error(f"injected failure of {name} at {addr:#x}")  # type: ignore[union-attr]
+                if fault is not None and kind is FaultKind.FAIL:
+                    raise fault.error(f"injected failure of {name} at {addr:#x}")
                 parts.append(self.peer.answer(op, addr, length, body))
                 codes.append(0)
                 served.append((name, addr, length))
             except KVPlaneError as exc:
                 codes.append(exc.code)
-            if kind is FaultKind.DELAY:
-                ready_at += fault.seconds  # type: ignore[union-attr]
-            if kind is FaultKind.CORRUPT:
+            if fault is not None and kind is FaultKind.DELAY:
+                ready_at += fault.seconds
+            if fault is not None and kind is FaultKind.CORRUPT:
                 flips.append(fault)
         payload = b"".join(parts)  # WRITE answers carry none
         head = len(payload) if op == protocol.OP_READ else 4 * len(codes)
         response = bytearray(protocol.pack_resp(0, rid, head)
                              + struct.pack(f"<{len(codes)}i", *codes) + payload)
-        for fault in flips:
-            fault.flip(response)
+        for flip in flips:
+            flip.flip(response)
         self.peer.served.extend(served)
         self._outbox.append(_Outgoing(response, ready_at))
 

@@ -119,35 +119,35 @@ class FaultPlan:
         log.info("fault plan seed %s", self.seed)
 
     # -- building ------------------------------------------------------------------------------
-    def add(self, rule: FaultRule) -> "FaultPlan":
+    def add(self, rule: FaultRule) -> FaultPlan:
         """Append ``rule``; returns the plan so calls chain."""
         with self._lock:
             self.rules.append(rule)
         return self
 
     def drop(self, peer: str | None = None, op: str | None = None, *, after: int = 0,
-             times: int | None = 1, rate: float = 1.0) -> "FaultPlan":
+             times: int | None = 1, rate: float = 1.0) -> FaultPlan:
         """Lose matching requests (the caller times out)."""
         return self.add(FaultRule(FaultKind.DROP, peer, op, after, times, rate))
 
     def delay(self, seconds: float, peer: str | None = None, op: str | None = None, *,
-              after: int = 0, times: int | None = 1, rate: float = 1.0) -> "FaultPlan":
+              after: int = 0, times: int | None = 1, rate: float = 1.0) -> FaultPlan:
         """Complete matching operations ``seconds`` late."""
         return self.add(FaultRule(FaultKind.DELAY, peer, op, after, times, rate, seconds=seconds))
 
     def fail(self, peer: str | None = None, op: str | None = None, *, after: int = 0,
              times: int | None = 1, rate: float = 1.0,
-             error: type[KVPlaneError] = Unavailable) -> "FaultPlan":
+             error: type[KVPlaneError] = Unavailable) -> FaultPlan:
         """Answer matching operations with ``error``."""
         return self.add(FaultRule(FaultKind.FAIL, peer, op, after, times, rate, error=error))
 
     def corrupt(self, peer: str | None = None, op: str | None = None, *, after: int = 0,
-                times: int | None = 1, rate: float = 1.0, at: int | None = None) -> "FaultPlan":
+                times: int | None = 1, rate: float = 1.0, at: int | None = None) -> FaultPlan:
         """Flip one byte of matching messages (byte ``at``, else a seeded position)."""
         return self.add(FaultRule(FaultKind.CORRUPT, peer, op, after, times, rate, at=at))
 
     def disconnect(self, peer: str | None = None, op: str | None = None, *, after: int = 0,
-                   times: int | None = 1, rate: float = 1.0) -> "FaultPlan":
+                   times: int | None = 1, rate: float = 1.0) -> FaultPlan:
         """Break the connection at the first matching operation past ``after`` good ones."""
         return self.add(FaultRule(FaultKind.DISCONNECT, peer, op, after, times, rate))
 

@@ -58,7 +58,7 @@ class MemRpcNetwork:
         self._ports = itertools.count(1)
         self._lock = threading.Lock()
 
-    def server(self, token: str = "") -> "MemRpcServer":
+    def server(self, token: str = "") -> MemRpcServer:
         """A new server on a fresh endpoint (``mem:N``)."""
         with self._lock:
             srv = MemRpcServer(self, "mem", next(self._ports), token)
@@ -66,11 +66,11 @@ class MemRpcNetwork:
         return srv
 
     def client(self, endpoint: str, token: str = "", timeout: float = 10.0,
-               max_message: int = wire.MAX_CONTROL_FRAME) -> "MemRpcClient":
+               max_message: int = wire.MAX_CONTROL_FRAME) -> MemRpcClient:
         """A client of ``endpoint``; same signature as ``RpcClient`` (``max_message`` unused)."""
         return MemRpcClient(self, endpoint, token, timeout)
 
-    def lookup(self, endpoint: str) -> "MemRpcServer | None":
+    def lookup(self, endpoint: str) -> MemRpcServer | None:
         srv = self.servers.get(endpoint.removeprefix("tcp://"))
         return srv if srv is not None and not srv.closed else None
 
@@ -92,7 +92,7 @@ class MemRpcServer:
         """Register ``handler(request) -> reply`` for ``method``."""
         self._handlers[method] = (handler, request_type)
 
-    def start(self) -> "MemRpcServer":
+    def start(self) -> MemRpcServer:
         return self
 
     def handle(self, frame: bytes) -> bytes:
@@ -112,7 +112,7 @@ class MemRpcServer:
         """Stop serving: later calls are refused (idempotent)."""
         self.closed = True
 
-    def __enter__(self) -> "MemRpcServer":
+    def __enter__(self) -> MemRpcServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -198,7 +198,7 @@ class MemRpcClient:
     def close(self) -> None:
         """Nothing to release; kept for the RpcClient surface."""
 
-    def __enter__(self) -> "MemRpcClient":
+    def __enter__(self) -> MemRpcClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -58,7 +58,7 @@ class _Target:
 
     port: int
     memory: MemoryTable
-    transport: "MemTransport"
+    transport: MemTransport
 
 
 class MemFabric:
@@ -92,7 +92,7 @@ class MemFabric:
             self._targets[engine.name] = _Target(engine.port, engine.memory, transport)
         return engine
 
-    def forget(self, transport: "MemTransport") -> None:
+    def forget(self, transport: MemTransport) -> None:
         """Detach whatever engine ``transport`` belongs to (its engine is closing)."""
         with self._lock:
             for name in [n for n, t in self._targets.items() if t.transport is transport]:
@@ -154,7 +154,7 @@ class MemTransport(Transport):
         source, dest = (local, remote) if s.op == OpCode.WRITE else (remote, local)
         np.copyto(dest, source)
         if fault is not None and fault.kind is FaultKind.CORRUPT:
-            fault.flip(memoryview(dest))
+            fault.flip(dest.data)
         s.done(TransferStatus.COMPLETED)
         return True
 

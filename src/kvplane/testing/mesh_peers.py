@@ -17,7 +17,12 @@ import socket
 import time
 
 from kvplane.collectives.frames import (
-    HEADER_SIZE, KIND_ABORT, KIND_DATA, KIND_HELLO, KIND_P2P, Header,
+    HEADER_SIZE,
+    KIND_ABORT,
+    KIND_DATA,
+    KIND_HELLO,
+    KIND_P2P,
+    Header,
 )
 from kvplane.collectives.mesh import Mesh
 from kvplane.testing.faults import FaultKind, FaultPlan

@@ -4,13 +4,15 @@ One table, :data:`REQUIREMENTS`, names every outside dependency a test may need 
 binaries, heavy packages, external venvs, a browser) and how to install it. Three spellings,
 one rule:
 
-    @pytest.mark.requires("etcd")                 # a test, class or module (tests/conftest.py)
+    @pytest.mark.requires("etcd")                 # a test, class or module (kvplane.testing.plugin)
     exe = requires("etcd")                        # in a fixture: the binary's path
     torch = need_module("torch", "pip install torch==2.13.0")   # at the top of a test module
 
 The README's test command must pass in a fresh venv: what it did not install is skipped with a
 reason that says how to enable it. ``.ci/run`` installs everything and sets ``CI=true``, so there
 a missing prerequisite is a failure, never a silent skip.
+
+pytest is imported only when a requirement is missing, so importing this module never needs it.
 """
 
 from __future__ import annotations
@@ -18,17 +20,18 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, NoReturn
-
-import pytest
+from typing import Any, NoReturn
 
 TORCH = "pip install torch==2.13.0"
 
 
 def missing(what: str, how: str) -> NoReturn:
     """Skip the test (or module) because ``what`` is absent; in CI fail instead."""
+    import pytest
+
     msg = f"{what} is not available: {how}"
     if os.environ.get("CI"):
         pytest.fail(f"{msg} (CI must install it: see .ci/run)", pytrace=False)
@@ -79,6 +82,10 @@ REQUIREMENTS: dict[str, Requirement] = {
                             _binary("chromium", "chromium-browser", "google-chrome", "chrome"),
                             "apt-get install chromium"),
     "torch": Requirement("Python package 'torch'", _module("torch"), TORCH),
+    # the conductor's C path: the numpy fallback would otherwise pass its tests for it
+    "accel": Requirement("the conductor's C accelerator (kvplane.conductor._accel)",
+                         _module("kvplane.conductor._accel"),
+                         "install a C compiler and OpenSSL headers, then pip install -e ."),
     "vllm": Requirement("the vLLM venv (KVPLANE_VLLM_PYTHON)",
                         _executable("KVPLANE_VLLM_PYTHON", "/opt/kvplane-vllm-venv/bin/python"),
                         "bash .ci/setup-10-vllm-venv.sh && bash .ci/setup-20-vllm-kvplane.sh"),

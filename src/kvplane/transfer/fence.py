@@ -16,7 +16,7 @@ The listener refuses a frame whose generation
   acknowledged the fence (see ``install``), or
 * was retired: a store client replaced or force-removed the object of that allocation while
   other clients may hold a read lease on it (``retire``; the store's held reads,
-  ``kvplane.store.client.locations``). Retired generations are kept apart from fenced ones, so
+  ``kvplane.store.client.get_path``). Retired generations are kept apart from fenced ones, so
   a flood of them never pushes a fence the master waits for out of the table.
 
 ``install`` acknowledges only generations with no WRITE in progress, so once the master has the

@@ -126,7 +126,7 @@ class Services:
         self.env, self.logdir, self.procs = env, logdir, []
 
     def _spawn(self, name: str, argv: list[str], port: int) -> None:
-        log = open(self.logdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        log = open(self.logdir / f"{name}.log", "w")
         proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs.append((proc, log))

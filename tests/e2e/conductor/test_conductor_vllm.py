@@ -12,7 +12,7 @@ import pytest
 
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.server import ConductorServer
-from kvplane.testing.vllm_harness import Driver, vllm_env
+from tests.support.vllm_harness import Driver, vllm_env
 
 DRIVER = pathlib.Path(__file__).with_name("vllm_driver.py")
 pytestmark = [

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from kvplane.conductor.hashing import HashProfile
-from kvplane.testing.vllm_harness import VLLM_PYTHON, vllm_env
+from tests.support.vllm_harness import VLLM_PYTHON, vllm_env
 
 pytestmark = [
     pytest.mark.e2e,

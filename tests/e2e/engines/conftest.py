@@ -1,7 +1,7 @@
 """SGLang and LMCache on kvplane: a master with KV events, a pool segment, a conductor, and the
 engines in the engines venv (skipped with a reason when it is absent; a failure in CI).
 
-Every engine runs as a subprocess of the engines venv (kvplane.testing.engines_harness). Engine
+Every engine runs as a subprocess of the engines venv (tests.support.engines_harness). Engine
 instance A and engine instance B are two separate processes; each op builds a fresh engine
 instance inside its process, so B starts with empty local tiers.
 """
@@ -9,19 +9,18 @@ instance inside its process, so B starts with empty local tiers.
 from __future__ import annotations
 
 import contextlib
-import pathlib
 import os
-
-import pytest
+import pathlib
 
 import httpx
+import pytest
 
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.server import ConductorServer
 from kvplane.store import MasterServer, StoreClient
-from kvplane.testing.conductor_fixtures import _wait_seq
-from kvplane.testing.engines_harness import EngineDriver, need_engines
-from kvplane.testing.store_procs import spawn_segment
+from tests.support.conductor_fixtures import _wait_seq
+from tests.support.engines_harness import EngineDriver, need_engines
+from tests.support.store_procs import spawn_segment
 
 PAGE = 32  # tokens per SGLang page and per LMCache chunk in these tests
 

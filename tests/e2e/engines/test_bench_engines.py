@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from kvplane.testing.engines_harness import need_engines, real_mooncake_reason
+from tests.support.engines_harness import need_engines, real_mooncake_reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 BENCH = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "engines.py"

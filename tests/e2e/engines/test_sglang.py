@@ -2,7 +2,7 @@
 kvplane's native backend (``dynamic`` + ``interface_v1``).
 
 Level reached: SGLang's real ``HiCacheController`` with its real storage backends, driven with
-CPU tensors (kvplane.testing.sglang_proc); SGLang's server cannot run HiCache on a CPU-only torch
+CPU tensors (tests.support.sglang_proc); SGLang's server cannot run HiCache on a CPU-only torch
 (docs/engines.md). Instance A backs a prefix up with ``write_storage``; instance B, a different
 process with an empty host pool, finds it with ``prefetch`` (hit query = ``batch_exists``) and
 loads it (``batch_get_v1``); B's KV must equal A's byte for byte.
@@ -13,11 +13,10 @@ from __future__ import annotations
 import signal
 
 import pytest
+from conftest import PAGE, corrupt, pool_hit_tokens, pool_keys, prompt, same_kv
 
 from kvplane.store import MasterServer, StoreClient
-from kvplane.testing.store_procs import spawn_segment
-
-from conftest import PAGE, corrupt, pool_hit_tokens, pool_keys, prompt, same_kv
+from tests.support.store_procs import spawn_segment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 ENGINE = "sglang"

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import pytest
+from vllm_harness import make_model
 
 from kvplane.testing.needs import requires
-from vllm_harness import make_model
 
 
 @pytest.fixture(scope="session")

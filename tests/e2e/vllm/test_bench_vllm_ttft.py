@@ -7,7 +7,6 @@ import pathlib
 import re
 
 import pytest
-
 from vllm_harness import requires_vllm
 
 pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(240)]

@@ -11,12 +11,11 @@ import json
 
 import httpx
 import pytest
+from vllm_harness import BS, Driver, max_diff, prompt, requires_vllm, vllm_env
 
 from kvplane.integrations.mooncake_shim import PATH as SHIM_PATH
-from kvplane.testing.auth import headers
-from kvplane.testing.store_procs import spawn_master
-
-from vllm_harness import BS, Driver, max_diff, prompt, requires_vllm, vllm_env
+from tests.support.auth import headers
+from tests.support.store_procs import spawn_master
 
 pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(240)]
 

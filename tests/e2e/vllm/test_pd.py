@@ -12,13 +12,12 @@ import sys
 
 import httpx
 import pytest
-
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import Proc
-from kvplane.testing.services import free_port, wait_until
-from kvplane.testing.vllm_harness import OpenAIServer
-
 from vllm_harness import max_diff, prompt, requires_vllm
+
+from kvplane.common.procs import Proc
+from tests.support.auth import headers
+from tests.support.services import free_port, wait_until
+from tests.support.vllm_harness import OpenAIServer
 
 pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(600)]
 

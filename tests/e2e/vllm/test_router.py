@@ -21,16 +21,15 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_harness import BS, requires_vllm
 
+from kvplane.common.errors import Timeout
+from kvplane.common.procs import Proc
 from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
 from kvplane.conductor.gateway.server import GatewayServer
-from kvplane.common.errors import Timeout
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import Proc
-from kvplane.testing.services import wait_until
-from kvplane.testing.vllm_harness import OpenAIServer
-
-from vllm_harness import BS, requires_vllm
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.vllm_harness import OpenAIServer
 
 # 600 s: the first test's budget also covers starting the 3 servers
 pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(600)]

@@ -14,15 +14,14 @@ import threading
 import httpx
 import numpy as np
 import pytest
+from vllm_harness import BS, Driver, max_diff, prompt, requires_vllm, store_kv_config
 
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
-from kvplane.testing.auth import headers
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import spawn_master, spawn_segment
 from kvplane.transfer.memory import sweep_stale_shm
-
-from vllm_harness import BS, Driver, max_diff, prompt, requires_vllm, store_kv_config
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_procs import spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(240)]
 LAYERS = 2

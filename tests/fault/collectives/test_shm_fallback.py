@@ -13,11 +13,11 @@ import pytest
 from kvplane.testing.needs import need_module
 
 torch = need_module("torch", "pip install torch==2.13.0")
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 import kvplane.collectives as kc
 from kvplane.collectives import schedule, shm
-from kvplane.testing.ranks import RankContext, RankGroup
+from tests.support.ranks import RankContext, RankGroup
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(90)]
 

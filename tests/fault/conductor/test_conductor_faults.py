@@ -4,7 +4,6 @@ import msgspec
 import pytest
 
 from kvplane import kvevents
-from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.hashing import HashProfile
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(30)]

@@ -8,14 +8,12 @@ Every receiver must still finish with verified bytes.
 import json
 import signal
 import sys
-import time
 
 import pytest
 
+from kvplane.common.procs import wait_for_line, wait_until
 from kvplane.p2p import TrackerClient
 from kvplane.p2p.tracker_api import mount
-from kvplane.testing.netns import netbed  # noqa: F401  (fixture)
-from kvplane.testing.procs import wait_for_line
 from kvplane.transfer.metadata_server import serve_in_thread
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -24,19 +22,9 @@ MIB = 1 << 20
 
 
 def start(host, url, chunk_timeout):
-    return host.spawn([sys.executable, "-m", "kvplane.testing.p2p_proc", "--tracker", url,
+    return host.spawn([sys.executable, "-m", "tests.support.p2p_proc", "--tracker", url,
                        "--token", TOKEN, "--host", host.ip, "--chunk-size", str(MIB),
                        "--chunk-timeout", str(chunk_timeout)])
-
-
-def wait_until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)  # polling the tracker under a deadline
-    raise AssertionError(f"{what} not seen within {timeout}s")
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop", "partition"])

@@ -1,4 +1,4 @@
-"""An HTTP client for the router tests (the router and its fakes come from kvplane.testing.fake_vllm)."""
+"""An HTTP client for the router tests (the router and its fakes come from tests.support.fake_vllm)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from kvplane.conductor.gateway import instruments
-from kvplane.testing.services import wait_until
-
-from kvplane.testing.fake_vllm import router_over_fakes as cluster, words
+from tests.support.fake_vllm import router_over_fakes as cluster
+from tests.support.fake_vllm import words
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 

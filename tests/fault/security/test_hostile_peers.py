@@ -3,7 +3,7 @@
 Each port of a real deployment (master RPC, admin HTTP, metadata HTTP, KV-event PUB and replay,
 segment data and metrics ports, conductor HTTP, pd-proxy, the dummy-client RPC port of
 ``kvplane client-server``) gets, from a separate attacker
-process (``kvplane.testing.hostile``): 1000 connections with one garbage frame each, 200
+process (``tests.support.hostile``): 1000 connections with one garbage frame each, 200
 connections each claiming a 16 MiB frame (held open), and 2000 idle sockets (held open).
 Meanwhile a legitimate client keeps calling that port; its p99 must stay under 50 ms and the
 process behind the port must stay under 300 MB RSS (sampled with psutil throughout).
@@ -32,13 +32,13 @@ import pytest
 import zmq
 
 from kvplane.common.auth import client_token
+from kvplane.common.procs import Proc
 from kvplane.common.rpc import RpcClient
 from kvplane.store import StoreClient
 from kvplane.store.dummy.types import KeysOp, PerKey
-from kvplane.testing.auth import headers
-from kvplane.testing.hostile import raise_nofile
-from kvplane.testing.procs import Proc
-from kvplane.testing.store_procs import CLI, spawn_client_server, spawn_master, spawn_segment
+from tests.support.auth import headers
+from tests.support.hostile import raise_nofile
+from tests.support.store_procs import CLI, spawn_client_server, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 P99_LIMIT = 0.050
@@ -68,7 +68,7 @@ def attack(port: int, kind: str, call: Callable[[], None], pid: int) -> Outcome:
     """Run the attacker against ``port`` while ``call`` runs in a loop; sample ``pid``'s RSS."""
     proc = psutil.Process(pid)
     before = _timed(call, 150)
-    atk = subprocess.Popen([sys.executable, "-m", "kvplane.testing.hostile", "--port", str(port),
+    atk = subprocess.Popen([sys.executable, "-m", "tests.support.hostile", "--port", str(port),
                             "--kind", kind, "--seed", str(SEED)], stdout=subprocess.PIPE, text=True)
     lat, rss = [], [proc.memory_info().rss]
     try:

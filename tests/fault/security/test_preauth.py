@@ -20,11 +20,10 @@ import pytest
 
 from kvplane.common.guard import Limits
 from kvplane.common.rpc import RpcClient, RpcServer
-from kvplane.testing.hostile import raise_nofile
-from kvplane.testing.services import wait_until
 from kvplane.transfer import TransferEngine
-from kvplane.transfer import protocol
 from kvplane.transfer.metadata_server import serve_in_thread
+from tests.support.hostile import raise_nofile
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 

@@ -22,8 +22,8 @@ import pytest
 from kvplane.common.errors import Unauthorized
 from kvplane.store import StoreClient
 from kvplane.store.types import KeysReq, ResultsRep
-from kvplane.testing.store_procs import spawn_master, spawn_segment
 from kvplane.transfer import protocol
+from tests.support.store_procs import spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 SVC = "service-token-0123456789"

@@ -21,8 +21,8 @@ import pytest
 
 from kvplane.store.client.client import StoreClient
 from kvplane.store.client.replica_ops import ReplicaOps
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.services import wait_until
+from tests.support.store_procs import spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 SIZE = 64 << 10

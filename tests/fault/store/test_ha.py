@@ -15,11 +15,11 @@ import time
 import httpx
 import pytest
 
-from kvplane.testing.auth import headers
+from kvplane.common.procs import wait_for_line
 from kvplane.testing.needs import requires
-from kvplane.testing.procs import wait_for_line
-from kvplane.testing.services import start_etcd, wait_until
-from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
+from tests.support.auth import headers
+from tests.support.services import start_etcd, wait_until
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 TIMEOUT = 5.0  # the clients' call deadline (the default)

@@ -19,11 +19,10 @@ import time
 import httpx
 import pytest
 
-from kvplane.testing.netns import netbed  # noqa: F401  (fixture)
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import wait_for_line
-from kvplane.testing.services import start_etcd, wait_until
-from kvplane.testing.store_procs import CLI
+from kvplane.common.procs import wait_for_line
+from tests.support.auth import headers
+from tests.support.services import start_etcd, wait_until
+from tests.support.store_procs import CLI
 
 pytestmark = [pytest.mark.fault, pytest.mark.requires("etcd"), pytest.mark.timeout(240)]
 TIMEOUT = 5.0  # the clients' call deadline
@@ -64,7 +63,7 @@ def segment(host, addr: str):
 
 
 def worker(host, addr: str):
-    return host.spawn([sys.executable, "-m", "kvplane.testing.store_client_proc", "--master",
+    return host.spawn([sys.executable, "-m", "tests.support.store_client_proc", "--master",
                        addr, "--host", host.ip, "--timeout", str(TIMEOUT), "--checksum"])
 
 
@@ -112,7 +111,7 @@ def test_partitioned_leader_stops_acknowledging_and_rejoins_as_standby(netbed, t
         run = 3 + CUT + 10
         churn(workers, run)
         wait_until(lambda: get(old.url, "/health").get("keys", 0) > 50, 20, "load under way")
-        probe = old_host.spawn([sys.executable, "-m", "kvplane.testing.master_probe",
+        probe = old_host.spawn([sys.executable, "-m", "tests.support.master_probe",
                                 "--master", old.rpc, "--seconds", str(CUT)])
         procs.append(probe)
         term = get(old.url, "/ha_status")["term"]

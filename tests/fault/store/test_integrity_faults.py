@@ -17,10 +17,10 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import ReplicateConfig
-from kvplane.testing.auth import headers
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_client_proc import value_of
-from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_client_proc import value_of
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 KB = 1024
@@ -37,7 +37,7 @@ def send(proc, **cmd):
 
 
 def answer(proc, timeout=60):
-    from kvplane.testing.procs import wait_for_line
+    from kvplane.common.procs import wait_for_line
 
     return json.loads(wait_for_line(proc.popen.stdout, timeout))["result"]
 

@@ -22,10 +22,10 @@ import pytest
 from kvplane.common.errors import KVPlaneError
 from kvplane.compat.mooncake_store import MooncakeDistributedStore
 from kvplane.store.client.client import StoreClient
-from kvplane.testing.auth import headers
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_client_proc import value_of
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_client_proc import value_of
+from tests.support.store_procs import spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(90)]
 KB = 1024

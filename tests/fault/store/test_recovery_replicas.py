@@ -17,9 +17,9 @@ import time
 import httpx
 import pytest
 
-from kvplane.testing.auth import headers
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 N = 400

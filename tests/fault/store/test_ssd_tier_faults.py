@@ -9,8 +9,8 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.client.replica_ops import ReplicaOps
 from kvplane.store.disk import layout
 from kvplane.store.errors import ObjectNotFound, TransferFail
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.services import wait_until
+from tests.support.store_procs import spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(150)]
 MB = 1 << 20

@@ -15,10 +15,10 @@ from kvplane.store.errors import InvalidKey
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, PutStartReq, ReplicateConfig, ResultsRep
-from kvplane.testing.auth import headers
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
-from kvplane.testing.store_client_proc import value_of
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_client_proc import value_of
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 KB = 1024
@@ -65,7 +65,8 @@ def test_dead_client_segments_go_within_ttl():
         url = f"http://127.0.0.1:{admin}/get_all_segments"
         assert name in httpx.get(url, headers=headers()).json()
         seg.kill()
-        wait_until(lambda: name not in httpx.get(url, headers=headers()).json(), 6, "segment unmount after TTL")
+        wait_until(lambda: name not in httpx.get(url, headers=headers()).json(), 6,
+                   "segment unmount after TTL")
         seg.stop()
 
 

@@ -9,10 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from kvplane.testing import spawn_target
-from kvplane.testing.services import wait_until
-from kvplane.testing.target import pattern
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus, protocol
+from tests.support.services import wait_until
+from tests.support.target import pattern, spawn_target
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 MB = 1 << 20
@@ -50,9 +49,9 @@ def test_kill9_target_mid_batch_fails_within_timeout(engine):
         assert np.array_equal(local[:4 * MB], pattern(4 * MB))
         # and new transfers to the dead one fail fast (connection refused), not hang
         t1 = time.monotonic()
-        got = engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
-                                               victim.info["addr"], MB)], timeout=5)
-        assert got == [TransferStatus.FAILED]
+        assert engine.transfer([TransferRequest(OpCode.READ, local.ctypes.data, seg,
+                                                victim.info["addr"], MB)],
+                               timeout=5) == [TransferStatus.FAILED]
         assert time.monotonic() - t1 < 5
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvplane.testing.services import free_port
+from tests.support.services import free_port
 
 pytestmark = pytest.mark.timeout(120)
 CLI = [sys.executable, "-m", "kvplane.cli.main"]

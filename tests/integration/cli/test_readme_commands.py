@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvplane.testing.procs import wait_for_line
+from kvplane.common.procs import wait_for_line
 
 pytestmark = pytest.mark.timeout(180)
 README = (pathlib.Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")

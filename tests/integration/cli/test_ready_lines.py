@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from kvplane.testing.procs import wait_for_line
-from kvplane.testing.store_procs import spawn_master
+from kvplane.common.procs import wait_for_line
+from tests.support.store_procs import spawn_master
 
 pytestmark = pytest.mark.timeout(120)
 CLI = [sys.executable, "-m", "kvplane.cli.main"]

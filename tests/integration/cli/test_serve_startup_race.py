@@ -19,9 +19,9 @@ import threading
 
 import pytest
 
+from kvplane.common.procs import wait_for_line
 from kvplane.compat.mooncake import MooncakeDistributedStore
-from kvplane.testing.procs import wait_for_line
-from kvplane.testing.services import free_port
+from tests.support.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 CLIENTS = 20

@@ -14,11 +14,11 @@ import pytest
 from kvplane.testing.needs import need_module
 
 torch = need_module("torch", "pip install torch==2.13.0")
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 import kvplane.collectives as kc
 from kvplane.collectives import schedule
-from kvplane.testing.ranks import RankContext, RankGroup
+from tests.support.ranks import RankContext, RankGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -181,7 +181,8 @@ def test_all_to_all(results) -> None:
     for r in range(w):
         ref = torch.cat([torch.full((r + 1, 3), float(100 * s + r)) for s in range(w)])
         assert torch.equal(res[r]["all_to_all_single"], ref)
-        assert torch.equal(res[r]["all_to_all"], torch.stack([torch.full((2,), float(10 * s + r)) for s in range(w)]))
+        assert torch.equal(res[r]["all_to_all"],
+                           torch.stack([torch.full((2,), float(10 * s + r)) for s in range(w)]))
 
 
 def test_allreduce_other_dtypes_bit_exact(results) -> None:

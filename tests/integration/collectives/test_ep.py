@@ -8,8 +8,8 @@ from kvplane.testing.needs import need_module
 
 torch = need_module("torch", "pip install torch==2.13.0")
 
-from kvplane.testing.ep_scenario import WORLD, reference, worker
-from kvplane.testing.ranks import RankGroup
+from tests.support.ep_scenario import WORLD, reference, worker
+from tests.support.ranks import RankGroup
 
 
 @pytest.mark.integration

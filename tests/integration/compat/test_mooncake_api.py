@@ -13,13 +13,18 @@ import numpy as np
 import pytest
 
 from kvplane.compat.mooncake import (
-    BufferHandle, MooncakeDistributedStore, ReplicaStatus, ReplicateConfig, SoftPinAction,
-    TaskStatus, TaskType,
+    BufferHandle,
+    MooncakeDistributedStore,
+    ReplicaStatus,
+    ReplicateConfig,
+    SoftPinAction,
+    TaskStatus,
+    TaskType,
 )
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
 from kvplane.testing.needs import requires
-from kvplane.testing.services import free_port
+from tests.support.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 LEASE = 0.5

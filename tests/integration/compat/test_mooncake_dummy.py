@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvplane.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
-from kvplane.testing.store_procs import spawn_client_server, spawn_master
+from tests.support.store_procs import spawn_client_server, spawn_master
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -97,7 +97,7 @@ def test_setup_dummy_errors():
         st.setup_dummy(-1, 0, "127.0.0.1:1")
     with pytest.raises(TypeError):
         st.setup_dummy(1 << 20, 1 << 20, 50052)
-    from kvplane.testing.services import free_port
+    from tests.support.services import free_port
 
     assert st.setup_dummy(1 << 20, 1 << 20, f"127.0.0.1:{free_port()}") == -900
     assert st.health_check() == 1

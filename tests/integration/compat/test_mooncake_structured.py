@@ -10,8 +10,13 @@ import pytest
 
 from kvplane.compat.mooncake import MooncakeDistributedStore
 from kvplane.compat.mooncake_dataproto import (
-    MISSING, MooncakeBundleTransfer, _choose_leaf_codec, export_dataproto_ref,
-    import_dataproto_ref, infer_structure, is_dataproto_ref_handle,
+    MISSING,
+    MooncakeBundleTransfer,
+    choose_leaf_codec,
+    export_dataproto_ref,
+    import_dataproto_ref,
+    infer_structure,
+    is_dataproto_ref_handle,
 )
 from kvplane.compat.mooncake_structured import StructuredObjectPayload, export_ref, import_ref
 from kvplane.store.master.server import MasterServer
@@ -139,9 +144,9 @@ def test_unified_put_get_dict(transfer):
 
 
 def test_codec_choice_and_structure_inference():
-    assert _choose_leaf_codec(["a", None, "b"]).codec == "utf8_ragged"
-    assert _choose_leaf_codec([[1, 2], [3]]).codec == "typed_ragged"
-    assert not _choose_leaf_codec([object()]).accepted and not _choose_leaf_codec([]).accepted
+    assert choose_leaf_codec(["a", None, "b"]).codec == "utf8_ragged"
+    assert choose_leaf_codec([[1, 2], [3]]).codec == "typed_ragged"
+    assert not choose_leaf_codec([object()]).accepted and not choose_leaf_codec([]).accepted
     leaves, nodes = [], []
     infer_structure("r", [{"x": None}, {"y": 2}, None], leaves, nodes)
     assert nodes[0].row_mask == [True, True, False]

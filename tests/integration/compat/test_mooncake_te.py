@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from kvplane.compat.mooncake import (
-    ERR_ADDRESS_OVERLAPPED, TransferEngine, TransferOpcode,
+    ERR_ADDRESS_OVERLAPPED,
+    TransferEngine,
+    TransferOpcode,
 )
-from kvplane.testing import spawn_target
-from kvplane.testing.target import pattern
+from tests.support.target import pattern, spawn_target
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MB = 1 << 20

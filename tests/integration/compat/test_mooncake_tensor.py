@@ -8,9 +8,13 @@ import ctypes
 import pytest
 
 from kvplane.compat.mooncake import (
-    MooncakeDistributedStore, ParallelAxis, ReadTarget, ReplicateConfig, TensorParallelism,
+    MooncakeDistributedStore,
+    ParallelAxis,
+    ReadTarget,
+    ReplicateConfig,
+    TensorParallelism,
 )
-from kvplane.compat.mooncake_tensor import _deserialize_tensor, _serialize_tensor, _tensor_metadata_size
+from kvplane.compat.mooncake_tensor import deserialize_tensor, serialize_tensor, tensor_metadata_size
 from kvplane.store.master.server import MasterServer
 from kvplane.testing.needs import need_module
 
@@ -97,7 +101,7 @@ def test_batch_pub_upsert_and_errors(store):
 
 def test_tensor_into_and_from_use_the_304_byte_layout(store, buf):
     t = torch.randn(32, 8)
-    assert _tensor_metadata_size() == HEADER
+    assert tensor_metadata_size() == HEADER
     assert store.put_tensor("into-src", t) == 0
     got = store.get_tensor_into("into-src", *buf)
     assert torch.equal(got, t)
@@ -110,9 +114,9 @@ def test_tensor_into_and_from_use_the_304_byte_layout(store, buf):
     assert store.upsert_tensor_from("from-b", buf[0], total) == 0
     assert store.batch_get_tensor_into(["from-b", "none"], [buf[0], buf[0] + total + 64],
                                        [total, total]) [1] is None
-    header, ptr, size, owner = _serialize_tensor(t)
+    header, ptr, size, owner = serialize_tensor(t)
     assert len(header) == HEADER and size == t.numel() * 4 and ptr
-    assert torch.equal(_deserialize_tensor(header + bytes((ctypes.c_ubyte * size).from_address(ptr))), t)
+    assert torch.equal(deserialize_tensor(header + bytes((ctypes.c_ubyte * size).from_address(ptr))), t)
     dst = torch.zeros(32, 8)
     assert store.get_tensor_into_cuda("into-src", dst) == t.numel() * 4 and torch.equal(dst, t)
 

@@ -4,7 +4,6 @@ import pytest
 
 from kvplane import kvevents
 from kvplane.common.errors import NotFound
-from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import QueryRequest
 

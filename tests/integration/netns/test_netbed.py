@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from kvplane.testing.netns import leftovers, netbed  # noqa: F401  (fixture)
+from tests.support.netns import leftovers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-PROBE = [sys.executable, "-m", "kvplane.testing.netprobe"]
+PROBE = [sys.executable, "-m", "tests.support.netprobe"]
 
 
 def sink(host):
@@ -105,11 +105,11 @@ def test_sweep_removes_a_bed_whose_creator_was_killed(netbed):
     import json
     import subprocess
 
-    from kvplane.testing.netns import available, sweep_stale
-    from kvplane.testing.procs import wait_for_line
+    from kvplane.common.procs import wait_for_line
+    from tests.support.netns import available, sweep_stale
 
     assert available()[0]
-    code = ("import json,sys,time\nfrom kvplane.testing.netns import NetBed\n"
+    code = ("import json,sys,time\nfrom tests.support.netns import NetBed\n"
             "b=NetBed(['a','b'])\nprint(json.dumps({'tag':b.tag}),flush=True)\ntime.sleep(300)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from kvplane.common.procs import Proc, wait_for_line
 from kvplane.p2p import TrackerClient
 from kvplane.p2p.tracker_api import mount
-from kvplane.testing.procs import Proc, wait_for_line
 from kvplane.transfer.metadata_server import serve_in_thread
 
 TOKEN = "p2p-test-token"
@@ -23,7 +23,7 @@ def tracker():
 
 
 def node_argv(url, *extra):
-    return [sys.executable, "-m", "kvplane.testing.p2p_proc", "--tracker", url, "--token", TOKEN,
+    return [sys.executable, "-m", "tests.support.p2p_proc", "--tracker", url, "--token", TOKEN,
             *extra]
 
 

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TOKEN
 
-from conftest import TOKEN  # noqa: I001
-from kvplane.testing.procs import Proc
+from kvplane.common.procs import Proc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 CLI = [sys.executable, "-m", "kvplane.cli.main", "p2p"]

@@ -1,24 +1,14 @@
 """P2P store with real node processes on 127.0.0.1: intact bytes, a growing swarm, corrupt holders,
 version isolation and collection of old versions."""
 
-import time
 
 import pytest
+from conftest import ask_all, recv, send
 
-from conftest import ask_all, recv, send  # noqa: I001
+from kvplane.common.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MIB = 1 << 20
-
-
-def wait_until(cond, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)  # polling a condition under a deadline, not synchronising on a sleep
-    raise AssertionError(f"{what} not reached within {timeout}s")
 
 
 def test_six_receivers_get_intact_bytes_and_serve_each_other_while_fetching(tracker, nodes):
@@ -99,9 +89,9 @@ def test_old_version_is_kept_while_read_then_collected(tracker, nodes):
     assert ["ckpt", 1] in r1.ask('{"op": "holdings"}')["holdings"]
     tracker.release("ckpt", 1, "reader-holding-v1")
     wait_until(lambda: [v["version"] for v in tracker.ls("ckpt")[0]["versions"]] == [2],
-               what="v1 collected")
+               20.0, "v1 collected")
     # the holder learns it at its next heartbeat and unregisters the memory
-    wait_until(lambda: r1.ask('{"op": "holdings"}')["holdings"] == [], what="r1 dropped v1")
+    wait_until(lambda: r1.ask('{"op": "holdings"}')["holdings"] == [], 20.0, "r1 dropped v1")
     assert r1.ask('{"op": "regions"}')["regions"] == regions_v1 - 1
     out = r1.ask('{"op": "get", "name": "ckpt", "version": 1}')
     assert "NotFound" in out["error"]

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
+from conftest import TOKEN
 
-from conftest import TOKEN  # noqa: I001
 from kvplane.common.errors import InvalidArgument, NotFound
 from kvplane.p2p import MooncakeP2PStore
 

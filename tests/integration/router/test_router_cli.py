@@ -9,9 +9,9 @@ import sys
 import httpx
 import pytest
 
-from kvplane.testing.auth import headers
-from kvplane.testing.fake_vllm import FakeVLLM, words
-from kvplane.testing.procs import Proc
+from kvplane.common.procs import Proc
+from tests.support.auth import headers
+from tests.support.fake_vllm import FakeVLLM, words
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 CLI = [sys.executable, "-m", "kvplane.cli.main"]
@@ -27,7 +27,8 @@ def test_router_process_serves_and_stops_on_sigterm():
             assert info["mode"] == "colocated" and info["policy"] == "round-robin"
             assert info["zmq"][0].startswith("tcp://127.0.0.1:")
             got = {httpx.post(info["router"] + "/v1/completions", json={"prompt": words(i)},
-                              headers=headers(), timeout=10, trust_env=False).headers["x-kvplane-backend"] for i in range(4)}
+                              headers=headers(), timeout=10,
+                              trust_env=False).headers["x-kvplane-backend"] for i in range(4)}
             assert got == {a.id, b.id}
             # secure by default: the token file's token, nothing without it
             tokenless = httpx.post(info["router"] + "/v1/completions", json={"prompt": words(9)},
@@ -69,9 +70,9 @@ def test_router_process_discovers_backends_through_the_http_metadata_service():
     """The backend list read from kvplane's HTTP metadata server, its token on every call."""
     import json
 
-    from kvplane.testing.services import wait_until
     from kvplane.transfer.metadata import HttpMetadata
     from kvplane.transfer.metadata_server import serve_in_thread
+    from tests.support.services import wait_until
 
     with serve_in_thread(token="s3cret") as meta_server, FakeVLLM() as a, FakeVLLM() as b:
         url = meta_server.url + "/metadata"

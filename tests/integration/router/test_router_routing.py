@@ -7,9 +7,8 @@ import json
 import pytest
 
 from kvplane.conductor.gateway import instruments
-from kvplane.testing.fake_vllm import FakeVLLM
-
-from kvplane.testing.fake_vllm import router_over_fakes as cluster, words
+from tests.support.fake_vllm import FakeVLLM, words
+from tests.support.fake_vllm import router_over_fakes as cluster
 
 BS = 4  # the fakes' block size: 4n words are n blocks
 
@@ -74,7 +73,7 @@ def test_least_loaded_avoids_the_busy_backend(http):
 
 
 def _wait(cond, timeout: float = 5.0) -> bool:
-    from kvplane.testing.services import wait_until
+    from tests.support.services import wait_until
 
     wait_until(cond, timeout, "condition")
     return True
@@ -184,8 +183,8 @@ def test_pd_decode_instance_is_chosen_by_predicted_load(http):
 def test_backends_discovered_through_the_metadata_service(http):
     from kvplane.conductor.gateway.config import GatewayConfig
     from kvplane.conductor.gateway.server import GatewayServer
-    from kvplane.testing.services import wait_until
     from kvplane.transfer.metadata import MemoryMetadata
+    from tests.support.services import wait_until
 
     meta = MemoryMetadata("router-discovery-test")
     with FakeVLLM() as a, FakeVLLM() as b:

@@ -20,15 +20,15 @@ import zmq
 
 from kvplane.common.auth import ADMIN, Principal, TokenTable, client_token, server_token
 from kvplane.common.errors import InvalidArgument, Unauthorized
+from kvplane.common.procs import Proc
 from kvplane.common.rpc import RpcClient
 from kvplane.store import StoreClient
 from kvplane.store.dummy.types import SessionReq
 from kvplane.store.types import PingRep, PingReq
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import Proc
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import CLI, spawn_client_server, spawn_master, spawn_segment
 from kvplane.transfer import protocol
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_procs import CLI, spawn_client_server, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

@@ -14,7 +14,7 @@ from kvplane.store.disk import layout
 from kvplane.store.master.access import scoped
 from kvplane.store.tier_types import DiskSyncReq, LoadRep, LoadReq
 from kvplane.store.types import KeysReq, ResultsRep
-from kvplane.testing.services import wait_until
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 SVC, ADM = "service-token-0123456789", "admin-token-0123456789"

@@ -11,14 +11,21 @@ from kvplane.common.errors import Unauthorized
 from kvplane.common.rpc import RpcClient
 from kvplane.compat.mooncake import MooncakeDistributedStore
 from kvplane.store import MasterServer, StoreClient
-from kvplane.store.errors import InvalidKey, ObjectNotFound
 from kvplane.store.client.replica_ops import ReplicaOps
+from kvplane.store.errors import InvalidKey, ObjectNotFound
 from kvplane.store.master.tasks import TASK_NOT_FOUND
 from kvplane.store.replica_types import (
-    DescRep, ReplicaClearReq, TaskCreateRep, TaskCreateReq, TaskDoneReq, TaskInfo, TaskReq, TaskWork,
+    DescRep,
+    ReplicaClearReq,
+    TaskCreateRep,
+    TaskCreateReq,
+    TaskDoneReq,
+    TaskInfo,
+    TaskReq,
+    TaskWork,
 )
 from kvplane.store.types import KeysReq, MountReq, PingRep, PingReq
-from kvplane.testing.services import wait_until
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 SVC, ADM = "service-token-0123456789", "admin-token-0123456789"
@@ -109,7 +116,8 @@ def test_another_tenants_task_does_not_exist(pool):
     assert work.code == 0 and work.size == len(b"tenant a's bytes")
     mine = a.rpc.call("task_query", TaskReq(a.config.client_id, tid), TaskInfo)
     assert mine.assigned_client == a.config.client_id
-    with RpcClient(pool[1], token=TOK["a"], timeout=5) as other_a:  # the same tenant, another client: runner hidden
+    # the same tenant, another client: runner hidden
+    with RpcClient(pool[1], token=TOK["a"], timeout=5) as other_a:
         seen = other_a.call("task_query", TaskReq("another-client", tid), TaskInfo)
     assert seen.code == 0 and seen.assigned_client == ""
 

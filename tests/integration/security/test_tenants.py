@@ -19,12 +19,12 @@ from kvplane.common.rpc import RpcClient
 from kvplane.kvevents import decode_batch
 from kvplane.kvevents.secure import topic_of
 from kvplane.store import StoreClient
-from kvplane.testing.store_procs import tenant_pool
 from kvplane.store.errors import InvalidKey, ObjectNotFound
 from kvplane.store.master.access import scoped, unscoped
 from kvplane.store.master.pool_events import key_hash
 from kvplane.store.types import MountReq
-from kvplane.testing.services import wait_until
+from tests.support.services import wait_until
+from tests.support.store_procs import tenant_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 SVC, ADM = "service-token-0123456789", "admin-token-0123456789"

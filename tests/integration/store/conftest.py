@@ -1,3 +1,3 @@
 """Conductor fixtures live in the shipped test kit (one copy for every suite)."""
 
-from kvplane.testing.conductor_fixtures import http, make_server, publishers, server, wait_seq  # noqa: F401
+from tests.support.conductor_fixtures import http, make_server, publishers, server, wait_seq  # noqa: F401

@@ -7,10 +7,10 @@ import pytest
 
 from kvplane.common.auth import client_token
 from kvplane.testing.needs import need_module, requires
-from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 need_module("websocket", "pip install websocket-client (the dev extra)")
-from kvplane.testing.browser import Browser  # noqa: E402
+from tests.support.browser import Browser  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -59,7 +59,8 @@ def test_dashboard_in_chromium(cluster, browser, tmp_path):
     assert page.evaluate("document.querySelector('#card-objects b').textContent") == "0"
 
     keys = [f"dash-{i}" for i in range(3)]
-    assert cluster["worker"].ask(json.dumps({"op": "put", "keys": keys, "size": 300_000}))["result"] == [0] * 3
+    put = json.dumps({"op": "put", "keys": keys, "size": 300_000})
+    assert cluster["worker"].ask(put)["result"] == [0] * 3
     page.wait_for("document.querySelector('#card-objects b').textContent === '3'", 30)
     page.wait_for("document.querySelector('#card-replicas b').textContent === '3'", 10)
     used = page.evaluate("Array.from(document.querySelectorAll('#segments tbody tr td:nth-child(4)'))"

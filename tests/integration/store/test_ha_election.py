@@ -18,7 +18,7 @@ from kvplane.store.etcd import HaAddress
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, ResultsRep
 from kvplane.testing.needs import requires
-from kvplane.testing.services import start_etcd, wait_until
+from tests.support.services import start_etcd, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -20,9 +20,9 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.client.get_path import HELD, SPECULATED
 from kvplane.store.errors import ObjectHasLease, ObjectNotFound, TransferFail
 from kvplane.store.types import ReplicateConfig
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_client_proc import round_value
-from kvplane.testing.store_procs import segment_pool, spawn_master, spawn_segment
+from tests.support.services import wait_until
+from tests.support.store_client_proc import round_value
+from tests.support.store_procs import segment_pool, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SIZE = 4096
@@ -50,7 +50,7 @@ def pool_of_two():
 
 
 @contextlib.contextmanager
-def sides(addr: str, n: int, reader_protocol: str = "tcp", **cfg) -> Iterator[tuple["Side", "Side"]]:
+def sides(addr: str, n: int, reader_protocol: str = "tcp", **cfg) -> Iterator[tuple[Side, Side]]:
     """A writer and a reader (``b``), closed on the way out."""
     a = Side(addr, n, **cfg)
     try:

@@ -23,7 +23,7 @@ from kvplane.store import MasterServer, StoreClient
 from kvplane.store.client import get_path, lookup, put_path, ranges, replica_io, timing
 from kvplane.store.client.ranges import Ranges
 from kvplane.store.errors import LeaseExpired
-from kvplane.testing.store_client_proc import value_of
+from tests.support.store_client_proc import value_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 SIZE = 64 << 10

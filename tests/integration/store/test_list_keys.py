@@ -13,10 +13,10 @@ import pytest
 from kvplane.common.errors import Unauthorized
 from kvplane.common.rpc import RpcClient
 from kvplane.store import StoreClient
-from kvplane.testing.store_procs import tenant_pool
 from kvplane.store import types as store_types
 from kvplane.store.errors import InvalidKey, InvalidParams
 from kvplane.store.types import ListKeysRep, ListKeysReq, PutStartReq, ReplicateConfig
+from tests.support.store_procs import tenant_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 SVC = "service-token-0123456789"

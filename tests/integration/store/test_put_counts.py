@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from kvplane.store.client.client import StoreClient
-from kvplane.testing.auth import headers
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.auth import headers
+from tests.support.store_procs import spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 N = 50

@@ -12,9 +12,9 @@ import pytest
 
 from kvplane.common.errors import Unauthorized, Unavailable
 from kvplane.store import StoreClient
-from kvplane.testing.services import free_port
-from kvplane.testing.store_procs import spawn_master
 from kvplane.transfer import TransferEngine
+from tests.support.services import free_port
+from tests.support.store_procs import spawn_master
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -14,10 +14,10 @@ import pytest
 
 from kvplane.store.client.client import StoreClient
 from kvplane.store.client.put_path import PUTS
-from kvplane.testing.auth import headers
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_client_proc import round_value
-from kvplane.testing.store_procs import segment_pool, spawn_master, spawn_segment, tenant_pool
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_client_proc import round_value
+from tests.support.store_procs import segment_pool, spawn_master, spawn_segment, tenant_pool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SIZE = 4096
@@ -168,7 +168,7 @@ def test_threads_sharing_a_client_never_write_into_one_spare_twice(pool):
         def run(mine: list[str]) -> None:
             try:
                 put_all(w, mine)
-            except BaseException as exc:  # noqa: BLE001 (reported below)
+            except BaseException as exc:
                 errors.append(exc)
 
         threads = [threading.Thread(target=run, args=(k,)) for k in keys]

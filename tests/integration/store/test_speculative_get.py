@@ -20,8 +20,8 @@ from kvplane.store.client.lookup import lookup
 from kvplane.store.client.read_through import get_replicas
 from kvplane.store.errors import InvalidParams, ObjectNotFound
 from kvplane.store.types import ReplicateConfig
-from kvplane.testing.store_client_proc import round_value
-from kvplane.testing.store_procs import segment_pool, spawn_master, spawn_segment
+from tests.support.store_client_proc import round_value
+from tests.support.store_procs import segment_pool, spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SIZE = 4096

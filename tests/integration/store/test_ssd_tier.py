@@ -9,7 +9,7 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.client.replica_ops import ReplicaOps
 from kvplane.store.disk import layout
 from kvplane.store.errors import ObjectNotFound
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.store_procs import spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MB = 1 << 20

@@ -6,18 +6,17 @@ own views (/metrics, /segments, /get_all_keys)."""
 import json
 import signal
 import subprocess
-import sys
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.store.client.client import FENCE_WORD
 from kvplane.common.auth import client_token
-from kvplane.testing.auth import headers
-from kvplane.testing.procs import Proc
-from kvplane.testing.services import wait_until
-from kvplane.testing.store_procs import CLI, spawn_master, spawn_segment, spawn_worker
+from kvplane.common.procs import Proc
+from kvplane.store.client.client import FENCE_WORD
+from tests.support.auth import headers
+from tests.support.services import wait_until
+from tests.support.store_procs import CLI, spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 KIB = 1024
@@ -108,7 +107,8 @@ def test_status_matches_the_masters_state(cluster):
             d["evictions"]["total"] == m[("master_evicted_key_count_total", ())],
             d["objects"]["objects"] == len(listed) == 5 + put - d["evictions"]["total"],
             d["objects"]["objects"] + d["objects"]["pending_puts"] == m[("master_key_count", ())],
-            d["used_bytes"] == sum(s["allocator_used_bytes"] for s in segs) == m[("master_allocated_bytes", ())],
+            d["used_bytes"] == sum(s["allocator_used_bytes"] for s in segs)
+            == m[("master_allocated_bytes", ())],
             {s["name"]: s["used_bytes"] for s in d["segments"]}
             == {s["segment_name"]: s["allocator_used_bytes"] for s in segs},
             all(d["ops"]["rpc_calls"][meth] == m[("master_rpc_requests_total", (("method", meth),))]

@@ -10,9 +10,9 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.errors import InvalidParams, ObjectHasLease, ObjectNotFound
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import ReplicateConfig
-from kvplane.testing.auth import headers
-from kvplane.testing.store_procs import spawn_master, spawn_segment, spawn_worker
-from kvplane.testing.store_client_proc import value_of
+from tests.support.auth import headers
+from tests.support.store_client_proc import value_of
+from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 MB = 1 << 20

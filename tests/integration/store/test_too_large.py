@@ -9,7 +9,7 @@ import pytest
 
 from kvplane.store.client.client import FENCE_WORD, StoreClient
 from kvplane.store.errors import NoAvailableHandle, ValueTooLarge
-from kvplane.testing.store_procs import spawn_master, spawn_segment
+from tests.support.store_procs import spawn_master, spawn_segment
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MB = 1 << 20

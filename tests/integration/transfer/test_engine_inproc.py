@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 from kvplane.common.errors import AddressNotRegistered, InvalidArgument, NotFound, Unauthorized
-from kvplane.testing.services import wait_until
+from tests.support.services import wait_until
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from kvplane.transfer.metadata import open_metadata
 from kvplane.transfer.metadata_server import serve_in_thread
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 MB = 1 << 20

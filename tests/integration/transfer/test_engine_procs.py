@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from kvplane.common.errors import AddressNotRegistered, InvalidArgument
-from kvplane.testing import spawn_target
-from kvplane.testing.target import pattern
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from kvplane.transfer.transports import Route
+from tests.support.target import pattern, spawn_target
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 MB = 1 << 20

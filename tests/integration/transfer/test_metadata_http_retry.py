@@ -9,9 +9,9 @@ import time
 import pytest
 
 from kvplane.common.errors import Unavailable
-from kvplane.testing.services import free_port
 from kvplane.transfer.metadata import HttpMetadata
 from kvplane.transfer.metadata_server import serve_in_thread
+from tests.support.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvplane.testing.procs import wait_for_line
+from kvplane.common.procs import wait_for_line
 
 pytestmark = pytest.mark.timeout(90)
 DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "transfer.md"

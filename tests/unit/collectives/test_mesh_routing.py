@@ -16,10 +16,10 @@ from kvplane.testing.needs import need_module
 
 need_module("torch", "pip install torch==2.13.0")  # the collectives package imports it
 
-from kvplane.collectives.frames import KIND_ABORT, KIND_DATA, KIND_HELLO, KIND_P2P, Header  # noqa: E402
-from kvplane.collectives.mesh import AttemptFailed, Mesh, Post, StreamRecv, StreamSend  # noqa: E402
-from kvplane.testing.faults import FaultKind, FaultPlan  # noqa: E402
-from kvplane.testing.mesh_peers import FramePeer, wire  # noqa: E402
+from kvplane.collectives.frames import KIND_ABORT, KIND_DATA, KIND_HELLO, KIND_P2P, Header
+from kvplane.collectives.mesh import AttemptFailed, Mesh, Post, StreamRecv, StreamSend
+from kvplane.testing.faults import FaultKind, FaultPlan
+from kvplane.testing.mesh_peers import FramePeer, wire
 
 pytestmark = pytest.mark.timeout(20)
 ALL = 0b111  # ranks 0, 1, 2

@@ -7,7 +7,7 @@ import pytest
 from kvplane.testing.needs import need_module
 
 torch = need_module("torch", "pip install torch==2.13.0")
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 import kvplane.collectives as kc
 import kvplane.ep as kep
@@ -67,7 +67,7 @@ def test_ring_schedules_simulated(n: int) -> None:
     have = {i: {i} for i in range(n)}
     for s in range(n - 1):
         moves = [(i, schedule.ring_allgather(i, n)[s]) for i in range(n)]
-        for i, (sb, rb) in moves:
+        for i, (sb, _rb) in moves:
             assert sb in have[i]
             assert schedule.ring_allgather((i + 1) % n, n)[s][1] == sb
         for i, (_, rb) in moves:
@@ -154,5 +154,4 @@ def test_public_surface_is_pinned() -> None:
         "get_failed_ranks_hint", "get_local_success", "get_peer_state", "join_group", "recover_ranks",
         "register", "set_collective_timeout_us", "sync_after_failure"])
     assert sorted(kep.__all__) == ["Buffer", "DispatchHandle", "LowLatencyHandle"]
-    import torch.distributed as dist
     assert "kvplane" in dist.Backend.backend_list

@@ -10,7 +10,7 @@ from kvplane.testing.needs import need_module
 
 torch = need_module("torch", "pip install torch==2.13.0")
 
-from kvplane.collectives import shm  # noqa: E402
+from kvplane.collectives import shm
 
 pytestmark = pytest.mark.timeout(20)
 

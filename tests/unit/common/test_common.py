@@ -4,7 +4,12 @@ from kvplane.common import envs
 from kvplane.common.config import parse_hostport, parse_size
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import (
-    AddressNotRegistered, Conflict, InvalidArgument, KVPlaneError, Timeout, from_code,
+    AddressNotRegistered,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    Timeout,
+    from_code,
 )
 from kvplane.common.registry import Registry
 

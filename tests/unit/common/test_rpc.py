@@ -36,7 +36,8 @@ def test_calls_errors_and_token():
                 c.call("double", Req(-1), int)
             with pytest.raises(InvalidArgument):
                 c.call("nope", Req(1), int)
-            assert "internal error" in str(pytest.raises(Exception, c.call, "boom", Req(1), int).value)
+            raised = pytest.raises(Exception, c.call, "boom", Req(1), int)  # noqa: B017
+            assert "internal error" in str(raised.value)
             assert c.call("double", Req(1), int) == 2  # still usable
         with RpcClient(ep, token="bad") as c, pytest.raises(Unauthorized):
             c.call("double", Req(1), int)
@@ -44,7 +45,8 @@ def test_calls_errors_and_token():
 
 def test_malformed_frames_close_only_that_connection():
     with make_server() as srv:
-        for junk in (b"\xff" * 64, struct.pack("<I", 1 << 30), struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1"):
+        for junk in (b"\xff" * 64, struct.pack("<I", 1 << 30),
+                     struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1"):
             with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
                 s.sendall(junk)
                 try:
@@ -120,7 +122,7 @@ def test_a_frame_is_busy_polled_only_with_the_spinner_free(monkeypatch):
 
 
 def test_a_server_in_a_tight_loop_answers_and_holds_no_spinner_while_idle():
-    from kvplane.testing.services import wait_until
+    from tests.support.services import wait_until
 
     srv = RpcServer(spin=500e-6)
     srv.add("double", lambda r: r.x * 2, Req)

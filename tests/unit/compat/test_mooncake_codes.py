@@ -4,13 +4,27 @@ checks, without any process."""
 import pytest
 
 from kvplane.common.errors import (
-    AddressNotRegistered, Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound,
-    ProtocolError, Timeout, Unauthorized, Unavailable,
+    AddressNotRegistered,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NoSpace,
+    NotFound,
+    ProtocolError,
+    Timeout,
+    Unauthorized,
+    Unavailable,
 )
 from kvplane.compat.mooncake_types import ReplicateConfig, SoftPinAction, check_config, code_of
 from kvplane.store.errors import (
-    InvalidKey, LeaseExpired, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound,
-    ReplicaNotReady, TransferFail,
+    InvalidKey,
+    LeaseExpired,
+    NoAvailableHandle,
+    ObjectExists,
+    ObjectHasLease,
+    ObjectNotFound,
+    ReplicaNotReady,
+    TransferFail,
 )
 
 pytestmark = pytest.mark.timeout(10)

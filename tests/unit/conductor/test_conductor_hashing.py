@@ -9,6 +9,7 @@ import pytest
 from kvplane.common.errors import InvalidArgument
 from kvplane.conductor.hashing import HashProfile, cbor_canonical, low64
 from kvplane.kvevents import to_event_hash
+from kvplane.testing.needs import requires
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -38,9 +39,11 @@ def test_golden_vectors(algo):
 
 def test_extra_keys_golden_lora_and_salt():
     p = HashProfile("sha256", "0")
-    assert list(p.event_hashes(TOKENS[:4], 4, extra_keys=[("adapter-A", "tenant-salt")])) == [602575766154556200]
+    assert list(p.event_hashes(TOKENS[:4], 4, extra_keys=[("adapter-A", "tenant-salt")])) \
+        == [602575766154556200]
     # the same keys built from a LoRA name (every block) and a cache salt (first block only)
-    assert list(p.event_hashes(TOKENS[:4], 4, lora_name="adapter-A", cache_salt="tenant-salt")) == [602575766154556200]
+    assert list(p.event_hashes(TOKENS[:4], 4, lora_name="adapter-A", cache_salt="tenant-salt")) \
+        == [602575766154556200]
 
 
 def test_salt_only_first_block_lora_every_block():
@@ -142,8 +145,8 @@ def _reference(p, tokens, bs, salt=None):
 def chain_path(request, monkeypatch):
     """Run a test on the C accelerator's chain and again on the numpy layout."""
     from kvplane.conductor import hashing
-    if request.param == "native" and hashing.native is None:
-        pytest.skip("the C accelerator was not built (no compiler or OpenSSL headers)")
+    if request.param == "native":
+        requires("accel")
     if request.param == "numpy":
         monkeypatch.setattr(hashing, "native", None)
     return request.param
@@ -154,6 +157,7 @@ def chain_path(request, monkeypatch):
 def test_batched_path_matches_block_by_block(algo, bs, chain_path):
     """Every token size class of both encodings, every tuple/array head, across batch edges."""
     import random
+
     from kvplane.conductor import hashing
     rng = random.Random(bs)
     classes = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1]
@@ -193,8 +197,7 @@ def test_batched_path_falls_back_where_it_does_not_apply(algo, monkeypatch, chai
 @pytest.mark.parametrize("algo", sorted(GOLDEN))
 def test_native_chain_that_goes_wrong_is_caught_on_the_first_block(algo, monkeypatch):
     from kvplane.conductor import hashing
-    if hashing.native is None:
-        pytest.skip("the C accelerator was not built")
+    requires("accel")
     p, bs = HashProfile(algo), 16
     tokens = list(range(1000, 1000 + bs * 100))
     real = hashing.native
@@ -216,6 +219,7 @@ def test_native_chain_that_goes_wrong_is_caught_on_the_first_block(algo, monkeyp
 @pytest.mark.parametrize("algo", sorted(GOLDEN))
 def test_prefix_cache_is_exact_and_reused_by_a_longer_prompt(algo):
     import random
+
     from kvplane.conductor import hashing
     rng = random.Random(9)
     p, bs = HashProfile(algo), 16

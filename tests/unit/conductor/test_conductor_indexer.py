@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvplane.kvevents import Tier
 from kvplane.conductor.indexer import ContextKey, Holder, PrefixIndex
+from kvplane.kvevents import Tier
 
 pytestmark = pytest.mark.timeout(10)
 CTX = ContextKey("t", "m", "", 16, "")

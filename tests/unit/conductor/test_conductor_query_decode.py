@@ -8,6 +8,7 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 
 from kvplane.conductor import api
+from kvplane.testing.needs import requires
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -38,7 +39,7 @@ def _decode_body(body: bytes, monkeypatch, native: bool) -> object:
     return ("ok", None if ids is None else [int(t) for t in ids], rest)
 
 
-@pytest.mark.skipif(api.native is None, reason="the C accelerator was not built")
+@pytest.mark.requires("accel")
 @pytest.mark.parametrize("text", IDS)
 def test_c_parser_agrees_with_msgspec(text, monkeypatch):
     got, want = _decode(text, monkeypatch, True), _decode(text, monkeypatch, False)
@@ -76,13 +77,31 @@ BODIES = [
 ]
 
 
-@pytest.mark.skipif(api.native is None, reason="the C accelerator was not built")
+@pytest.mark.requires("accel")
 @pytest.mark.parametrize("body", BODIES)
 def test_c_scan_of_the_whole_body_agrees_with_msgspec(body, monkeypatch):
     assert _decode_body(body, monkeypatch, True) == _decode_body(body, monkeypatch, False)
 
 
-@pytest.mark.skipif(api.native is None, reason="the C accelerator was not built")
+@pytest.mark.requires("accel")
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "token_ids": [1], "x": "ab\\',  # the body ends on a backslash in a value
+    b'{"token_ids": [1], "a\\',                       # ... in a key after the ids
+    b'{"model": "m\\',                                # ... before the ids
+    b'{"model": "m", "extra": ["\\',                 # ... in a nested string
+])
+def test_a_body_ending_on_a_backslash_in_a_string_is_refused_like_msgspec(body, monkeypatch):
+    """The scan stops at the end of the body after an escape's backslash (it must not step past
+    the end to look for the escaped byte) and the body is msgspec's to refuse."""
+    assert body.endswith(b"\\")
+    assert api.native.query_ids(body) is None
+    for cut in range(1, len(body) + 1):  # and every prefix of it
+        chunk = body[:cut]
+        assert _decode_body(chunk, monkeypatch, True) == _decode_body(chunk, monkeypatch, False)
+    assert _decode_body(body, monkeypatch, True)[0] == "error"
+
+
+@pytest.mark.requires("accel")
 def test_c_scan_agrees_with_msgspec_on_random_mutations(monkeypatch):
     import random
     rng = random.Random(17)
@@ -103,7 +122,7 @@ def test_c_scan_agrees_with_msgspec_on_random_mutations(monkeypatch):
         assert got == _decode_body(bytes(body), monkeypatch, False), bytes(body)
 
 
-@pytest.mark.skipif(api.native is None, reason="the C accelerator was not built")
+@pytest.mark.requires("accel")
 def test_parsed_ids_are_an_int64_array_and_by_hash_bodies_skip_it():
     body = msgspec.json.encode({"model": "m", "token_ids": list(range(70000, 70000 + 4096))})
     req = api._decode_query(body, "application/json", by_hash=False)
@@ -117,8 +136,7 @@ def test_parsed_ids_are_an_int64_array_and_by_hash_bodies_skip_it():
 
 
 def test_parse_ids_rejects_what_json_does_not_allow():
-    if api.native is None:
-        pytest.skip("the C accelerator was not built")
+    requires("accel")
     p = api.native.parse_ids
     assert np.frombuffer(p(b"[7, 4294967295]"), np.int64).tolist() == [7, 4294967295]
     for bad in (b"[01]", b"[-1]", b"[1,]", b"[1 2]", b"[4294967296]", b"", b"[", b"[1]x", b"[1.5]"):

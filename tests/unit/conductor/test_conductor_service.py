@@ -3,13 +3,12 @@
 import pytest
 
 import kvplane.conductor as conductor_pkg
-from kvplane.common.errors import Conflict, InvalidArgument, NotFound
 from kvplane import kvevents
-from kvplane.kvevents.publisher import KVEventPublisher
+from kvplane.common.errors import Conflict, InvalidArgument, NotFound
 from kvplane.conductor.config import ConductorConfig
-from kvplane.kvevents import decode_batch
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.service import Conductor, QueryRequest, Registration, offset_endpoint
+from kvplane.kvevents import decode_batch
 
 pytestmark = pytest.mark.timeout(10)
 BS = 4

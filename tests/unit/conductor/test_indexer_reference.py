@@ -14,6 +14,7 @@ import pytest
 from kvplane.conductor import indexer
 from kvplane.conductor.hashing import HashStream
 from kvplane.conductor.indexer import ContextKey, Holder, PrefixIndex, Tier
+from kvplane.testing.needs import requires
 
 pytestmark = pytest.mark.timeout(30)
 CTX = ContextKey("t", "m", "", 16, "")
@@ -95,8 +96,7 @@ def test_match_agrees_with_the_reference(seed, form, monkeypatch):
 
 def test_the_c_walk_is_built_and_used(monkeypatch):
     """Guard against the C path silently not running (then only the Python walk is tested)."""
-    if indexer.native is None:
-        pytest.skip("the C accelerator was not built (no compiler or OpenSSL headers)")
+    requires("accel")
     calls = []
     real = indexer.native.continue_run
 

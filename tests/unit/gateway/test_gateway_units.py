@@ -11,8 +11,7 @@ import pytest
 from kvplane.common.errors import InvalidArgument
 from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
 from kvplane.conductor.gateway.pool import Backend, parse_vllm_metrics
-from kvplane.conductor.gateway.relay import (BackendGone, error_event, is_data, race,
-                                             sse_events, stop_tasks)
+from kvplane.conductor.gateway.relay import BackendGone, error_event, is_data, race, sse_events, stop_tasks
 from kvplane.conductor.gateway.server import sim_config
 
 pytestmark = pytest.mark.timeout(10)

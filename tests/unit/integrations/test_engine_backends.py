@@ -38,7 +38,7 @@ def test_packages_resolve_lazily_without_the_engines():
 
 def test_the_harness_names_the_shim_without_importing_it():
     import kvplane.integrations.mooncake_shim as shim
-    from kvplane.testing.engines_harness import SHIM_PATH
+    from tests.support.engines_harness import SHIM_PATH
 
     assert str(SHIM_PATH) == shim.PATH
 
@@ -97,7 +97,8 @@ def test_lmcache_keys_keep_the_cache_engine_key_and_publish_the_chunk_hash(chunk
 
 
 def test_lmcache_plugin_settings_and_urls():
-    extra = {"remote_storage_plugin.kvplane.module_path": "x", "remote_storage_plugin.kvplane.class_name": "y",
+    extra = {"remote_storage_plugin.kvplane.module_path": "x",
+             "remote_storage_plugin.kvplane.class_name": "y",
              "remote_storage_plugin.kvplane.url": "kvplane://10.0.0.1:7000",
              "remote_storage_plugin.kvplane.protocol": "rdma",
              "remote_storage_plugin.kvplane.timeout": "2.5", "chunk_meta": True,

@@ -14,7 +14,12 @@ from kvplane.common.errors import InvalidArgument, Unavailable
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.layout import KVLayout, LayerSpan
 from kvplane.integrations.vllm.plan import (
-    KeySpace, blocks_present, load_job, loadable_blocks, matched_tokens, save_span,
+    KeySpace,
+    blocks_present,
+    load_job,
+    loadable_blocks,
+    matched_tokens,
+    save_span,
 )
 from kvplane.integrations.vllm.saver import BackgroundSaver
 

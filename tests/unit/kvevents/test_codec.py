@@ -5,8 +5,17 @@ import pytest
 
 from kvplane import kvevents
 from kvplane.common.errors import ProtocolError
-from kvplane.kvevents import (AllBlocksCleared, BlockRemoved, BlockStored, Tier, decode_batch,
-                              decode_seq, extra_keys_of, tier_of, tokens_of)
+from kvplane.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Tier,
+    decode_batch,
+    decode_seq,
+    extra_keys_of,
+    tier_of,
+    tokens_of,
+)
 
 pytestmark = pytest.mark.timeout(10)
 BIG = 2**64 - 3

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kvplane.kvevents import Tier
 from kvplane.conductor.indexer import PrefixIndex
 from kvplane.conductor.scheduling.config import ClusterConfig, ModelConfig, PolicyConfig
 from kvplane.conductor.scheduling.policy import create_policy
 from kvplane.conductor.scheduling.prefix import POOL, IndexPrefixes
 from kvplane.conductor.scheduling.timemodel import TimeModel
 from kvplane.conductor.scheduling.view import ClusterView, DecodeLoad, PrefillLoad, Request
+from kvplane.kvevents import Tier
 
 TM = TimeModel(ModelConfig(), ClusterConfig())
 CAP = ModelConfig().decode_kv_capacity_tokens

@@ -42,7 +42,8 @@ def test_effective_and_summary():
     assert s["slo_attainment_by_tbt"] == {"100ms": 0.25, "200ms": 0.25, "300ms": 0.5}
     assert s["slo_attainment"] == 0.5
     assert s["hit_ratio"] == pytest.approx(7 / 12)
-    assert s["hit_ratio_by_tier"] == pytest.approx({"gpu": 2 / 12, "cpu": 1 / 12, "remote": 4 / 12, "pool": 0.0})
+    assert s["hit_ratio_by_tier"] == pytest.approx({"gpu": 2 / 12, "cpu": 1 / 12, "remote": 4 / 12,
+                                                    "pool": 0.0})
 
 
 def test_summary_of_nothing_served():

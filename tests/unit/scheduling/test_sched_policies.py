@@ -158,12 +158,14 @@ def test_early_vs_predictive_rejection():
     old = DecodeLoad("d0", running=200, kv_tokens=CAP - 1000, kv_capacity=CAP, max_batch=256,
                      starts={i: (-100.0, (CAP - 1000) // 200) for i in range(200)})
     assert policy("mooncake", rejection="early").schedule(req(CHAIN), view([0], decode=[old])).reject == "kv"
-    assert not policy("mooncake", rejection="predictive").schedule(req(CHAIN), view([0], decode=[old])).rejected
+    predictive = policy("mooncake", rejection="predictive")
+    assert not predictive.schedule(req(CHAIN), view([0], decode=[old])).rejected
     # d0 is empty now, but requests already in prefill will fill it first
     coming = DecodeLoad("d0", kv_capacity=CAP, max_batch=256,
                         incoming={i: (1.0, (CAP - 1000) // 100) for i in range(100)})
     assert not policy("mooncake", rejection="early").schedule(req(CHAIN), view([0], decode=[coming])).rejected
-    assert policy("mooncake", rejection="predictive").schedule(req(CHAIN), view([0], decode=[coming])).reject == "kv"
+    predictive = policy("mooncake", rejection="predictive")
+    assert predictive.schedule(req(CHAIN), view([0], decode=[coming])).reject == "kv"
 
 
 def test_mooncake_rejects_on_tbt_slo():

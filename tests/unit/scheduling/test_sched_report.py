@@ -6,8 +6,14 @@ from kvplane.common.errors import InvalidArgument
 from kvplane.conductor.indexer import PrefixIndex
 from kvplane.conductor.scheduling.config import ClusterConfig, SimConfig
 from kvplane.conductor.scheduling.prefix import TRACE_CONTEXT
-from kvplane.conductor.scheduling.report import (compare, hit_ratio_by_turn, parse_spec, scaled,
-                                                 tier_series, tier_setups)
+from kvplane.conductor.scheduling.report import (
+    compare,
+    hit_ratio_by_turn,
+    parse_spec,
+    scaled,
+    tier_series,
+    tier_setups,
+)
 from kvplane.conductor.scheduling.simulator import Simulator
 from kvplane.conductor.scheduling.view import Request
 
@@ -60,7 +66,8 @@ def test_hit_ratio_grows_with_turns_and_tiers():
     assert set(by_turn) == {1, 2, 3, 4}
     assert by_turn[1] < by_turn[2] < by_turn[4]
     setups = tier_setups(CFG, 500)
-    assert setups["GPU only"].cluster.cpu_cache_blocks == 0 and setups["GPU + CPU + pool"].cluster.pool_blocks == 500
+    assert setups["GPU only"].cluster.cpu_cache_blocks == 0
+    assert setups["GPU + CPU + pool"].cluster.pool_blocks == 500
     series = tier_series(reqs, CFG, "least-loaded", 500)
     assert set(series) == set(setups)
 

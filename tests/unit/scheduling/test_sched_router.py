@@ -3,11 +3,9 @@
 import pytest
 
 import kvplane.conductor.scheduling as sched_pkg
-from kvplane.common.errors import InvalidArgument, NotFound
 from kvplane import kvevents
-from kvplane.kvevents.publisher import KVEventPublisher
+from kvplane.common.errors import InvalidArgument, NotFound
 from kvplane.conductor.config import ConductorConfig
-from kvplane.kvevents import decode_batch
 from kvplane.conductor.hashing import HashProfile
 from kvplane.conductor.scheduling.config import ClusterConfig, ModelConfig, PolicyConfig
 from kvplane.conductor.scheduling.policy import create_policy
@@ -16,6 +14,7 @@ from kvplane.conductor.scheduling.router import Router
 from kvplane.conductor.scheduling.timemodel import TimeModel
 from kvplane.conductor.scheduling.view import Request
 from kvplane.conductor.service import Conductor, Registration
+from kvplane.kvevents import decode_batch
 
 pytestmark = pytest.mark.timeout(10)
 BS = 16

@@ -66,7 +66,7 @@ def test_unavailable_instances_are_not_offered_and_none_left_is_unavailable():
 
 def test_abandon_releases_booked_load_wherever_the_request_is():
     r, _ = router()
-    d = r.route(req(1))
+    r.route(req(1))
     assert r.abandon(1) and not r.abandon(1)
     p, dec = r.loads()
     assert all(x.queued == 0 and x.queue_s == 0 for x in p) and r.in_flight() == 0

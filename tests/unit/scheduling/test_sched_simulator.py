@@ -113,7 +113,8 @@ def test_runs_are_seeded():
 
 def test_every_request_finishes_and_progress_is_reported():
     seen = []
-    res = Simulator(cfg(prefill=2, decode=2), "mooncake").run(_trap_trace(300), lambda d, t: seen.append((d, t)))
+    res = Simulator(cfg(prefill=2, decode=2), "mooncake").run(_trap_trace(300),
+                                                              lambda d, t: seen.append((d, t)))
     assert all(o.finish_s is not None for o in res.outcomes if o.rejected is None)
     assert seen[-1] == (300, 300) and (256, 300) in seen
     assert res.index_calls >= 300

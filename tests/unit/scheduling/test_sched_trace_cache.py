@@ -6,11 +6,11 @@ import random
 import pytest
 
 from kvplane.common.errors import InvalidArgument
-from kvplane.kvevents import Tier
 from kvplane.conductor.indexer import PrefixIndex
 from kvplane.conductor.scheduling.cache import InstanceCache, LruTier, PoolCache, walk
 from kvplane.conductor.scheduling.prefix import POOL, IndexPrefixes
 from kvplane.conductor.scheduling.trace import load_trace, parse_lines, turns
+from kvplane.kvevents import Tier
 
 pytestmark = pytest.mark.timeout(10)
 

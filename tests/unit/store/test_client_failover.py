@@ -18,8 +18,18 @@ from kvplane.store.client import link as link_module
 from kvplane.store.client.client import StoreClient
 from kvplane.store.errors import ObjectNotFound, TransferFail
 from kvplane.store.types import (
-    CodesRep, KeyResult, KeysReq, MountRep, MountReq, PingRep, PingReq, PutEndReq, PutStartReq, Replica,
-    ReplicateConfig, ResultsRep,
+    CodesRep,
+    KeyResult,
+    KeysReq,
+    MountRep,
+    MountReq,
+    PingRep,
+    PingReq,
+    PutEndReq,
+    PutStartReq,
+    Replica,
+    ReplicateConfig,
+    ResultsRep,
 )
 from kvplane.testing.faults import FaultKind, FaultPlan
 from kvplane.testing.mem_rpc import MemRpcNetwork

@@ -9,7 +9,6 @@ import pytest
 
 from kvplane.store.checksum import digest
 from kvplane.store.errors import ChecksumMismatch, LeaseExpired, ObjectNotFound, TransferFail
-
 from tests.unit.store.test_client_failover import VALUE, cluster  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,9 +1,9 @@
 """Spares (``kvplane.store.master.spares``): an allocation placed one put ahead, on an explicit
 timeline (no clocks, no sockets)."""
 
+from kvplane.common.auth import DEFAULT_TENANT
 from kvplane.store.errors import InvalidKey, InvalidParams, ObjectExists, ObjectNotFound, ReplicaNotReady
 from kvplane.store.inventory import header_len
-from kvplane.common.auth import DEFAULT_TENANT
 from kvplane.store.master import spares
 from kvplane.store.master.access import keys_of, unscoped
 from kvplane.store.master.config import MasterConfig

@@ -6,8 +6,14 @@ import pytest
 
 from kvplane.common.errors import InvalidArgument
 from kvplane.store.errors import (
-    InvalidKey, NoAvailableHandle, ObjectExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
-    SegmentExists, ValueTooLarge,
+    InvalidKey,
+    NoAvailableHandle,
+    ObjectExists,
+    ObjectHasLease,
+    ObjectNotFound,
+    ReplicaNotReady,
+    SegmentExists,
+    ValueTooLarge,
 )
 from kvplane.store.inventory import header_len
 from kvplane.store.master.config import MasterConfig
@@ -239,7 +245,8 @@ def test_bad_keys_and_sizes():
     assert st.put_start("x" * 5000, 10, ReplicateConfig(), 0.0).code == InvalidKey.code
     assert st.put_start("k", 0, ReplicateConfig(), 0.0).code < 0
     assert st.put_start("k", 10, ReplicateConfig(replica_num=0), 0.0).code < 0
-    assert st.put_start("k", 10 * MB, ReplicateConfig(), 0.0).code == ValueTooLarge.code  # never fits: not retried
+    # never fits: not retried
+    assert st.put_start("k", 10 * MB, ReplicateConfig(), 0.0).code == ValueTooLarge.code
 
 
 def test_space_held_for_readers_does_not_evict_live_objects():

@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from kvplane.common.errors import (
-    InvalidArgument, NotFound, Timeout, Unauthorized, Unavailable,
+    InvalidArgument,
+    NotFound,
+    Timeout,
+    Unauthorized,
+    Unavailable,
 )
 from kvplane.testing.faults import FaultKind, FaultPlan
 from kvplane.testing.mem_rpc import MemRpcNetwork

@@ -82,7 +82,7 @@ class BackendSpec:
             raise InvalidArgument(f"a backend record needs a string 'url': {data!r}")
         kw = {k: data[k] for k in ("role", "id", "events", "replay", "topic")
               if isinstance(data.get(k), str)}
-        return cls(data["url"], **kw)  # type: ignore[arg-type]
+        return cls(data["url"], **kw)  # type: ignore[arg-type]  # only str fields are kept
 
 
 @dataclass(frozen=True)

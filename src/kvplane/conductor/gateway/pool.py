@@ -3,12 +3,12 @@
 A :class:`BackendPool` owns one :class:`Backend` record per vLLM server. Background tasks (one
 event loop; see ``server.py``) check each backend's ``/health`` every ``health_interval_s``, one
 task per backend: a refused connection ejects at once, ``eject_after`` failed checks in a row
-eject, ``admit_after`` good ones re-admit. Ejection tells the scheduling :class:`Router` to stop offering the instance and fires the
-backend's ``gone`` event, which aborts the requests in flight on it (``proxy.py`` retries those
-before their first token). Scrapes read vLLM's own gauges and counters (requests running/waiting,
-prefix-cache queries/hits, block size and KV capacity from ``cache_config_info``). Once the block
-size is known, a backend that publishes KV events is registered with the router's private
-:class:`Conductor`, whose ingest thread indexes its blocks.
+eject, ``admit_after`` good ones re-admit. Ejection tells the scheduling :class:`Router` to stop
+offering the instance and fires the backend's ``gone`` event, which aborts the requests in flight
+on it (``proxy.py`` retries those before their first token). Scrapes read vLLM's own gauges and
+counters (requests running/waiting, prefix-cache queries/hits, block size and KV capacity from
+``cache_config_info``). Once the block size is known, a backend that publishes KV events is
+registered with the router's private :class:`Conductor`, whose ingest thread indexes its blocks.
 
 No sockets are bound here; upstream calls go through the shared ``httpx.AsyncClient``, each with
 its own timeout. Must not import FastAPI.

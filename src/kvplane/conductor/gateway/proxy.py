@@ -33,8 +33,7 @@ from kvplane.common.errors import Unavailable
 from kvplane.conductor.gateway import instruments
 from kvplane.conductor.gateway.config import GatewayConfig
 from kvplane.conductor.gateway.pool import Backend, BackendPool
-from kvplane.conductor.gateway.relay import (BackendGone, error_body, error_event, is_data, race,
-                                             sse_events)
+from kvplane.conductor.gateway.relay import BackendGone, error_body, error_event, is_data, race, sse_events
 from kvplane.conductor.scheduling.router import Router
 from kvplane.conductor.scheduling.view import Decision, Request
 
@@ -245,7 +244,7 @@ class Gateway:
         if not params:
             raise Final(_json_error(f"prefill {b.id} returned no kv_transfer_params (is it "
                                     "running KVPlanePDConnector?)", 502, "upstream_error"))
-        return params  # type: ignore[no-any-return]
+        return params
 
     # upstream calls -----------------------------------------------------------------------------
     def _headers(self, headers: dict[str, str]) -> dict[str, str]:

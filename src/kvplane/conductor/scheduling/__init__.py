@@ -9,12 +9,17 @@ running conductor), ``plots`` (PNG output; imports matplotlib lazily). Importing
 imports neither the simulator nor matplotlib.
 """
 
-from kvplane.conductor.scheduling.config import (ClusterConfig, ModelConfig, PolicyConfig, SimConfig,
-                                                 SloConfig)
+from kvplane.conductor.scheduling.config import ClusterConfig, ModelConfig, PolicyConfig, SimConfig, SloConfig
 from kvplane.conductor.scheduling.policy import POLICIES, SchedulingPolicy, create_policy
 from kvplane.conductor.scheduling.timemodel import TimeModel
-from kvplane.conductor.scheduling.view import (ClusterView, Decision, DecodeLoad, PrefillLoad,
-                                               PrefixSource, Request)
+from kvplane.conductor.scheduling.view import (
+                                                 ClusterView,
+                                                 Decision,
+                                                 DecodeLoad,
+                                                 PrefillLoad,
+                                                 PrefixSource,
+                                                 Request,
+)
 
 __all__ = [
     "POLICIES", "ClusterConfig", "ClusterView", "Decision", "DecodeLoad", "ModelConfig",

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvplane.kvevents import Tier
 from kvplane.conductor.scheduling.prefix import IndexPrefixes
+from kvplane.kvevents import Tier
 
 
 class LruTier:

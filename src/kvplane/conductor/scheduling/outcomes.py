@@ -126,7 +126,8 @@ def summarize(outcomes: Sequence[Outcome], slo: SloConfig) -> dict[str, object]:
     }
 
 
-def capacity(attainment_by_load: Mapping[float, Mapping[str, float]], slo: SloConfig) -> dict[str, float | None]:
+def capacity(attainment_by_load: Mapping[float, Mapping[str, float]],
+             slo: SloConfig) -> dict[str, float | None]:
     """Effective request capacity per TBT threshold.
 
     Args:

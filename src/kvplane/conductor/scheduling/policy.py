@@ -55,7 +55,7 @@ class SchedulingPolicy(ABC):
     # helpers shared by the built-ins ---------------------------------------------------------
     def pick_min(self, items: Sequence[L], key: object) -> L:
         """Item with the smallest ``key(item)``; ties broken by the seeded RNG."""
-        keyed = [(key(x), x) for x in items]  # type: ignore[operator]
+        keyed = [(key(x), x) for x in items]  # type: ignore[operator]  # key is a callable
         low = min(k for k, _ in keyed)
         ties = [x for k, x in keyed if k == low]
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)

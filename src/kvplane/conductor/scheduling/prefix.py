@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvplane.common.errors import KVPlaneError
-from kvplane.kvevents import Tier
 from kvplane.conductor.indexer import ContextKey, Holder, Match, PrefixIndex
 from kvplane.conductor.service import Conductor, QueryRequest
+from kvplane.kvevents import Tier
 
 POOL = "pool"
 TRACE_CONTEXT = ContextKey(model="trace", block_size=512)

@@ -102,7 +102,7 @@ def compare(requests: Sequence[Request], config: SimConfig, policies: Sequence[s
             by_load[load] = summarize(res.outcomes, config.slo)
         first = results[0]
         att = {ld: row["slo_attainment_by_tbt"] for ld, row in by_load.items()}
-        out.append(PolicyReport(policy, by_load, capacity(att, config.slo),  # type: ignore[arg-type]
+        out.append(PolicyReport(policy, by_load, capacity(att, config.slo),  # type: ignore[arg-type]  # dict of floats
                                 [o.ttft_s for o in first.outcomes if o.ttft_s is not None and not o.rejected],
                                 first.transfers, first.index_calls, config.seed))
     return out

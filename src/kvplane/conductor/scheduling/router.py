@@ -19,8 +19,14 @@ from dataclasses import replace
 
 from kvplane.common.errors import InvalidArgument, NotFound, Unavailable
 from kvplane.conductor.scheduling.policy import SchedulingPolicy
-from kvplane.conductor.scheduling.view import (ClusterView, Decision, DecodeLoad, PrefillLoad,
-                                               PrefixSource, Request)
+from kvplane.conductor.scheduling.view import (
+    ClusterView,
+    Decision,
+    DecodeLoad,
+    PrefillLoad,
+    PrefixSource,
+    Request,
+)
 
 _EWMA = 0.2  # weight of the newest prefill estimate in the mean work of one request
 

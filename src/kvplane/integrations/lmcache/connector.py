@@ -130,18 +130,19 @@ class KVPlaneConnector(RemoteConnector):
     def _read(self, names: list[str], objs: list[MemoryObj | None]) -> list[int]:
         """Bytes read per object (<= 0: missing or failed)."""
         got = [0] * len(names)
-        direct = [i for i, o in enumerate(objs) if o is not None and self._zero_copy(o)]
-        staged = [i for i, o in enumerate(objs) if o is not None and not self._zero_copy(o)]
+        present = {i: o for i, o in enumerate(objs) if o is not None}
+        direct = [i for i, o in present.items() if self._zero_copy(o)]
+        staged = [i for i, o in present.items() if not self._zero_copy(o)]
         try:
             if direct:
                 res = self.client.batch_get_into([names[i] for i in direct],
-                                                 [objs[i].data_ptr for i in direct],
-                                                 [objs[i].get_size() for i in direct])
+                                                 [present[i].data_ptr for i in direct],
+                                                 [present[i].get_size() for i in direct])
                 for i, r in zip(direct, res):
                     got[i] = r if isinstance(r, int) else -1
             if staged:
-                for i, r in zip(staged, self.client.get_batch([names[i] for i in staged])):
-                    got[i] = _copy_into(objs[i], r) if isinstance(r, bytes) else -1
+                for i, blob in zip(staged, self.client.get_batch([names[i] for i in staged])):
+                    got[i] = _copy_into(present[i], blob) if isinstance(blob, bytes) else -1
         except KVPlaneError as exc:
             log.warning("kvplane LMCache: get of %d chunks failed: %s", len(names), exc)
             return [-1] * len(names)

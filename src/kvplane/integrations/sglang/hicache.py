@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
 )
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
@@ -192,7 +194,8 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         out: list[torch.Tensor | None] = []
         for i, target in enumerate(target_locations):
             blobs = got[i * parts:(i + 1) * parts]
-            out.append(_fill(target, blobs) if all(isinstance(b, bytes) for b in blobs) else None)
+            ok = all(isinstance(b, bytes) for b in blobs)
+            out.append(_fill(target, cast("list[bytes]", blobs)) if ok else None)
         return out
 
     def get(self, key: str, target_location: Any = None,

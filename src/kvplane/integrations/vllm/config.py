@@ -68,7 +68,7 @@ class ConnectorConfig:
             raise InvalidArgument("cache_prefix must not contain '/'")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> "ConnectorConfig":
+    def from_mapping(cls, data: Mapping[str, Any]) -> ConnectorConfig:
         """Build from a mapping of Mooncake/kvplane names (unknown names raise).
 
         Raises:
@@ -77,7 +77,7 @@ class ConnectorConfig:
         return cls(**_normalise(data))
 
     @classmethod
-    def from_sources(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> "ConnectorConfig":
+    def from_sources(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> ConnectorConfig:
         """Defaults < ``$KVPLANE_CONFIG_PATH`` JSON < ``extra`` (kv_connector_extra_config).
 
         Raises:

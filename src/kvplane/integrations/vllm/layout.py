@@ -54,7 +54,7 @@ class KVLayout:
                 self.regions.append((start, int(storage.nbytes())))
 
     @classmethod
-    def from_spans(cls, spans: Sequence[LayerSpan]) -> "KVLayout":
+    def from_spans(cls, spans: Sequence[LayerSpan]) -> KVLayout:
         """A layout from explicit spans (peers' layouts in PD, tests)."""
         obj = cls.__new__(cls)
         obj.layers = list(spans)

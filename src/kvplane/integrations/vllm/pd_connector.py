@@ -31,7 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
 )
 
 from kvplane.common.errors import KVPlaneError
@@ -75,7 +78,7 @@ class KVPlanePDConnector(KVConnectorBase_V1):
         kv_cache_config: the KV cache layout.
     """
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_sources(
@@ -137,7 +140,7 @@ class KVPlanePDConnector(KVConnectorBase_V1):
         if isinstance(meta, PDHandshake):
             self._local = meta
 
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill") or request.request_id in self._consumed:
@@ -150,7 +153,7 @@ class KVPlanePDConnector(KVConnectorBase_V1):
         self._lookups[request.request_id] = num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
         rid = request.request_id
@@ -162,12 +165,12 @@ class KVPlanePDConnector(KVConnectorBase_V1):
                                     self._lookups.pop(rid, 0), num_external_tokens,
                                     self.block_size))
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PDMetadata(self._pulls, self._held)
         self._pulls, self._held = [], []
         return meta
 
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """On a prefill instance, hold the blocks and tell the decoder where they are."""
         from vllm.v1.request import RequestStatus

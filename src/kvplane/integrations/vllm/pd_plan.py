@@ -62,7 +62,7 @@ def read_requests(job: PullJob, local: KVLayout, handle: int) -> list[TransferRe
     """One READ per (block, layer) from the prefill layout into the local one (pure)."""
     remote = KVLayout.from_spans([LayerSpan(*s) for s in job.layers])
     if remote.num_layers != local.num_layers or any(
-            r.block_bytes != l.block_bytes for r, l in zip(remote.layers, local.layers)):
+            r.block_bytes != lo.block_bytes for r, lo in zip(remote.layers, local.layers)):
         raise InvalidArgument("prefill and decode KV layouts differ (model, dtype or block size)")
     src, sizes = remote.block_addrs(job.remote_blocks)
     dst, _ = local.block_addrs(job.local_blocks)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvplane.common.errors import KVPlaneError
 
 log = logging.getLogger("vllm.kvplane.saver")
-PutFn = Callable[[list[str], list[int], list[int]], list[int]]
+PutFn = Callable[[list[str], list[int], list[int]], Sequence[KVPlaneError | None]]
 
 
 @dataclass

@@ -22,14 +22,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
 )
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.layout import KVLayout
 from kvplane.integrations.vllm.plan import (
-    KeySpace, LoadJob, SaveJob, StepPlan, blocks_present, load_job, loadable_blocks, matched_tokens,
+    KeySpace,
+    LoadJob,
+    SaveJob,
+    StepPlan,
+    blocks_present,
+    load_job,
+    loadable_blocks,
+    matched_tokens,
     save_span,
 )
 from kvplane.integrations.vllm.saver import BackgroundSaver
@@ -60,7 +69,7 @@ class _Tracked:
     saved: int = 0  # prompt blocks [0, saved) are stored or queued
 
 
-def key_space(vllm_config: "VllmConfig", cfg: ConnectorConfig, layer_names: list[str],
+def key_space(vllm_config: VllmConfig, cfg: ConnectorConfig, layer_names: list[str],
               tp_rank: int) -> KeySpace:
     """The key namespace of this engine's KV (model, dtype, block size, TP shard)."""
     cache = vllm_config.cache_config
@@ -90,7 +99,7 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         kv_cache_config: the KV cache layout (layer names, block count).
     """
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         tcfg = vllm_config.kv_transfer_config
@@ -120,7 +129,7 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
                  role.name, tcfg.kv_role, self.cfg.master_server_address, self.space.root)
 
     # == scheduler side =========================================================================
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past ``num_computed_tokens`` stored in kvplane (loaded synchronously)."""
         if not self.can_load:
@@ -144,7 +153,7 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
                      request.request_id, hit, num_computed_tokens)
         return hit, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         st = self._tracked.setdefault(rid, _Tracked(request))
@@ -157,7 +166,7 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
             self._loads.append(job)
             st.saved = max(st.saved, (computed + num_external_tokens) // self.space.block_size)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         so = scheduler_output
         plan = StepPlan(loads=self._loads, preempted=sorted(so.preempted_req_ids or ()))
         self._loads = []
@@ -191,7 +200,7 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
             st.saved = b
             self._saving.add(rid)
 
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks while a save of this request is in flight on the worker."""
         rid = request.request_id

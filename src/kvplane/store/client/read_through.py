@@ -3,7 +3,7 @@
 * **Read-through**: GetReplicaList answers an object that is only on disk with no memory
   replica and its disk copies (``KeyResult.disk``). The client asks the owner of the copy to
   bring it into memory (``load`` on the owner's disk RPC: the owner promotes it into its own
-  segment, ``kvplane.store.disk.node``), then asks the master again and reads the new memory
+  segment, ``kvplane.store.host.disk_node``), then asks the master again and reads the new memory
   replica as usual. All of it draws on the call's one deadline.
 
 ``resolve`` is a lookup's answer made whole (``lookup.expand``, then read-through), and

@@ -6,18 +6,33 @@ The enum members are also module attributes (``mooncake.store.COMPLETE`` ...), a
 
 from __future__ import annotations
 
-from kvplane.compat.mooncake_buffer_pool import BufferLease, BufferPool, RegisteredBufferPool
-from kvplane.compat.mooncake_tensor import (  # noqa: F401
-    _deserialize_tensor, _serialize_tensor, _tensor_metadata_size,
-)
 from kvplane.compat.mooncake import (
-    BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, MooncakeDistributedStore,
-    MooncakeHostMemAllocator, ObjectDataType, ParallelAxis, QueryTaskResponse, ReadTarget,
-    ReplicaDescriptor, ReplicaStatus, ReplicateConfig, SoftPinAction, TaskStatus, TaskType,
-    TensorParallelism, bind_to_numa_node,
+    BufferHandle,
+    Descriptor,
+    DiskDescriptor,
+    MemoryDescriptor,
+    MooncakeDistributedStore,
+    MooncakeHostMemAllocator,
+    ObjectDataType,
+    ParallelAxis,
+    QueryTaskResponse,
+    ReadTarget,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    ReplicateConfig,
+    SoftPinAction,
+    TaskStatus,
+    TaskType,
+    TensorParallelism,
+    bind_to_numa_node,
+)
+from kvplane.compat.mooncake_buffer_pool import BufferLease, BufferPool, RegisteredBufferPool
+from kvplane.compat.mooncake_tensor import (  # noqa: F401  (Mooncake's module spells them private)
+    deserialize_tensor as _deserialize_tensor,
 )
 
-__all__ = ["BufferHandle", "BufferLease", "BufferPool", "RegisteredBufferPool", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
+__all__ = ["BufferHandle", "BufferLease", "BufferPool", "RegisteredBufferPool", "Descriptor",
+           "DiskDescriptor", "MemoryDescriptor",
            "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType",
            "ParallelAxis", "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor",
            "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",

@@ -2,14 +2,35 @@
 DataProto helper (``kvplane.compat.mooncake_structured`` and ``mooncake_dataproto``)."""
 
 from kvplane.compat.mooncake_dataproto import (  # noqa: F401
-    MISSING, FieldSchema, LeafDecision, LeafSpec, MooncakeBundleTransfer, MooncakeDataProtoRef,
-    NodeSpec, _choose_leaf_codec, _escape_key, export_dataproto_ref, import_dataproto_ref,
-    infer_structure, is_dataproto_ref_handle,
+    MISSING,
+    FieldSchema,
+    LeafDecision,
+    LeafSpec,
+    MooncakeBundleTransfer,
+    MooncakeDataProtoRef,
+    NodeSpec,
+    export_dataproto_ref,
+    import_dataproto_ref,
+    infer_structure,
+    is_dataproto_ref_handle,
 )
-from kvplane.compat.mooncake_structured import (  # noqa: F401
-    AUTO_PARALLEL_MIN_BYTES, DEFAULT_BUNDLE_CHUNK_BYTES, BundleTransferPolicy, MaterializeResult,
-    RawDestination, RemoteBundleRef, StructuredMemberSlice, StructuredObjectPayload,
-    StructuredObjectReadSpec, TensorObjectBuffer, export_ref, import_ref, raw_destination,
+from kvplane.compat.mooncake_dataproto import (  # noqa: F401  (Mooncake's module spells them private)
+    choose_leaf_codec as _choose_leaf_codec,
+)
+from kvplane.compat.mooncake_structured import (
+    AUTO_PARALLEL_MIN_BYTES,
+    DEFAULT_BUNDLE_CHUNK_BYTES,
+    BundleTransferPolicy,
+    MaterializeResult,
+    RawDestination,
+    RemoteBundleRef,
+    StructuredMemberSlice,
+    StructuredObjectPayload,
+    StructuredObjectReadSpec,
+    TensorObjectBuffer,
+    export_ref,
+    import_ref,
+    raw_destination,
     tensor_object_buffer,
 )
 

@@ -1,7 +1,7 @@
 """A probe for HA tests: asks one master (a plain ``host:port``, no leader lookup) for a put
 allocation over and over, and reports when it last acknowledged one.
 
-    python -m kvplane.testing.master_probe --master HOST:PORT --seconds 12 [--token T]
+    python -m tests.support.master_probe --master HOST:PORT --seconds 12 [--token T]
 
 (default token: ``KVPLANE_TOKEN`` or the token file, as a client's).
 

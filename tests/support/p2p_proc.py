@@ -1,6 +1,6 @@
 """A P2P node in its own process, driven by JSON lines on stdin (tests and benchmarks).
 
-    python -m kvplane.testing.p2p_proc --tracker URL [--host H] [--token T] [--chunk-size N]
+    python -m tests.support.p2p_proc --tracker URL [--host H] [--token T] [--chunk-size N]
         [--parallel N] [--strategy S] [--chunk-timeout S] [--protocol P]
 
 Prints ``{"segment": NAME, "pid": PID}`` when ready, then answers one JSON line per command:

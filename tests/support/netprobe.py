@@ -1,8 +1,8 @@
 """Tiny network probes for test beds: a sink server, a timed sender, a connect check.
 
-    python -m kvplane.testing.netprobe serve [--host H]        -> {"port": P}; then one JSON line per connection
-    python -m kvplane.testing.netprobe send HOST PORT BYTES    -> {"bytes": N, "seconds": S}
-    python -m kvplane.testing.netprobe connect HOST PORT TIMEOUT -> {"ok": bool, "error": str}
+    python -m tests.support.netprobe serve [--host H]        -> {"port": P}; then one JSON line per connection
+    python -m tests.support.netprobe send HOST PORT BYTES    -> {"bytes": N, "seconds": S}
+    python -m tests.support.netprobe connect HOST PORT TIMEOUT -> {"ok": bool, "error": str}
 
 Every line is JSON on stdout. ``serve`` stops when its stdin closes. Imports only the stdlib.
 """

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import kvplane.collectives as kc
 from kvplane.ep import Buffer
-from kvplane.testing.ranks import RankContext
+from tests.support.ranks import RankContext
 
 WORLD, EXPERTS, TOPK, HIDDEN, TOKENS = 4, 8, 3, 8, 6
 LOCAL = EXPERTS // WORLD

@@ -2,8 +2,8 @@
 
 The engines run in subprocesses under the engines venv's interpreter (``KVPLANE_ENGINES_PYTHON``,
 default ``$KVPLANE_ENGINES_VENV/bin/python``, venv default ``/opt/kvplane-engines-venv``, built by
-``.ci/setup-30-engines-venv.sh``) executing :mod:`kvplane.testing.sglang_proc` or
-:mod:`kvplane.testing.lmcache_proc`; this side only spawns them and speaks JSON lines, so it
+``.ci/setup-30-engines-venv.sh``) executing :mod:`tests.support.sglang_proc` or
+:mod:`tests.support.lmcache_proc`; this side only spawns them and speaks JSON lines, so it
 imports neither engine nor torch. Which ``mooncake`` package a driver imports is chosen here and
 nowhere else: kvplane's shim, real Mooncake (``<venv>/mooncake-real``), or none.
 
@@ -18,14 +18,16 @@ import pathlib
 import subprocess
 from typing import Any, Literal
 
+import kvplane
 from kvplane.common.errors import Timeout
+from kvplane.common.procs import wait_for_line
 from kvplane.testing.needs import requires
-from kvplane.testing.procs import wait_for_line
 
 ENGINES_VENV = os.environ.get("KVPLANE_ENGINES_VENV", "/opt/kvplane-engines-venv")
 ENGINES_PYTHON = os.environ.get("KVPLANE_ENGINES_PYTHON", f"{ENGINES_VENV}/bin/python")
 REAL_MOONCAKE = pathlib.Path(ENGINES_VENV) / "mooncake-real"
-SRC = pathlib.Path(__file__).resolve().parents[2]  # the directory holding ``kvplane``
+SRC = pathlib.Path(kvplane.__file__).resolve().parents[1]  # the directory holding ``kvplane``
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repo root: ``tests.support`` for drivers
 # kvplane.integrations.mooncake_shim.PATH, named by path: kvplane modules never import integrations
 SHIM_PATH = SRC / "kvplane" / "integrations" / "mooncake_shim"
 Mooncake = Literal["kvplane", "real", "none"]
@@ -51,7 +53,7 @@ def engines_env(mooncake: Mooncake = "kvplane", **extra: str) -> dict[str, str]:
     """Environment of an engine driver: offline, loopback, fixed hash seed, one ``mooncake``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     first = {"kvplane": str(SHIM_PATH), "real": str(REAL_MOONCAKE), "none": ""}[mooncake]
-    env.update(PYTHONPATH=os.pathsep.join(p for p in (first, str(SRC)) if p),
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (first, str(SRC), str(ROOT)) if p),
                PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", LMCACHE_TRACK_USAGE="false",
                SGLANG_HOST_IP="127.0.0.1", MOONCAKE_LOCAL_HOSTNAME="127.0.0.1",
                MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="1", OMP_NUM_THREADS="1",
@@ -81,14 +83,14 @@ class EngineDriver:
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [ENGINES_PYTHON, "-m", f"kvplane.testing.{engine}_proc"], stdin=subprocess.PIPE,
+            [ENGINES_PYTHON, "-m", f"tests.support.{engine}_proc"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
             env={**engines_env(mooncake), **(env or {})})
         self.info: dict[str, Any] = {}
         if ready_timeout is not None:
             self.ready(ready_timeout)
 
-    def ready(self, timeout: float = 180.0) -> "EngineDriver":
+    def ready(self, timeout: float = 180.0) -> EngineDriver:
         """Wait for the ready line (the driver is closed if it does not come)."""
         try:
             self.info = self.read(timeout)
@@ -154,7 +156,7 @@ class EngineDriver:
                     pass
             self._log.close()
 
-    def __enter__(self) -> "EngineDriver":
+    def __enter__(self) -> EngineDriver:
         return self
 
     def __exit__(self, *exc: object) -> None:

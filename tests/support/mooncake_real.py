@@ -2,7 +2,7 @@
 server) and a ``mooncake_client`` store server holding the pool (benchmarks/engines.py).
 
 The binaries come from the Mooncake wheel installed at ``<engines venv>/mooncake-real`` (see
-kvplane.testing.engines_harness). Readiness is a port that accepts; a child that exits raises.
+tests.support.engines_harness). Readiness is a port that accepts; a child that exits raises.
 
 Test kit, not product.
 """
@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 
-from kvplane.testing.services import free_port, wait_until
+from tests.support.services import free_port, wait_until
 
 
 def _port_open(port: int) -> bool:
@@ -92,7 +92,7 @@ class RealMooncake:
             out.close()  # type: ignore[attr-defined]
         self.procs = []
 
-    def __enter__(self) -> "RealMooncake":
+    def __enter__(self) -> RealMooncake:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,7 +2,7 @@
 
 Run as a process so its work does not share the test's interpreter:
 
-    python -m kvplane.testing.hostile --port P --kind rpc|data|http|zmq [--garbage 1000]
+    python -m tests.support.hostile --port P --kind rpc|data|http|zmq [--garbage 1000]
         [--claims 200] [--idle 2000] [--hold 3] [--seed 0]
 
 Phases, in order: ``garbage`` connections that each send one frame of seeded random bytes and

@@ -1,6 +1,6 @@
 """A real vLLM engine driven over stdin; runs inside the vLLM venv (tests and benchmarks).
 
-``python -m kvplane.testing.vllm_engine_proc make-model DIR [SPEC_JSON]`` writes a
+``python -m tests.support.vllm_engine_proc make-model DIR [SPEC_JSON]`` writes a
 random-weight float32 Llama plus a word-level tokenizer (no hub access; SPEC overrides
 hidden/layers/heads/intermediate/max_pos) and exits.
 ``... serve CFG_JSON`` starts ``vllm.LLM`` (CFG: model_dir, optional kv_transfer_config,
@@ -8,14 +8,13 @@ max_model_len), prints ``READY``, then runs one JSON command per stdin line and 
 ``DONE <json>``: ``{"op": "generate", "tokens": [...], "max_tokens": n}`` ->
 ``{"tokens", "logprobs", "num_cached_tokens", "elapsed_s"}``; ``{"op": "reset"}``;
 ``{"op": "exit"}``. Markers go to the original stdout; everything vLLM prints goes to stderr.
-Only ever started as a subprocess (by :mod:`kvplane.testing.vllm_harness`); nothing imports it.
+Only ever started as a subprocess (by :mod:`tests.support.vllm_harness`); nothing imports it.
 """
 
 import json
 import os
 import sys
 import time
-
 
 TINY = {"hidden": 128, "layers": 2, "heads": 2, "intermediate": 256, "max_pos": 1024}
 

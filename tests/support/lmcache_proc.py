@@ -1,6 +1,6 @@
 """An LMCache engine driven with CPU tensors (runs in the engines venv; JSON lines).
 
-``python -m kvplane.testing.lmcache_proc`` answers (see :mod:`kvplane.testing.engine_lines`):
+``python -m tests.support.lmcache_proc`` answers (see :mod:`tests.support.engine_lines`):
 
 * ``store``: a fresh ``LMCacheEngine`` (LMCache's real token database, storage manager and
   remote backend, with the remote connector the config names) stores seeded KV for ``tokens``
@@ -34,7 +34,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
 
-from kvplane.testing.engine_lines import clear_pool, serve, stage
+from tests.support.engine_lines import clear_pool, serve, stage
 
 GEOMETRY = {"chunk": 32, "heads": 2, "head_dim": 64, "layers": 2, "dtype": "float32",
             "slots": 1024}

@@ -9,26 +9,15 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from kvplane.testing.procs import Proc
+from kvplane.bench.services import CLI, spawn_master, spawn_segment
+from kvplane.common.procs import Proc
 
-CLI = [sys.executable, "-m", "kvplane.cli.main"]
-
-
-def spawn_master(*args: str) -> Proc:
-    """``kvplane master`` on free ports; ``.info["master"]`` is its address."""
-    return Proc([*CLI, "master", "--port", "0", "--admin-port", "0", *args],
-                stop_signal=signal.SIGTERM)
-
-
-def spawn_segment(master: str, size: str = "32MiB", *args: str) -> Proc:
-    """``kvplane segment``: contributes ``size`` of shared memory; ``.info["segment"]``."""
-    return Proc([*CLI, "segment", "--master", master, "--size", size, *args],
-                stop_signal=signal.SIGTERM)
-
+__all__ = ["segment_pool", "spawn_client_server", "spawn_master", "spawn_segment", "spawn_worker",
+           "tenant_pool"]
 
 def spawn_worker(master: str, *args: str) -> Proc:
-    """A store client process answering JSON commands (see kvplane.testing.store_client_proc)."""
-    return Proc([sys.executable, "-m", "kvplane.testing.store_client_proc", "--master", master, *args])
+    """A store client process answering JSON commands (see tests/support/store_client_proc.py)."""
+    return Proc([sys.executable, "-m", "tests.support.store_client_proc", "--master", master, *args])
 
 
 def spawn_client_server(master: str, size: str = "64MiB", *args: str) -> Proc:

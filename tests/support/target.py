@@ -3,7 +3,7 @@
 Registers a buffer filled with ``i % 251`` (so reads can be verified), prints one JSON line
 with everything a peer needs, then serves until stdin closes (the parent died or let go).
 
-    python -m kvplane.testing.target --buf-mb 16 [--managed] [--metadata URL] [--name N]
+    python -m tests.support.target --buf-mb 16 [--managed] [--metadata URL] [--name N]
 """
 
 from __future__ import annotations
@@ -14,12 +14,18 @@ import sys
 
 import numpy as np
 
+from kvplane.common.procs import Proc
 from kvplane.transfer import EngineConfig, TransferEngine
 
 
 def pattern(n: int, offset: int = 0) -> np.ndarray:
     """The bytes a target holds at [offset, offset+n)."""
     return ((np.arange(offset, offset + n, dtype=np.int64)) % 251).astype(np.uint8)
+
+
+def spawn_target(*args: str, env: dict[str, str] | None = None) -> Proc:
+    """Start ``python -m tests.support.target ARGS`` and wait for its ready line."""
+    return Proc([sys.executable, "-m", "tests.support.target", *args], env=env)
 
 
 def main(argv: list[str] | None = None) -> int:

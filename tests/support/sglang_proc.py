@@ -1,6 +1,6 @@
 """An SGLang HiCache instance driven with CPU tensors (runs in the engines venv; JSON lines).
 
-``python -m kvplane.testing.sglang_proc`` answers (see :mod:`kvplane.testing.engine_lines`):
+``python -m tests.support.sglang_proc`` answers (see :mod:`tests.support.engine_lines`):
 
 * ``store``: a fresh instance (SGLang's real ``HiCacheController`` over a CPU device pool, a
   host pool and the chosen storage backend) puts seeded KV for ``tokens`` into its host pool and
@@ -12,8 +12,9 @@
   alone, timed.
 
 KV files hold the canonical layout ``[tokens, 2, layers, heads, head_dim]`` whatever the host
-layout, so files from any two instances compare byte for byte (a token prefix is a byte prefix). Why this level and not SGLang's
-server: docs/engines.md (the server's HiCache host pool needs CUDA).
+layout, so files from any two instances compare byte for byte (a token prefix is a byte prefix).
+Why this level and not SGLang's server: docs/engines.md (the server's HiCache host pool needs
+CUDA).
 
 Test kit, not product.
 """
@@ -38,7 +39,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str, hash_str_to_int64
 from sglang.srt.runtime_context import get_parallel
 
-from kvplane.testing.engine_lines import clear_pool, serve, stage
+from tests.support.engine_lines import clear_pool, serve, stage
 
 GEOMETRY = {"page": 32, "heads": 2, "head_dim": 64, "layers": 2, "dtype": "float32",
             "tokens": 1024}

@@ -5,10 +5,9 @@ import contextlib
 import httpx
 import pytest
 
-from kvplane import kvevents
-from kvplane.kvevents.publisher import KVEventPublisher
 from kvplane.conductor.config import ConductorConfig
 from kvplane.conductor.server import ConductorServer
+from kvplane.kvevents.publisher import KVEventPublisher
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 Values are derived from their keys (``value_of``), so any process can verify any object.
 
-    python -m kvplane.testing.store_client_proc --master HOST:PORT|etcd://H:P/CLUSTER
+    python -m tests.support.store_client_proc --master HOST:PORT|etcd://H:P/CLUSTER
         [--protocol tcp] [--host IP] [--segment-mb 0]
         [--timeout 5] [--checksum | --no-checksum]
 """
@@ -117,18 +117,18 @@ def churn(c: StoreClient, seconds: float, prefix: str, seed: int, replicas: int,
             key, size = f"{prefix}-{i}", rng.choice([4096, 20000, 65536, 262144])
             value = value_of(key, size).tobytes()
             try:
-                timed(lambda: c.put(key, value, cfg))
+                timed(lambda: c.put(key, value, cfg))  # noqa: B023  (called in this iteration)
                 live[key] = size
                 out["put"] += 1  # type: ignore[operator]
             except KVPlaneError:
                 out["put_failed"] += 1  # type: ignore[operator]
             if len(live) > keep:
                 old = next(iter(live))
-                if timed(lambda: c.batch_remove([old], force=True))[0] is None:
+                if timed(lambda: c.batch_remove([old], force=True))[0] is None:  # noqa: B023  (called now)
                     del live[old]
         else:
             key = rng.choice(list(live))
-            res = timed(lambda: check(c, key, live[key]))
+            res = timed(lambda: check(c, key, live[key]))  # noqa: B023  (called in this iteration)
             out["get"] += 1  # type: ignore[operator]
             if res == "corrupt":  # wrong bytes returned as a success
                 out["corrupt"] += 1  # type: ignore[operator]

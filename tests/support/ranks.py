@@ -111,7 +111,7 @@ class RankGroup:
         self.results: dict[int, tuple[str, Any]] = {}
         self.events: list[tuple[int, str, Any, float]] = []
 
-    def __enter__(self) -> "RankGroup":
+    def __enter__(self) -> RankGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -188,12 +188,13 @@ class RankGroup:
             self._drain(left)
         errors = {r: self.results[r][1] for r in ranks if self.results[r][0] != "ok"}
         if errors:
-            raise RuntimeError("worker failures:\n" + "\n".join(f"[rank {r}]\n{e}" for r, e in errors.items()))
+            raise RuntimeError("worker failures:\n"
+                               + "\n".join(f"[rank {r}]\n{e}" for r, e in errors.items()))
         return {r: self.results[r][1] for r in ranks}
 
     def close(self) -> None:
         """Kill every worker still running, reap them and stop the store (idempotent)."""
-        for r, p in self.procs.items():
+        for p in self.procs.values():
             if p.exitcode is None and p.pid is not None:
                 try:
                     os.kill(p.pid, signal.SIGKILL)

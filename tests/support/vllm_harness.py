@@ -1,7 +1,7 @@
 """Drive real vLLM engines from outside vLLM's venv (e2e tests and benchmarks).
 
 vLLM runs in subprocesses under the vLLM venv's interpreter (``KVPLANE_VLLM_PYTHON``, default
-``/opt/kvplane-vllm-venv/bin/python``) executing :mod:`kvplane.testing.vllm_engine_proc`; this
+``/opt/kvplane-vllm-venv/bin/python``) executing :mod:`tests.support.vllm_engine_proc`; this
 side only spawns and talks JSON lines, so it imports neither vLLM nor torch. kvplane reaches the
 venv through PYTHONPATH (the directory holding this ``kvplane`` package).
 
@@ -19,16 +19,19 @@ import subprocess
 import time
 from typing import Any
 
+import kvplane
+
 VLLM_PYTHON = os.environ.get("KVPLANE_VLLM_PYTHON", "/opt/kvplane-vllm-venv/bin/python")
-SRC = pathlib.Path(__file__).resolve().parents[2]  # the directory holding ``kvplane``
-DRIVER = ["-m", "kvplane.testing.vllm_engine_proc"]
+SRC = pathlib.Path(kvplane.__file__).resolve().parents[1]  # the directory holding ``kvplane``
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repo root: ``tests.support`` for drivers
+DRIVER = ["-m", "tests.support.vllm_engine_proc"]
 BS = 32
 
 
 def vllm_env(extra_path: str = "", **extra: str) -> dict[str, str]:
     """Environment for a vLLM subprocess: offline, loopback, small KV space, kvplane on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    path = [p for p in (extra_path, str(SRC)) if p]
+    path = [p for p in (extra_path, str(SRC), str(ROOT)) if p]
     env.update(PYTHONPATH=os.pathsep.join(path), PYTHONHASHSEED="0", HF_HUB_OFFLINE="1",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS="1",
                MOONCAKE_REQUESTER_LOCAL_HOSTNAME="127.0.0.1", TOKENIZERS_PARALLELISM="false")
@@ -102,7 +105,7 @@ class Driver:
     def generate(self, tokens: list[int], max_tokens: int = 8, timeout: float = 60) -> dict[str, Any]:
         return self.call(timeout, op="generate", tokens=tokens, max_tokens=max_tokens)
 
-    def ready(self, timeout: float = 300) -> "Driver":
+    def ready(self, timeout: float = 300) -> Driver:
         self.expect("READY", timeout)
         return self
 
@@ -156,7 +159,7 @@ class OpenAIServer:
     def __init__(self, model: str, log_path: pathlib.Path, events: str | None = None,
                  replay: str | None = None, max_model_len: int = 512, max_num_seqs: int = 2,
                  block_size: int = BS, extra: list[str] | None = None) -> None:
-        from kvplane.testing.services import free_port
+        from tests.support.services import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

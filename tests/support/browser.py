@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from kvplane.common.errors import Timeout
-from kvplane.testing.procs import wait_for_line
+from kvplane.common.procs import wait_for_line
 
 _LISTENING = re.compile(r"DevTools listening on (ws://\S+)")
 
@@ -39,7 +39,7 @@ def find_chromium() -> str | None:
 class Page:
     """One tab, attached with a flat CDP session."""
 
-    def __init__(self, browser: "Browser", session: str) -> None:
+    def __init__(self, browser: Browser, session: str) -> None:
         self.browser, self.session = browser, session
 
     def call(self, method: str, params: dict[str, Any] | None = None, timeout: float = 20.0) -> Any:
@@ -192,7 +192,7 @@ class Browser:
         if self.proc.stderr:
             self.proc.stderr.close()
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,4 +1,10 @@
-"""Real subprocesses for tests: start, wait for a ready line (never sleep), kill, stop, signal."""
+"""Child processes that announce readiness: start, wait for a ready line (never sleep), kill, stop.
+
+Owns :class:`Proc` (a child speaking JSON lines on stdin/stdout), :func:`wait_for_line`,
+:func:`wait_until` (poll a check with back-off) and :func:`free_port`. Used by ``kvplane bench``
+to run the store's processes, and by the test tree's harnesses (``tests/support``). Imports only
+``kvplane.common``; nothing here knows a kvplane command line.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,10 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from kvplane.common.errors import Timeout
@@ -43,7 +50,7 @@ class Proc:
                                       stderr=subprocess.PIPE, text=True, bufsize=1,
                                       env={**os.environ, **(env or {})})
         try:
-            self.info: dict[str, Any] = json.loads(wait_for_line(self.popen.stdout, ready_timeout))  # type: ignore[arg-type]
+            self.info: dict[str, Any] = json.loads(wait_for_line(self.popen.stdout, ready_timeout))  # type: ignore[arg-type]  # stdout is a PIPE: never None
         except (Timeout, EOFError, ValueError) as exc:
             self.kill()
             err = self.popen.stderr.read() if self.popen.stderr else ""
@@ -58,7 +65,7 @@ class Proc:
         assert self.popen.stdin is not None and self.popen.stdout is not None
         self.popen.stdin.write(line + "\n")
         self.popen.stdin.flush()
-        return json.loads(wait_for_line(self.popen.stdout, timeout))  # type: ignore[no-any-return]
+        return json.loads(wait_for_line(self.popen.stdout, timeout))  # type: ignore[no-any-return]  # a JSON object by the ready-line protocol
 
     def signal(self, sig: int) -> None:
         self.popen.send_signal(sig)
@@ -88,13 +95,31 @@ class Proc:
                 except (BrokenPipeError, OSError):
                     pass
 
-    def __enter__(self) -> "Proc":
+    def __enter__(self) -> Proc:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def spawn_target(*args: str, env: dict[str, str] | None = None) -> Proc:
-    """Start ``python -m kvplane.testing.target ARGS`` and wait for its ready line."""
-    return Proc([sys.executable, "-m", "kvplane.testing.target", *args], env=env)
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` (with a short back-off) until it is true or ``timeout`` passes.
+
+    Raises:
+        Timeout: ``check`` stayed false for ``timeout`` seconds (the message names ``what``).
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while not check():
+        if time.monotonic() > deadline:
+            raise Timeout(f"{what} not ready within {timeout}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for servers that cannot bind port 0 themselves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -8,7 +8,7 @@ test's own process reaches every host there, and hosts reach services it binds t
 
     with NetBed(["pub", "r1", "r2"]) as bed:
         bed.cap("pub", mbit=400)                  # tc tbf both ways: a 400 Mbit/s NIC
-        proc = bed["r1"].spawn([sys.executable, "-m", "kvplane.testing.netprobe", "serve"])
+        proc = bed["r1"].spawn([sys.executable, "-m", "tests.support.netprobe", "serve"])
         bed.partition("r1"); ...; bed.heal("r1")  # link down / up
 
 Names carry a per-bed tag (and the creating pid), so parallel runs never collide;
@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from kvplane.common.errors import InvalidArgument, Unavailable
-from kvplane.testing.procs import Proc
+from kvplane.common.procs import Proc
 
 PREFIX = "kvpnet"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
@@ -269,7 +269,7 @@ class NetBed:
                         pass
         _ip("link", "del", self.bridge, check=False)
 
-    def __enter__(self) -> "NetBed":
+    def __enter__(self) -> NetBed:
         return self
 
     def __exit__(self, *exc: object) -> None:
