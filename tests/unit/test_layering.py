@@ -303,27 +303,6 @@ def test_store_client_layer_rule_can_fail():
                                         "kvplane.store.host.disk_node"}, rank)
 
 
-def private_imports(path: pathlib.Path) -> list[str]:
-    """``from x import _name`` of another module's private name (``__future__`` aside)."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
-            out += [f"{node.module}.{a.name}" for a in node.names
-                    if a.name.startswith("_") and not a.name.startswith("__")]
-    return out
-
-
-@pytest.mark.parametrize("module", CLIENT_MODULES)
-def test_store_client_imports_no_private_names(module):
-    assert private_imports(MODULES[module]) == []
-
-
-def test_private_import_check_can_fail(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text("from kvplane.store.client.get_path import _plan\nfrom __future__ import x\n")
-    assert private_imports(bad) == ["kvplane.store.client.get_path._plan"]
-
-
 # -- the test kit (issue 29): the product never imports it, it never imports the test tree ------
 KIT = "kvplane.testing"
 # loaded only by pytest (the pytest11 entry point), so it may import pytest at module level

@@ -21,7 +21,8 @@ _EXPORTS = {
     "StoreClient": "kvplane.store.client.client",
     "StoreConfig": "kvplane.store.config",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["AsyncStoreClient", "MasterConfig", "MasterServer", "ReplicateConfig", "StoreClient",
+           "StoreConfig"]
 
 if TYPE_CHECKING:
     from kvplane.store.client.aio import AsyncStoreClient

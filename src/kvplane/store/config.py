@@ -93,7 +93,7 @@ class StoreConfig:
             raise InvalidArgument("an SSD tier (disk_dir) needs disk_size > 0 and a segment")
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "StoreConfig":
+    def from_env(cls, **overrides: Any) -> StoreConfig:
         """Defaults (the token from KVPLANE_TOKEN or the token file), then
         KVPLANE_STORE_CHECKSUM, KVPLANE_STORE_LOCATION_CACHE, KVPLANE_STORE_HELD_READS and
         KVPLANE_STORE_SPARES, then explicit ``overrides``."""

@@ -29,7 +29,13 @@
 from __future__ import annotations
 
 from kvplane.common.errors import (
-    Conflict, InvalidArgument, KVPlaneError, NoSpace, NotFound, Unavailable, from_code,
+    Conflict,
+    InvalidArgument,
+    KVPlaneError,
+    NoSpace,
+    NotFound,
+    Unavailable,
+    from_code,
     register_code,
 )
 

@@ -37,7 +37,7 @@ class HaAddress:
     cluster: str
 
     @classmethod
-    def parse(cls, address: str, cluster: str | None = None) -> "HaAddress":
+    def parse(cls, address: str, cluster: str | None = None) -> HaAddress:
         """Parse ``address``; ``cluster`` (if given) overrides the one in the address.
 
         Raises:
@@ -91,7 +91,7 @@ class Etcd:
                     last = exc
                     continue
                 self._i = (self._i + k) % len(self._clients)
-                return out  # type: ignore[no-any-return]
+                return out  # type: ignore[no-any-return]  # etcd3gw's client is untyped
             self._i = (self._i + 1) % len(self._clients)
         raise Unavailable(f"etcd unreachable: {last}") from last
 

@@ -105,7 +105,7 @@ def parse(mem: np.ndarray, off: int, secret: bytes) -> Record | None:
     valid (its value is not checked here), else None."""
     if off + FIXED > len(mem):
         return None
-    (magic, hlen, klen, flags, gen, version, size, csum, want, _, tag) = _HEAD.unpack_from(mem, off)
+    (magic, hlen, klen, flags, gen, version, size, csum, want, _, tag) = _HEAD.unpack_from(mem.data, off)
     if magic != MAGIC or hlen % ALIGN or not FIXED + klen <= hlen <= MAX_HEADER or klen == 0:
         return None
     if off + hlen + size > len(mem) or size <= 0:
@@ -123,7 +123,7 @@ def parse(mem: np.ndarray, off: int, secret: bytes) -> Record | None:
 def intact(mem: np.ndarray, rec: Record) -> bool:
     """True when the record's value still hashes to its checksum."""
     start = rec.offset + rec.hdr
-    return digest(memoryview(mem[start:start + rec.size])) == rec.checksum
+    return digest(mem[start:start + rec.size].data) == rec.checksum
 
 
 class Ordering:
@@ -195,7 +195,7 @@ def _overlaps(taken: list[tuple[int, int]], start: int, end: int) -> bool:
 
 def restamp(mem: np.ndarray, off: int, gen: int) -> None:
     """Write generation ``gen`` into the header at ``off`` (after a master accepted it)."""
-    struct.pack_into("<Q", mem, off + 16, gen)
+    struct.pack_into("<Q", mem.data, off + 16, gen)
 
 
 def invalidate(mem: np.ndarray, off: int, gen: int | None = None) -> bool:
@@ -205,10 +205,10 @@ def invalidate(mem: np.ndarray, off: int, gen: int | None = None) -> bool:
     """
     if off < 0 or off + FIXED > len(mem):
         return False
-    magic, = struct.unpack_from("<8s", mem, off)
+    magic, = struct.unpack_from("<8s", mem.data, off)
     if magic != MAGIC:
         return False
-    if gen is not None and struct.unpack_from("<Q", mem, off + 16)[0] != gen:
+    if gen is not None and struct.unpack_from("<Q", mem.data, off + 16)[0] != gen:
         return False
     mem[off:off + 8] = 0
     return True

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from kvplane.common.errors import AddressNotRegistered, InvalidArgument, NotFound, Unauthorized
-from tests.support.services import wait_until
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from kvplane.transfer.metadata import open_metadata
 from kvplane.transfer.metadata_server import serve_in_thread

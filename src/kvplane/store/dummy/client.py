@@ -13,6 +13,7 @@ Imports the RPC client, the transfer memory table and store types; binds nothing
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -26,8 +27,19 @@ import numpy as np
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.rpc import RpcClient
 from kvplane.store.dummy.types import (
-    AttachReq, CommitReq, GetReq, Hello, KeysOp, LookupRep, PatternReq, PerKey, PutReq, RangeOp, ReserveReq,
-    SessionReq, TaskOp,
+    AttachReq,
+    CommitReq,
+    GetReq,
+    Hello,
+    KeysOp,
+    LookupRep,
+    PatternReq,
+    PerKey,
+    PutReq,
+    RangeOp,
+    ReserveReq,
+    SessionReq,
+    TaskOp,
 )
 from kvplane.store.errors import InvalidParams, key_error
 from kvplane.store.master.allocator import OffsetAllocator
@@ -126,7 +138,8 @@ class DummyClient:
         registered private memory through staging (copied in now if ``copy_in``; the returned
         callables copy staged bytes back out)."""
         with ExitStack() as stack:
-            out, back = [], []
+            out: list[int] = []
+            back: list[Callable[[], None]] = []
             for addr, size in zip(addrs, sizes):
                 if self._is_shared(addr, size) or size == 0:
                     out.append(addr)
@@ -136,7 +149,7 @@ class DummyClient:
                 if copy_in:
                     sview[:] = np.frombuffer(src, np.uint8)
                 out.append(saddr)
-                back.append(lambda s=src, v=sview: s.__setitem__(slice(None), v.data))
+                back.append(functools.partial(_copy_back, src, sview))
             yield out, back
 
     # -- data -----------------------------------------------------------------------------------------
@@ -233,10 +246,10 @@ class DummyClient:
         self.rpc.call("ping", SessionReq(self.session), int, timeout=timeout)
 
     # -- replica calls and ranges, as ReplicaOps / Ranges offer them ---------------------------------
-    def replica_ops(self) -> "_RemoteOps":
+    def replica_ops(self) -> _RemoteOps:
         return _RemoteOps(self)
 
-    def ranges(self) -> "_RemoteRanges":
+    def ranges(self) -> _RemoteRanges:
         return _RemoteRanges(self)
 
     def close(self) -> None:
@@ -263,28 +276,31 @@ class _Staging:
 
     def take(self, n: int, spill: bool = True) -> tuple[int, np.ndarray, Callable[[], None]] | None:
         pool = self._d._local
-        off = None
+        off: int | None = None
         if pool is not None and n > 0:
             with self._d._lock:
                 off = pool.alloc.allocate(n)
-        if off is None:
+        if pool is None or off is None:
             if not spill:
                 return None
             raise InvalidParams(f"{n} bytes do not fit the dummy's local buffer")
-        done = threading.Lock()
+        done, at, alloc = threading.Lock(), off, pool.alloc
 
         def release() -> None:
             if done.acquire(blocking=False):
                 with self._d._lock:
-                    pool.alloc.free(off)  # type: ignore[union-attr]
-        return pool.buf.addr + off, pool.buf.array[off:off + n], release  # type: ignore[union-attr]
+                    alloc.free(at)
+        return pool.buf.addr + at, pool.buf.array[at:at + n], release
 
     @contextmanager
     def block(self, n: int) -> Iterator[tuple[int, np.ndarray]]:
         if n == 0:
             yield 0, np.empty(0, np.uint8)
             return
-        addr, view, release = self.take(n)  # type: ignore[misc]
+        got = self.take(n)
+        if got is None:  # take() with spill raises instead; this keeps the checker honest
+            raise InvalidParams(f"{n} bytes do not fit the dummy's local buffer")
+        addr, view, release = got
         try:
             yield addr, view
         finally:
@@ -368,6 +384,11 @@ def _raise(result: Any) -> None:
         raise result
 
 
-def _value(result: Any) -> Any:
+def _value(result: Any) -> int:
     _raise(result)
-    return result
+    return int(result)
+
+
+def _copy_back(dst: memoryview, staged: np.ndarray) -> None:
+    """Copy a staged block back into the caller's registered memory."""
+    dst[:] = staged.data

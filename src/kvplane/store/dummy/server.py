@@ -30,8 +30,19 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.client.ranges import Ranges
 from kvplane.store.client.replica_ops import ReplicaOps
 from kvplane.store.dummy.types import (
-    AttachReq, CommitReq, GetReq, Hello, KeysOp, LookupRep, PatternReq, PerKey, PutReq, RangeOp, ReserveReq,
-    SessionReq, TaskOp,
+    AttachReq,
+    CommitReq,
+    GetReq,
+    Hello,
+    KeysOp,
+    LookupRep,
+    PatternReq,
+    PerKey,
+    PutReq,
+    RangeOp,
+    ReserveReq,
+    SessionReq,
+    TaskOp,
 )
 from kvplane.store.errors import InvalidParams
 from kvplane.store.replica_types import DescRep, TaskCreateRep, TaskInfo
@@ -271,7 +282,7 @@ class ClientServer:
             self._release(sess, now=True)
         self._unmap_due(force=True)
 
-    def __enter__(self) -> "ClientServer":
+    def __enter__(self) -> ClientServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
