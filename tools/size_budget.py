@@ -1,7 +1,9 @@
-"""Size report: module lines and function lengths under src/. Exits 1 past the hard budget.
+"""Size report: module lines and function lengths under src/. A warning, not a gate.
 
-Budgets (the house style): modules should stay under 600 lines, 800 is a hard stop;
-functions over 50 lines are listed for review.
+Budgets (the house style): modules should stay under 600 lines and are flagged past 800;
+functions over 50 lines are listed for review. A budget that fires is a question ("what are the
+two jobs here?"), not a reason to move half a class into another file (issue 29), so the report
+exits 0 unless ``--strict`` is given.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def main() -> int:
         print(f"function {f}: {n} lines")
     hard = [p for n, p in over if n > HARD]
     if hard:
-        print(f"{len(hard)} module(s) over {HARD} lines", file=sys.stderr)
-        return 1
+        print(f"warning: {len(hard)} module(s) over {HARD} lines", file=sys.stderr)
+        return 1 if "--strict" in sys.argv[1:] else 0
     return 0
 
 
