@@ -39,8 +39,8 @@ from kvplane.testing.faults import Fault, FaultKind, FaultPlan
 from kvplane.transfer import TransferEngine
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.memory import MemoryTable
+from kvplane.transfer.seam import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.transports import TRANSPORTS
-from kvplane.transfer.transports.base import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, SegmentDesc, TransferStatus
 
 NAME = "mem"
