@@ -39,6 +39,7 @@ class Region:
     fd: int = -1
     keep: Any = field(default=None, repr=False)
     fenced: bool = False
+    device: str = ""  # "" host memory; else the device holding it ("cuda:0", "standin:0")
 
     @property
     def end(self) -> int:
@@ -48,7 +49,8 @@ class Region:
         """The descriptor peers see."""
         return RegionDesc(self.addr, self.length, self.kind, self.shm,
                           os.path.basename(self.path) if self.path else "",
-                          file_identity(self.fd) if self.fd >= 0 else "", fenced=self.fenced)
+                          file_identity(self.fd) if self.fd >= 0 else "", fenced=self.fenced,
+                          device=self.device)
 
 
 def file_identity(fd_or_path: int | str) -> str:

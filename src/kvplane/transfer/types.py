@@ -42,6 +42,7 @@ class RegionKind(enum.StrEnum):
     MEM = "mem"  # process memory: TCP, or same-host cross-memory attach
     SHM = "shm"  # POSIX shared memory that same-host peers map
     FILE = "file"  # a file under the owner's file root (offsets map onto the file)
+    DEVICE = "dev"  # accelerator memory (``device`` names it): not addressable by the host
 
 
 class TaskStatus(NamedTuple):
@@ -85,7 +86,9 @@ class RegionDesc(msgspec.Struct, frozen=True):
     (``"dev:inode"``) names the owner's file itself, so a same-host peer opens it only when
     its own file of that name is the very same file. A ``fenced`` shm region publishes its
     owner's fence floor in its first 8 bytes: same-host writers check a store generation
-    against it, as the owner's listener does for TCP frames.
+    against it, as the owner's listener does for TCP frames. A "dev" region is accelerator
+    memory on ``device`` (no host view: bytes go through the device's copy engine or a
+    transport that reads device memory itself, such as NIXL with VRAM).
     """
 
     addr: int
@@ -95,6 +98,7 @@ class RegionDesc(msgspec.Struct, frozen=True):
     path: str = ""
     file_id: str = ""
     fenced: bool = False  # its first 8 bytes hold the fence floor (``kvplane.transfer.fence``)
+    device: str = ""  # "" host memory; else the device holding it ("cuda:0", "standin:0")
 
 
 class SegmentDesc(msgspec.Struct, frozen=True):
