@@ -35,7 +35,7 @@ from kvplane.transfer.jobs import ItemLike, Peer
 from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, address_of, sweep_stale_shm, view_at
 from kvplane.transfer.metadata import KEY_PREFIX, MetadataBackend, open_metadata
 from kvplane.transfer.plugins import TransportSet
-from kvplane.transfer.seam import ControlChannel, Route, Transport, TransportContext
+from kvplane.transfer.seam import ControlChannel, RegistersMemory, Route, Transport, TransportContext
 from kvplane.transfer.segments import OpenSegment, check_name, decode_desc, encode_desc, host_identity
 from kvplane.transfer.server import DataServer
 from kvplane.transfer.types import (
@@ -125,7 +125,8 @@ class TransferEngine:
     def _open_transports(self, cfg: EngineConfig) -> TransportSet:
         """Load ``cfg.transports`` (InvalidArgument: none has a control channel)."""
         ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
-                               cfg.file_root, retries=cfg.retries, segment=self.name)
+                               cfg.file_root, retries=cfg.retries, segment=self.name,
+                               grants=cfg.grants)
         return TransportSet.load(cfg.transports, ctx)
 
     def _abort_start(self) -> None:
@@ -137,8 +138,10 @@ class TransferEngine:
     # -- descriptor and metadata -----------------------------------------------------------
     def describe(self) -> SegmentDesc:
         """This engine's segment descriptor."""
+        adverts = {n: a for n, t in self._plugins.registers_by_name.items() if (a := t.advert())}
         return SegmentDesc(self.name, self.config.host, self.port, self.host_id, os.getpid(),
-                           sorted(self.transports), self.memory.descs(), self._version)
+                           sorted(self.transports), self.memory.descs(), self._version,
+                           adverts)
 
     def _describe_bytes(self) -> bytes:
         return encode_desc(self.describe())
@@ -186,14 +189,36 @@ class TransferEngine:
             addr, n, keep = obj, length, None
         else:
             addr, n, keep = address_of(obj)
-        region = self.memory.add(Region(addr, n, view_at(addr, n), keep=keep))
+        region = self._add(Region(addr, n, view_at(addr, n), keep=keep))
         if publish:
             self._changed()
         return region
 
+    def _add(self, region: Region) -> Region:
+        """Insert ``region`` and tell the transports that register memory themselves; one
+        that refuses it undoes the insert (its error propagates)."""
+        self.memory.add(region)
+        told: list[RegistersMemory] = []
+        try:
+            for t in self._plugins.registers:
+                t.on_register(region)
+                told.append(t)
+        except BaseException:
+            for t in told:
+                t.on_unregister(region)
+            self.memory.remove(region.addr)
+            raise
+        return region
+
+    def _remove(self, addr: int) -> Region:
+        region = self.memory.remove(addr)
+        for t in self._plugins.registers:
+            t.on_unregister(region)
+        return region
+
     def unregister_memory(self, addr: int, publish: bool = True) -> None:
         """Unregister the region starting at ``addr``. Raises NotFound."""
-        region = self.memory.remove(addr)
+        region = self._remove(addr)
         if region.fd >= 0:
             os.close(region.fd)
         if publish:
@@ -207,8 +232,12 @@ class TransferEngine:
         never pays the first-touch cost). ``fenced``: the first 8 bytes become this engine's
         fence word (the floor same-host writers check; the caller must not use them)."""
         buf = ManagedBuffer(length, populate)
-        self.memory.add(Region(buf.addr, length, view_at(buf.addr, length), kind=RegionKind.SHM,
-                               shm=buf.name, keep=buf, fenced=fenced))
+        try:
+            self._add(Region(buf.addr, length, view_at(buf.addr, length), kind=RegionKind.SHM,
+                             shm=buf.name, keep=buf, fenced=fenced))
+        except BaseException:
+            buf.close()
+            raise
         if fenced:
             self.fence.attach(view_at(buf.addr, 8))
         self._managed[buf.addr] = buf
@@ -220,7 +249,7 @@ class TransferEngine:
         buf = self._managed.pop(addr, None)
         if buf is None:
             raise NotFound(f"no managed buffer at {addr:#x}")
-        self.memory.remove(addr)
+        self._remove(addr)
         self._changed()
         buf.close()
 

@@ -20,6 +20,7 @@ from kvplane.transfer.seam import (
     ControlChannel,
     OneItemIO,
     Prunable,
+    RegistersMemory,
     Route,
     Transport,
     TransportContext,
@@ -31,6 +32,7 @@ TRANSPORTS.register("tcp", "kvplane.transfer.transports.tcp:TcpTransport")
 TRANSPORTS.register("shm", "kvplane.transfer.transports.shm:ShmTransport")
 TRANSPORTS.register("file", "kvplane.transfer.transports.file:FileTransport")
 TRANSPORTS.register("local", "kvplane.transfer.transports.local:LocalTransport")
+TRANSPORTS.register("nixl", "kvplane.transfer.transports.nixl:NixlTransport")
 
 
 def load(name: str) -> type[Transport]:
@@ -75,6 +77,9 @@ class TransportSet:
         self.one_item: dict[str, OneItemIO] = {
             n: t for n, t in transports.items() if isinstance(t, OneItemIO)}
         self.prunable = [t for t in transports.values() if isinstance(t, Prunable)]
+        self.registers_by_name: dict[str, RegistersMemory] = {
+            n: t for n, t in transports.items() if isinstance(t, RegistersMemory)}
+        self.registers = list(self.registers_by_name.values())
         control = [t for t in ranked if isinstance(t, ControlChannel)]
         if not control:
             raise InvalidArgument(f"none of the transports {sorted(transports)} has a control "

@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.jobs import Peer, PeerJob
+from kvplane.transfer.memory import Region
 from kvplane.transfer.types import RegionDesc, SegmentDesc, TransferStatus
 
 
@@ -67,6 +68,7 @@ class TransportContext:
     connect_timeout: float = 5.0
     retries: int = 2
     segment: str = ""  # this engine's own segment name
+    grants: bool = False  # the listener moves tenants' bytes only under grants (a pool segment)
 
 
 class Transport(abc.ABC):
@@ -138,6 +140,23 @@ class ControlChannel(Protocol):
     def grant(self, peer: Peer, blob: bytes, timeout: float) -> bytes:
         """Install packed grants at the peer's listener; one status byte per grant (0: kept).
         Raises Unavailable."""
+
+
+@runtime_checkable
+class RegistersMemory(Protocol):
+    """Needs the engine's registered regions itself (a one-sided fabric such as NIXL/UCX
+    registers them with its own agent) and publishes what peers need to reach them."""
+
+    def on_register(self, region: Region) -> None:
+        """A region was registered with the engine (raise to refuse it: the engine undoes
+        the registration)."""
+
+    def on_unregister(self, region: Region) -> None:
+        """A region left the engine (never raises)."""
+
+    def advert(self) -> bytes:
+        """What peers need to reach this engine's regions over this transport (b"": not
+        reachable over it); carried in the segment descriptor under the transport's name."""
 
 
 @runtime_checkable

@@ -72,8 +72,7 @@ class OpenSegment:
         """Replace the cached descriptor (after the peer re-registered memory)."""
         regions = sorted(desc.regions, key=lambda r: r.addr)
         with self._lock:
-            self.desc = SegmentDesc(desc.name, desc.host, desc.port, desc.host_id, desc.pid,
-                                    desc.transports, regions, desc.version)
+            self.desc = msgspec.structs.replace(desc, regions=regions)
             self._starts = [r.addr for r in regions]
             self.peer = Peer(desc.host, desc.port)
 

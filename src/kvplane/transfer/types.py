@@ -112,3 +112,5 @@ class SegmentDesc(msgspec.Struct, frozen=True):
     transports: list[str]
     regions: list[RegionDesc]
     version: int = 0
+    # per transport name, what a one-sided fabric's peers need (e.g. NIXL agent metadata)
+    adverts: dict[str, bytes] = msgspec.field(default_factory=dict)
