@@ -4,8 +4,8 @@
 Sizes accept ``"4gb"``, ``"512 MB"``, ``"1.5g"`` or plain integers; booleans ``true/false``,
 ``1/0``, ``yes/no``, ``on/off``. The protocol is lower-cased; an unknown one only warns (setup
 decides). ``rdma`` and the other hardware names are served by NIXL when it is installed, else by
-TCP with one warning (``kvplane.transfer.fabric``). Required and non-empty: ``local_hostname``, ``metadata_server``,
-``master_server_address``.
+TCP with one warning (``kvplane.transfer.fabric``). Required and non-empty: ``local_hostname``,
+``metadata_server``, ``master_server_address``.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from typing import Any
 
 from kvplane.common.config import parse_size
 from kvplane.common.errors import InvalidArgument
-from kvplane.transfer import fabric
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
+from kvplane.transfer import fabric
 
 PROTOCOLS = fabric.NAMES  # kept as asked for; the engine resolves it (transfer/fabric.py)
 _ALIASES = {"master": "master_server_address", "master_server_addr": "master_server_address",
