@@ -24,6 +24,7 @@ Imports the transport registry only (never a transport module).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import threading
@@ -71,9 +72,10 @@ class FabricChoice:
         return out
 
 
+@functools.cache
 def nixl_package() -> str | None:
     """The import name of the installed NIXL package (``nixl_cu12``, then ``nixl``), or None;
-    nothing is imported."""
+    nothing is imported. Probed once per process."""
     for name in NIXL_PACKAGES:
         try:
             if importlib.util.find_spec(name) is not None:
