@@ -15,6 +15,11 @@ from tests.support.netns import netbed  # noqa: F401  (the multi-host test bed f
 _KEEP = ("KVPLANE_VLLM_PYTHON", "KVPLANE_MOONCAKE_PYTHON", "KVPLANE_ENGINES_VENV",
          "KVPLANE_ENGINES_PYTHON", "KVPLANE_TOKEN_FILE")
 
+# NIXL stays off for the suite (in-process and in every child), so thousands of engines do not
+# each start a UCX agent; NIXL's own tests turn it on (monkeypatch.setenv("KVPLANE_NIXL", "auto"))
+NIXL_ENV = ("KVPLANE_NIXL", "off")
+os.environ[NIXL_ENV[0]] = NIXL_ENV[1]
+
 # harness entry modules run as ``python -m tests.support.X`` from any cwd: the repo root goes on
 # the children's path (pyproject's ``pythonpath`` puts it on this process's)
 _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
@@ -37,6 +42,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, token_file: str) -> None:
         if k.startswith("KVPLANE_") and k not in _KEEP:
             monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("KVPLANE_TOKEN_FILE", token_file)
+    monkeypatch.setenv(*NIXL_ENV)
     random.seed(1234)
     np.random.seed(1234)
 

@@ -38,6 +38,10 @@ def serve(
     tenants: str = typer.Option(None, help="JSON file of tenant tokens ({\"tenants\": {NAME: "
                                 "TOKEN}}); default KVPLANE_TENANTS_FILE."),
     ready_file: str = typer.Option(None, help="Write the bound addresses here as JSON once ready."),
+    protocol: str = typer.Option("auto", help="The segment's transfer protocol: auto (shm on one "
+                                 "host, then nixl when installed, else tcp), tcp, shm, nixl, or "
+                                 "rdma (nixl when installed, else tcp with a warning). The ready "
+                                 "line, /status and kvplane_transfer_fabric_info say what it chose."),
     disk_dir: str = disk_opts.DISK_DIR,
     disk_size: int = disk_opts.DISK_SIZE,
     disk_write_through: bool = disk_opts.WRITE_THROUGH,
@@ -50,21 +54,24 @@ def serve(
     find the token in the token file. Ctrl-C stops it.
     """
     from kvplane.cli.store import load_tenants
+    from kvplane.transfer import fabric
 
     tok = resolve_token(token, no_auth)
     adm = resolve_token(admin_token, no_auth, admin=True)
     tenant_tokens = load_tenants(tenants)
     check_ports(host, {"--master-port": master_port, "--metadata-port": metadata_port,
                        "--admin-port": admin_port})
-    disk = disk_opts.disk_config(disk_dir, disk_size, disk_write_through, disk_direct)
+    with_cli = {**disk_opts.disk_config(disk_dir, disk_size, disk_write_through, disk_direct),
+                "protocol": fabric.normalise(protocol)}  # the segment's StoreConfig keywords
     _run(host, master_port, metadata_port, admin_port, segment_size, tok, adm, tenant_tokens,
-         ready_file, disk)
+         ready_file, with_cli)
 
 
 def _run(host: str, master_port: int, metadata_port: int, admin_port: int, segment_size: int,
          tok: str, adm: str, tenant_tokens: dict[str, str], ready_file: str | None,
          disk: dict[str, Any]) -> None:
-    """Start the three parts, announce, wait; whatever started is closed on the way out."""
+    """Start the three parts, announce, wait; whatever started is closed on the way out.
+    ``disk``: more StoreConfig keywords of the segment (its SSD tier, its protocol)."""
     from kvplane.p2p.tracker_api import mount
     from kvplane.store.config import StoreConfig
     from kvplane.store.master.server import MasterServer
@@ -80,10 +87,12 @@ def _run(host: str, master_port: int, metadata_port: int, admin_port: int, segme
                                        local_hostname=host, global_segment_size=segment_size,
                                        local_buffer_size=0, token=tok,
                                        peer_tokens=tuple(tenant_tokens.values()), **disk))
+        master.extras["fabric"] = seg.engine.fabric.as_dict()  # in the master's /status
         announce("serve", {"master": f"{host}:{master.port}", "metadata": url,
                            "p2p_tracker": f"http://{host}:{meta.port}",
                            "admin": f"http://{host}:{master.http.port}" if master.http else None,
                            "segment": seg.segment_name, "segment_size": segment_size,
+                           "fabric": seg.engine.fabric.as_dict(),
                            **disk_opts.announced(seg)}, ready_file)
         wait_for_signal()
     finally:

@@ -151,6 +151,10 @@ def segment(
     tenants: str = typer.Option(None, help="The master's tenants file: tenants' clients may then "
                                 "reach this segment's data port (default KVPLANE_TENANTS_FILE)."),
     ready_file: str = typer.Option(None, help="Write the segment name here as JSON once mounted."),
+    protocol: str = typer.Option("auto", help="Transfer protocol: auto (shm on one host, then "
+                                 "nixl when installed, else tcp), tcp, shm, nixl, or rdma (nixl "
+                                 "when installed, else tcp with a warning). The ready line, "
+                                 "/status and kvplane_transfer_fabric_info say what it chose."),
     disk_dir: str = disk_opts.DISK_DIR,
     disk_size: int = disk_opts.DISK_SIZE,
     disk_write_through: bool = disk_opts.WRITE_THROUGH,
@@ -161,6 +165,7 @@ def segment(
     from kvplane.common.auth import token_authenticator
     from kvplane.common.http import ServerThread, metrics_app
     from kvplane.store.config import StoreConfig
+    from kvplane.transfer import fabric
 
     tok = resolve_token(token, no_auth)
     peers = tuple(load_tenants(tenants).values())
@@ -168,7 +173,7 @@ def segment(
         check_master(master_addr)
         cfg = StoreConfig(master=master_addr, metadata=metadata, local_hostname=host,
                           port=data_port, global_segment_size=size, local_buffer_size=0,
-                          token=tok, peer_tokens=peers,
+                          token=tok, peer_tokens=peers, protocol=fabric.normalise(protocol),
                           **disk_opts.disk_config(disk_dir, disk_size, disk_write_through,
                                                   disk_direct))
     check_ports(host, {"--metrics-port": metrics_port, "--data-port": data_port})
@@ -176,10 +181,13 @@ def segment(
     http = None
     try:
         if metrics_port >= 0:
-            http = ServerThread(metrics_app(), host, metrics_port,
-                                authenticate=token_authenticator(tok), name="segment-metrics")
+            http = ServerThread(metrics_app(lambda: {"segment": c.segment_name, "size": size,
+                                                     "fabric": c.engine.fabric.as_dict()}),
+                                host, metrics_port, authenticate=token_authenticator(tok),
+                                name="segment-metrics")
         announce("segment", {"segment": c.segment_name, "size": size,
                              "metrics_port": http.port if http else None,
+                             "fabric": c.engine.fabric.as_dict(),
                              **disk_opts.announced(c)}, ready_file)
         wait_for_signal()
     finally:

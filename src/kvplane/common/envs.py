@@ -65,6 +65,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_MAX_FRAME", _size, 256 << 20, "largest payload a TCP listener accepts in one frame"),
         EnvVar("KVPLANE_MASTER_SPIN", float, 500e-6, "seconds the store master busy-polls a client that calls again within that long, one connection at a time (0: never)"),
         EnvVar("KVPLANE_TRANSPORTS", _names, ("tcp", "shm", "file", "local"), "transports an engine loads, comma separated registry names (one of them must have a control channel, e.g. tcp)"),
+        EnvVar("KVPLANE_NIXL", str, "auto", "whether engines under protocol auto/rdma load the NIXL transport: auto (when installed), on (required), off (never; an explicit protocol nixl still loads it)"),
         EnvVar("KVPLANE_FILE_ROOT", str, "", "directory that file-backed segments must live under"),
         EnvVar("KVPLANE_SEGMENT_POPULATE", parse_bool, True, "Mooncake facade: fault a contributed segment's pages in at setup (0: on first use)"),
         EnvVar("KVPLANE_STORE_CHECKSUM", parse_bool, False, "store clients checksum every put (xxh3-64) and check it on every get"),

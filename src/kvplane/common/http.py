@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import uvicorn
@@ -27,17 +29,20 @@ KEEP_ALIVE = 15  # seconds an idle keep-alive connection is kept
 MAX_AUTHED = 1024  # connections uvicorn serves at once (all of them past authentication)
 
 
-def metrics_app() -> Any:
-    """A standalone metrics app: ``/health`` answers ok, every other path the exposition."""
+def metrics_app(status: Callable[[], dict[str, Any]] | None = None) -> Any:
+    """A standalone metrics app: ``/health`` answers ok, ``/status`` (when ``status`` is given)
+    its JSON document, every other path the exposition."""
     from kvplane.common import metrics
 
     exposition = metrics.asgi_app()
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("path") == "/health":
+        path = scope.get("path") if scope["type"] == "http" else None
+        if path == "/health" or (path == "/status" and status is not None):
+            body = json.dumps(status() if path == "/status" and status else {"status": "ok"})
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": b'{"status": "ok"}'})
+            await send({"type": "http.response.body", "body": body.encode()})
             return
         await exposition(scope, receive, send)
     return app

@@ -22,7 +22,7 @@ from prometheus_client import (
 __all__ = [
     "CONTENT_TYPE_LATEST", "Counter", "Gauge", "Histogram", "add_route", "asgi_app", "render", "serve",
     "TRANSFER_BYTES", "TRANSFER_REQUESTS", "TRANSFER_RETRIES", "TRANSFER_FAILOVERS", "SERVER_FRAMES",
-    "SERVER_REJECTED", "SERVER_CONNECTIONS", "METADATA_OPS",
+    "SERVER_REJECTED", "SERVER_CONNECTIONS", "METADATA_OPS", "TRANSFER_FABRIC",
 ]
 
 TRANSFER_BYTES = Counter(
@@ -37,6 +37,11 @@ TRANSFER_RETRIES = Counter(
 TRANSFER_FAILOVERS = Counter(
     "kvplane_transfer_failovers_total", "Slices re-run on TCP after a same-host transport failed",
     ["transport"]
+)
+TRANSFER_FABRIC = Gauge(
+    "kvplane_transfer_fabric_info",
+    "1 per protocol choice an engine of this process made (kvplane.transfer.fabric)",
+    ["requested", "protocol", "transports"]
 )
 SERVER_FRAMES = Counter("kvplane_transfer_server_frames_total", "Frames served", ["op"])
 SERVER_REJECTED = Counter(

@@ -94,8 +94,9 @@ class TransferEngine:
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
                    device_name: str = "") -> int:
         """Start the engine. ``protocol``: "tcp" forces TCP, "auto"/"shm" prefer shared memory
-        on the same host, "rdma" is served by TCP here (no RDMA device). Returns 0 or < 0."""
-        proto = {"rdma": "tcp", "": "auto"}.get(protocol.lower(), protocol.lower())
+        on the same host, "rdma" (and Mooncake's other hardware names) is served by NIXL when
+        installed, else by TCP with one warning (``kvplane.transfer.fabric``). Returns 0 or < 0."""
+        proto = protocol.strip().lower() or "auto"
         host, port = parse_hostport(local_hostname, 0)
         name = None if metadata_server.upper() == "P2PHANDSHAKE" or not port else local_hostname
         try:

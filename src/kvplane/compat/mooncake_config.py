@@ -2,9 +2,10 @@
 (``MOONCAKE_CONFIG_PATH``) or ``MOONCAKE_*`` environment variables, as Mooncake reads them.
 
 Sizes accept ``"4gb"``, ``"512 MB"``, ``"1.5g"`` or plain integers; booleans ``true/false``,
-``1/0``, ``yes/no``, ``on/off``. The protocol is lower-cased; an unknown one only warns (the
-transport decides). Required and non-empty: ``local_hostname``, ``metadata_server``,
-``master_server_address``.
+``1/0``, ``yes/no``, ``on/off``. The protocol is lower-cased; an unknown one only warns (setup
+decides). ``rdma`` and the other hardware names are served by NIXL when it is installed, else by
+TCP with one warning (``kvplane.transfer.fabric``). Required and non-empty: ``local_hostname``,
+``metadata_server``, ``master_server_address``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ DEFAULT_LOCAL_BUFFER_SIZE = 1073741824  # 1 GiB
 _SUFFIXES = [("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40),
              ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1)]
 _KNOWN = frozenset({"tcp", "rdma", "efa", "nvmeof", "nvlink", "musa", "nvlink_intra", "hip",
-                    "barex", "cxl", "ascend", "ub", "ubshmem", "maca", "sunrise_link", "rpc_only"})
+                    "barex", "cxl", "ascend", "ub", "ubshmem", "maca", "sunrise_link", "rpc_only",
+                    "nixl", "auto", "shm"})
 _REQUIRED = ("local_hostname", "metadata_server", "master_server_address")
 
 

@@ -14,7 +14,7 @@
 Then ``open_client`` builds the native ``StoreClient``; if that fails nothing is left behind
 (the client releases its engine, sockets, threads and shared memory before raising).
 
-Imports ``kvplane.store`` only.
+Imports ``kvplane.store`` and ``kvplane.transfer.fabric`` only.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 from kvplane.common import envs
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
+from kvplane.transfer import fabric
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,6 @@ CLIENT_PORTS = (12300, 14300)  # Mooncake's MC_STORE_CLIENT_MIN/MAX_PORT default
 PORT_TRIES = 20
 MAX_SEGMENT_SIZE = 1 << 40
 DEFAULT_SIZE = 16 << 20
-# protocols Mooncake accepts whose hardware is not here: served by TCP
-_NO_HARDWARE = {"rdma", "efa", "cxl", "ascend", "ub", "ubshmem", "maca", "sunrise_link", "nvlink",
-                "hip", "barex", "musa"}
 
 
 @dataclass
@@ -172,12 +170,15 @@ def _checked(out: SetupArgs) -> SetupArgs | int:
 
 
 def protocol_of(name: str) -> str:
-    """kvplane's transport choice for a Mooncake protocol name."""
+    """The protocol a Mooncake protocol name asks kvplane's engine for: "" and "shm" read as
+    ``auto``; ``rdma`` and the other hardware names stay as they are, and the engine resolves
+    them (``kvplane.transfer.fabric``: NIXL when installed, else TCP with one warning).
+
+    Raises:
+        InvalidArgument: a protocol kvplane does not know.
+    """
     proto = name.strip().lower()
-    if proto in _NO_HARDWARE:
-        log.info("protocol %r: no such hardware here, served by tcp", name)
-        return "tcp"
-    return {"": "auto", "shm": "auto"}.get(proto, proto)
+    return "auto" if proto in ("", "shm") else fabric.normalise(proto)
 
 
 def hostname_of(local_hostname: str) -> tuple[str, int]:

@@ -21,8 +21,9 @@ from kvplane.common.config import parse_size
 from kvplane.common.errors import InvalidArgument
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
+from kvplane.transfer import fabric
 
-PROTOCOLS = {"auto": "auto", "tcp": "tcp", "shm": "shm", "rdma": "tcp", "": "auto"}
+PROTOCOLS = fabric.NAMES  # kept as asked for; the engine resolves it (transfer/fabric.py)
 _ALIASES = {"master": "master_server_address", "master_server_addr": "master_server_address",
             "metadata": "metadata_server"}
 # Mooncake keys with no meaning for kvplane, accepted so existing configs load unchanged.
@@ -39,8 +40,9 @@ class StoreBackendConfig:
     Attributes:
         master_server_address: store master RPC ``host:port``.
         metadata_server: transfer-engine metadata: ``P2PHANDSHAKE`` or a backend URL.
-        protocol: ``auto`` (shared memory on one host, else TCP), ``tcp`` or ``shm``;
-            Mooncake's ``rdma`` is served by TCP.
+        protocol: ``auto`` (shared memory on one host, then NIXL when installed, else TCP),
+            ``tcp``, ``shm``, ``nixl``, or Mooncake's ``rdma`` (and its other hardware names):
+            NIXL when installed, else TCP with one warning (``kvplane.transfer.fabric``).
         global_segment_size: bytes this engine process contributes to the pool (0: pure client;
             a separate ``kvplane segment`` then holds the pool, which outlives the engine).
         local_buffer_size: staging for the copying (non zero-copy) calls.
@@ -61,8 +63,7 @@ class StoreBackendConfig:
     key_prefix: str = ""
 
     def __post_init__(self) -> None:
-        if self.protocol not in PROTOCOLS.values():
-            raise InvalidArgument(f"protocol {self.protocol!r}: choose auto, tcp, shm or rdma")
+        object.__setattr__(self, "protocol", fabric.normalise(self.protocol))  # InvalidArgument
         if self.timeout <= 0:
             raise InvalidArgument("timeout must be > 0")
 
@@ -111,10 +112,7 @@ def _convert(name: str, value: Any) -> Any:
     if name in ("global_segment_size", "local_buffer_size"):
         return parse_size(value if isinstance(value, int) else str(value))
     if name == "protocol":
-        proto = PROTOCOLS.get(str(value).lower())
-        if proto is None:
-            raise InvalidArgument(f"protocol {value!r}: choose auto, tcp, shm or rdma")
-        return proto
+        return fabric.normalise(str(value))
     if name == "timeout":
         try:
             return float(value)

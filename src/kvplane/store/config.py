@@ -20,7 +20,9 @@ class StoreConfig:
         metadata: transfer-engine metadata: ``P2PHANDSHAKE`` or a backend URL.
         local_hostname: address this client's engine binds and advertises.
         port: port the engine binds (0: any free one); the segment is named ``host:port``.
-        protocol: ``auto`` (shared memory on one host, else TCP) or ``tcp`` (TCP even on one host).
+        protocol: ``auto`` (shared memory on one host, then NIXL when installed, else TCP),
+            ``tcp`` (TCP even on one host), ``nixl``, or ``rdma`` (NIXL when installed, else TCP
+            with one warning); resolved by ``kvplane.transfer.fabric``.
         global_segment_size: bytes this client contributes to the pool (0: pure client).
         local_buffer_size: registered staging for the bytes API (put/get of ``bytes``).
         populate: fault the contributed segment's pages in at start (a put never pays the

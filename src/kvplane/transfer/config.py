@@ -8,8 +8,10 @@ from typing import Any
 from kvplane.common import envs
 from kvplane.common.auth import client_token
 from kvplane.common.errors import InvalidArgument
+from kvplane.transfer import fabric
+from kvplane.transfer.fabric import FabricChoice
 
-PROTOCOLS = ("auto", "tcp", "shm", "file")
+PROTOCOLS = ("auto", "tcp", "shm", "file", "nixl", "rdma")
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,10 @@ class EngineConfig:
         name: segment name; default ``host:port`` (Mooncake's P2PHANDSHAKE naming).
         metadata: ``P2PHANDSHAKE``, ``memory://NAME``, ``http://h:p/metadata``, ``etcd://h:p``
             or ``redis://h:p``.
-        protocol: default transport: ``auto`` (shm/file on the same host, else tcp) or one name.
+        protocol: what was asked for: ``auto`` (shm/file on the same host, then nixl when
+            installed, else tcp), ``rdma`` (or another Mooncake hardware name: nixl when
+            installed, else tcp with one warning), ``nixl`` or one transport name; read through
+            :mod:`kvplane.transfer.fabric` at construction, and ``fabric`` says what it became.
         token: token this engine presents to peers and its listener requires (empty: none;
             default ``KVPLANE_TOKEN``, else the token file).
         extra_tokens: more tokens the listener accepts (e.g. a pool's tenant tokens).
@@ -36,7 +41,10 @@ class EngineConfig:
         file_root: directory file-backed segments must live in ("" disables file segments).
         republish_interval: seconds between checks that our descriptor is still published.
         retries: times a slice is retried on a fresh connection after its connection broke.
-        transports: transports this engine loads.
+        transports: transports this engine loads (the defaults gain "nixl" when ``fabric``
+            chose it).
+        fabric: the resolved choice (set at construction; ``protocol``/``transports`` above
+            are the resolved ones).
     """
 
     host: str = "127.0.0.1"
@@ -55,11 +63,14 @@ class EngineConfig:
     file_root: str = ""
     republish_interval: float = 2.0
     retries: int = 2
-    transports: tuple[str, ...] = field(default=("tcp", "shm", "file", "local"))
+    transports: tuple[str, ...] = field(default=fabric.DEFAULT_TRANSPORTS)
+    fabric: FabricChoice = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.protocol not in PROTOCOLS and self.protocol not in self.transports:
-            raise InvalidArgument(f"protocol {self.protocol!r}: choose one of {PROTOCOLS}")
+        choice = fabric.resolve(self.protocol, tuple(self.transports))  # InvalidArgument
+        object.__setattr__(self, "protocol", choice.protocol)
+        object.__setattr__(self, "transports", choice.transports)
+        object.__setattr__(self, "fabric", choice)
         if self.slice_size <= 0 or self.slice_size > self.max_frame:
             raise InvalidArgument("slice_size must be in (0, max_frame]")
         if self.streams < 1 or self.timeout <= 0:

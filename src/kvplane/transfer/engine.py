@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import logging
 import os
@@ -31,6 +32,8 @@ from kvplane.transfer.batch import Batch, Task
 from kvplane.transfer.config import EngineConfig
 from kvplane.transfer.engine_items import ItemPaths, count_done
 from kvplane.transfer.engine_route import Router
+from kvplane.transfer.fabric import FabricChoice
+from kvplane.transfer.fabric import record as record_fabric
 from kvplane.transfer.jobs import ItemLike, Peer
 from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, address_of, sweep_stale_shm, view_at
 from kvplane.transfer.metadata import KEY_PREFIX, MetadataBackend, open_metadata
@@ -67,7 +70,7 @@ class TransferEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         cfg = config or EngineConfig.from_env()
         if overrides:
-            cfg = EngineConfig(**{**cfg.__dict__, **overrides})
+            cfg = dataclasses.replace(cfg, **overrides)
         self.config = cfg
         sweep_stale_shm()
         self.memory = MemoryTable()
@@ -105,7 +108,19 @@ class TransferEngine:
         self._republisher: threading.Thread | None = None
         if self._meta is not None:
             self._start_publishing(self._meta)
-        klog.event("engine_started", segment=self.name, port=self.port, metadata=cfg.metadata)
+        record_fabric(cfg.fabric)
+        klog.event("engine_started", segment=self.name, port=self.port, metadata=cfg.metadata,
+                   protocol=cfg.fabric.protocol, requested=cfg.fabric.requested)
+
+    @property
+    def fabric(self) -> FabricChoice:
+        """What this engine's requested protocol resolved to (``kvplane.transfer.fabric``)."""
+        return self.config.fabric
+
+    @property
+    def transports_loaded(self) -> tuple[str, ...]:
+        """Registry names of the transports this engine loaded, in load order."""
+        return tuple(self.transports)
 
     def _start_publishing(self, meta: MetadataBackend) -> None:
         """Publish the descriptor and start the republisher; a failed first publish undoes

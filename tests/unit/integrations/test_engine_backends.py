@@ -104,7 +104,7 @@ def test_lmcache_plugin_settings_and_urls():
              "remote_storage_plugin.kvplane.timeout": "2.5", "chunk_meta": True,
              "remote_storage_plugin.other.protocol": "nonsense"}
     cfg = plugin_settings(extra, "kvplane", "plugin://kvplane")
-    assert (cfg.master_server_address, cfg.protocol, cfg.timeout) == ("10.0.0.1:7000", "tcp", 2.5)
+    assert (cfg.master_server_address, cfg.protocol, cfg.timeout) == ("10.0.0.1:7000", "rdma", 2.5)
     assert plugin_settings(extra, "kvplane", "kvplane://h:1/").master_server_address == "h:1"
     with pytest.raises(InvalidArgument):
         plugin_settings({"remote_storage_plugin.kvplane.url": "redis://h:1"}, "kvplane", "plugin://kvplane")

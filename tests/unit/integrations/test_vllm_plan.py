@@ -131,7 +131,7 @@ def test_config_takes_mooncake_names_file_then_extra_config(tmp_path):
                                        {"KVPLANE_CONFIG_PATH": str(path)})
     assert cfg.master_server_address == "10.0.0.1:50051"
     assert cfg.global_segment_size == 512_000_000 and cfg.local_buffer_size == 1024
-    assert cfg.protocol == "tcp" and cfg.timeout == 2.5
+    assert cfg.protocol == "rdma" and cfg.timeout == 2.5  # the engine resolves it (fabric)
     over = ConnectorConfig.from_sources({"master_server_address": "127.0.0.1:1"},
                                         {"KVPLANE_CONFIG_PATH": str(path)})
     assert over.master_server_address == "127.0.0.1:1"  # extra config wins over the file

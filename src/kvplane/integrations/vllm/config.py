@@ -15,9 +15,10 @@ from typing import Any
 
 from kvplane.common.config import parse_size
 from kvplane.common.errors import InvalidArgument
+from kvplane.transfer import fabric
 
 CONFIG_PATH_ENV = "KVPLANE_CONFIG_PATH"
-PROTOCOLS = {"auto": "auto", "tcp": "tcp", "shm": "shm", "rdma": "tcp", "": "auto"}
+PROTOCOLS = fabric.NAMES  # kept as asked for; the engine resolves it (transfer/fabric.py)
 # Mooncake keys that have no meaning here but are accepted so existing configs load unchanged.
 _IGNORED = frozenset({"device_name", "mode", "enable_offload", "tenant_id", "mooncake_protocol",
                       "num_workers", "bootstrap_server_address", "load_async", "lookup_async",
@@ -31,8 +32,9 @@ class ConnectorConfig:
     Attributes:
         master_server_address: store master RPC ``host:port`` (store connector only).
         metadata_server: transfer-engine metadata: ``P2PHANDSHAKE`` or a backend URL.
-        protocol: ``auto`` (shared memory on one host, else TCP), ``tcp`` or ``shm``;
-            Mooncake's ``rdma`` is served by TCP.
+        protocol: ``auto`` (shared memory on one host, then NIXL when installed, else TCP),
+            ``tcp``, ``shm``, ``nixl``, or Mooncake's ``rdma`` (and its other hardware names):
+            NIXL when installed, else TCP with one warning (``kvplane.transfer.fabric``).
         global_segment_size: bytes each worker contributes to the pool (0: pure client; use a
             separate ``kvplane segment`` process so cached KV outlives the vLLM instance).
         local_buffer_size: staging for copying calls; zero-copy paths need none.
@@ -58,8 +60,7 @@ class ConnectorConfig:
     transfer_timeout: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.protocol not in PROTOCOLS.values():
-            raise InvalidArgument(f"protocol {self.protocol!r}: choose auto, tcp, shm or rdma")
+        object.__setattr__(self, "protocol", fabric.normalise(self.protocol))  # InvalidArgument
         if self.timeout <= 0 or self.transfer_timeout <= 0:
             raise InvalidArgument("timeout and transfer_timeout must be > 0")
         if self.save_queue_size < 1:
@@ -125,10 +126,7 @@ def _convert(name: str, value: Any) -> Any:
     if name in ("global_segment_size", "local_buffer_size"):
         return parse_size(value)
     if name == "protocol":
-        proto = PROTOCOLS.get(str(value).lower())
-        if proto is None:
-            raise InvalidArgument(f"protocol {value!r}: choose auto, tcp, shm or rdma")
-        return proto
+        return fabric.normalise(str(value))
     if name in ("timeout", "transfer_timeout"):
         try:
             return float(value)

@@ -142,6 +142,7 @@ class MasterServer:
         self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
         self.history = status.History()
         self.started = (clock(), time.time())
+        self.extras: dict[str, Any] = {}  # more top-level /status fields (kvplane serve's fabric)
         # a put's PutEnd comes one write after the last call of its client: poll for it
         # bound now (the port is known), listening only from rpc.start(), once every handler is
         # in: before that a client's connect is refused and retried, never answered "unknown"
@@ -538,8 +539,9 @@ class MasterServer:
                      "admin_port": self.http.port if self.http else None,
                      "uptime_s": round(now - self.started[0], 3),
                      "started_at": round(self.started[1], 3)}
-            return status.document(self.state, self.history, self.key_ops, self.rpc_calls, now,
-                                   time.time(), ident, admin=admin, with_history=with_history)
+            doc = status.document(self.state, self.history, self.key_ops, self.rpc_calls, now,
+                                  time.time(), ident, admin=admin, with_history=with_history)
+        return {**doc, **self.extras}
 
     def close(self) -> None:
         """Stop the timer, RPC and HTTP (idempotent); a leader hands its lease back."""
