@@ -184,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             res = read_loop(c, cmd["keys"], cmd["seconds"])
         elif op == "health":
             res = health(c)
+        elif op == "slices":  # slices handed to each transport so far (which one moved bytes)
+            from kvplane.common import metrics
+            res = {smp.labels["transport"]: smp.value
+                   for m in metrics.TRANSFER_SLICES.collect() for smp in m.samples
+                   if smp.name.endswith("_total")}
+        elif op == "fabric":
+            res = c.engine.fabric.as_dict()
         else:
             res = {"error": f"unknown op {op}"}
         print(json.dumps({"result": res, "remounts": c.remounts}), flush=True)

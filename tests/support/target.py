@@ -3,13 +3,17 @@
 Registers a buffer filled with ``i % 251`` (so reads can be verified), prints one JSON line
 with everything a peer needs, then serves until stdin closes (the parent died or let go).
 
-    python -m tests.support.target --buf-mb 16 [--managed] [--metadata URL] [--name N]
+    python -m tests.support.target --buf-mb 16 [--managed|--fenced] [--metadata URL] [--name N]
+
+Commands on stdin: ``sum OFFSET N`` (a checksum of our own memory), ``epoch E`` (serve store
+epoch E: the fence floor moves up).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -32,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--buf-mb", type=int, default=16)
     ap.add_argument("--managed", action="store_true")
+    ap.add_argument("--fenced", action="store_true", help="a managed buffer whose first 8 bytes "
+                    "hold the fence floor (command: epoch E)")
     ap.add_argument("--metadata", default="P2PHANDSHAKE")
     ap.add_argument("--name", default=None)
     ap.add_argument("--protocol", default="auto")
@@ -45,14 +51,14 @@ def main(argv: list[str] | None = None) -> int:
                                 republish_interval=0.2)
     te = TransferEngine(cfg)
     n = a.buf_mb << 20
-    if a.managed:
-        buf = te.allocate_managed_buffer(n)
+    if a.managed or a.fenced:
+        buf = te.allocate_managed_buffer(n, fenced=a.fenced)
         arr = buf.array
     else:
         arr = np.empty(n, np.uint8)
         te.register_memory(arr)
     arr[:] = pattern(n)
-    info = {"segment": te.name, "port": te.port, "addr": int(arr.ctypes.data), "size": n}
+    info = {"segment": te.name, "pid": os.getpid(), "port": te.port, "addr": int(arr.ctypes.data), "size": n}
     if a.file:
         fname, fsize = a.file.split(":")
         region = te.register_file(fname, int(fsize))
@@ -63,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         if parts and parts[0] == "sum":
             off, cnt = int(parts[1]), int(parts[2])
             print(json.dumps({"sum": int(arr[off:off + cnt].sum(dtype=np.uint64))}), flush=True)
+        elif parts and parts[0] == "epoch":
+            te.fence.set_epoch(int(parts[1]))
+            print(json.dumps({"floor": te.fence.floor}), flush=True)
     te.close()
     return 0
 

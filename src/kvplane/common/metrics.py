@@ -23,6 +23,7 @@ __all__ = [
     "CONTENT_TYPE_LATEST", "Counter", "Gauge", "Histogram", "add_route", "asgi_app", "render", "serve",
     "TRANSFER_BYTES", "TRANSFER_REQUESTS", "TRANSFER_RETRIES", "TRANSFER_FAILOVERS", "SERVER_FRAMES",
     "SERVER_REJECTED", "SERVER_CONNECTIONS", "METADATA_OPS", "TRANSFER_FABRIC",
+    "TRANSFER_SLICES",
 ]
 
 TRANSFER_BYTES = Counter(
@@ -37,6 +38,10 @@ TRANSFER_RETRIES = Counter(
 TRANSFER_FAILOVERS = Counter(
     "kvplane_transfer_failovers_total", "Slices re-run on TCP after a same-host transport failed",
     ["transport"]
+)
+TRANSFER_SLICES = Counter(
+    "kvplane_transfer_slices_total", "Slices (whole requests, for unsliced transports) handed to "
+    "a transport", ["transport"]
 )
 TRANSFER_FABRIC = Gauge(
     "kvplane_transfer_fabric_info",

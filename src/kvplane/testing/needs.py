@@ -18,6 +18,7 @@ pytest is imported only when a requirement is missing, so importing this module 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 from collections.abc import Callable
@@ -59,6 +60,11 @@ def _module(name: str) -> Callable[[], Any]:
     return find
 
 
+def _spec(name: str) -> Callable[[], Any]:
+    """Found without importing it (NIXL's libraries stay out of the pytest process)."""
+    return lambda: importlib.util.find_spec(name)
+
+
 def _executable(env: str, default: str) -> Callable[[], str | None]:
     def find() -> str | None:
         path = os.environ.get(env, default)
@@ -82,6 +88,8 @@ REQUIREMENTS: dict[str, Requirement] = {
                             _binary("chromium", "chromium-browser", "google-chrome", "chrome"),
                             "apt-get install chromium"),
     "torch": Requirement("Python package 'torch'", _module("torch"), TORCH),
+    "nixl": Requirement("Python package 'nixl_cu12' (NVIDIA NIXL)", _spec("nixl_cu12"),
+                        "pip install --no-deps nixl-cu12==1.5.1 (or bash .ci/setup-50-nixl.sh)"),
     # the conductor's C path: the numpy fallback would otherwise pass its tests for it
     "accel": Requirement("the conductor's C accelerator (kvplane.conductor._accel)",
                          _module("kvplane.conductor._accel"),

@@ -14,6 +14,7 @@ import concurrent.futures as cf
 from collections.abc import Callable
 from typing import NamedTuple
 
+from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import InvalidArgument, KVPlaneError, Timeout, Unavailable
 from kvplane.transfer.batch import Slice, Task, cut
@@ -132,6 +133,8 @@ class Router:
         if not groups:
             return
         items = [(g, self._fallback(g)) for g in groups.values()]
+        for g, _ in items:
+            metrics.TRANSFER_SLICES.labels(g.transport.name).inc(len(g.slices))
         first = 0 if inline else None
         futs = [self.executor.submit(guarded, g.transport, g.route, g.slices, deadline, fb)
                 for i, (g, fb) in enumerate(items) if i != first]

@@ -1,0 +1,61 @@
+"""The nixl transport between real processes over UCX (TCP and shared memory here; RDMA where
+the hardware has it): batches checksummed, every UCX transport set, clean exits.
+
+Both sides run in child processes (tests.support.target / tests.support.initiator), so a
+crash of NIXL's libraries at exit would show as an exit code here, not take pytest down.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support.initiator import nixl_env, spawn_initiator
+from tests.support.target import spawn_target
+
+pytestmark = [pytest.mark.integration, pytest.mark.requires("nixl"), pytest.mark.timeout(120)]
+MB = 1 << 20
+
+
+@pytest.fixture(params=["", "tcp", "shm,tcp"], ids=["ucx-default", "ucx-tcp", "ucx-shm-tcp"])
+def ucx_tls(request):
+    return request.param
+
+
+def test_reads_and_writes_over_nixl_checksummed(ucx_tls):
+    env = nixl_env(ucx_tls)
+    with spawn_target("--buf-mb", "8", env=env) as tgt, \
+            spawn_initiator("--protocol", "nixl", "--base", str(tgt.info["addr"]), env=env) as ini:
+        assert "nixl" in ini.info["transports"]
+        h = ini.ask(f"open {tgt.info['segment']}")["handle"]
+        base = tgt.info["addr"]
+        for off, n in [(0, 4096), (12345, MB), (MB, 4 * MB)]:
+            r = ini.ask(f"read {h} {base + off} {n}")
+            assert r["status"] == ["COMPLETED"], r
+            assert r["pattern_ok"], f"wrong bytes over nixl at {off}+{n}"
+        r = ini.ask(f"batch {h} {base} 64 4096")
+        assert r["status"] == ["COMPLETED"] * 64 and r["pattern_ok"], r
+        r = ini.ask(f"write {h} {base + 2 * MB} {MB} 7")
+        assert r["status"] == ["COMPLETED"], r
+        assert tgt.ask(f"sum {2 * MB} {MB}")["sum"] == 7 * MB
+        assert tgt.ask(f"sum {3 * MB} {MB}")["sum"] != 7 * MB  # its neighbour untouched
+        ini.stop()
+        tgt.stop()
+        assert ini.popen.returncode == 0, ini.popen.stderr
+        assert tgt.popen.returncode == 0
+
+
+def test_protocol_nixl_to_a_peer_without_nixl_is_refused():
+    with spawn_target("--buf-mb", "1", env={"KVPLANE_NIXL": "off",
+                                            "KVPLANE_TRANSPORTS": "tcp,shm,file,local"}) as tgt, \
+            spawn_initiator("--protocol", "nixl", env=nixl_env("")) as ini:
+        h = ini.ask(f"open {tgt.info['segment']}")["handle"]
+        r = ini.ask(f"read {h} {tgt.info['addr']} 4096")
+        assert r["status"] == ["FAILED"]
+        assert "cannot reach" in r["errors"][0]
+
+
+def test_environment_is_not_leaking_into_the_suite():
+    # the suite pins NIXL off for every engine that does not ask for it (tests/conftest.py)
+    assert os.environ.get("KVPLANE_NIXL") == "off"
