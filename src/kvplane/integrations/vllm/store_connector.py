@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.integrations.vllm.config import ConnectorConfig
-from kvplane.integrations.vllm.layout import KVLayout
+from kvplane.integrations.vllm.layout import KVLayout, worker_layout
 from kvplane.integrations.vllm.plan import (
     KeySpace,
     LoadJob,
@@ -212,14 +212,20 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
 
     # == worker side ============================================================================
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Register the paged KV memory once for zero-copy loads and saves."""
-        self._layout = KVLayout(kv_caches, self._layer_names)
-        for addr, length in self._layout.regions:
-            self.client.register_buffer(addr, length)
+        """Register the paged KV memory once for zero-copy loads and saves (host memory as
+        addresses, device memory through the engine's device path; see ``KVLayout.register``).
+
+        Raises:
+            InvalidArgument: a layout whose blocks are not one contiguous run or whose block
+                interior is not ``[H, N, C]``, or device memory the engine cannot register.
+        """
+        self._layout = worker_layout(kv_caches, self._layer_names)
+        self._layout.register(self.client.register_buffer)
         self._saver = BackgroundSaver(self.client.batch_put_from, self.cfg.save_queue_size,
                                       name=f"kvplane-saver-{os.getpid()}")
-        log.info("kvplane: registered %d KV regions (%d layers, %d B per block-layer)",
-                 len(self._layout.regions), self._layout.num_layers,
+        log.info("kvplane: registered %d KV regions on %s (%d layers, %d B per block-layer)",
+                 len(self._layout.regions), self._layout.device or "host",
+                 self._layout.num_layers,
                  self._layout.layers[0].block_bytes if self._layout.layers else 0)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
