@@ -16,10 +16,11 @@ through the transfer engine's device path (the tensor itself, never a host view 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvplane.common.errors import InvalidArgument
+from kvplane.integrations.device_kv import MemRegion
 
 
 @dataclass(frozen=True)
@@ -39,21 +40,7 @@ class LayerSpan:
         return self.block_stride or self.block_bytes
 
 
-@dataclass
-class KVRegion:
-    """One backing allocation of the cache, registered once.
-
-    Attributes:
-        addr: start address (a device address when ``device`` is set).
-        length: bytes.
-        device: "" for host memory, else the tensor's device (``cuda:0``, ``standin:0``).
-        tensor: a flat view of the whole allocation (what a device registration hands over).
-    """
-
-    addr: int
-    length: int
-    device: str = ""
-    tensor: Any = field(default=None, repr=False, compare=False)
+KVRegion = MemRegion  # one backing allocation (host or device) of the cache
 
 
 def tensor_device(t: Any) -> str:
