@@ -45,8 +45,8 @@ from kvplane.integrations.vllm.plan import (
     matched_tokens,
     save_span,
 )
-from kvplane.integrations.vllm.saver import BackgroundSaver
-from kvplane.integrations.vllm.staged import StagedKV, open_staging
+from kvplane.integrations.vllm.saver import BackgroundSaver, SaveStats
+from kvplane.integrations.vllm.staged import LoadOutcome, StagedKV, open_staging
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
 
@@ -247,6 +247,16 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
                  self._layout.num_layers,
                  self._layout.layers[0].block_bytes if self._layout.layers else 0)
 
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        """Where the registered KV pages live (None before ``register_kv_caches``)."""
+        return self._layout
+
+    @property
+    def save_stats(self) -> SaveStats | None:
+        """The background saver's counters (None before ``register_kv_caches``)."""
+        return self._saver.stats if self._saver is not None else None
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         plan = getattr(connector_metadata, "plan", None)
@@ -266,7 +276,7 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         for job in meta.plan.loads:
             self._load(job)
 
-    def _loaded(self, outcome: Any) -> None:
+    def _loaded(self, outcome: LoadOutcome | None) -> None:
         if outcome is not None:
             self._load_errors.update(outcome.failed)
             self.loaded_blocks += outcome.loaded
