@@ -75,6 +75,7 @@ class StandinTensor:
         self._strides = tuple(int(s) for s in strides)
         self._itemsize = itemsize
         self.device = _Device(dev.name)
+        self.dtype: Any = None  # what a caller says the elements are (only ever printed)
 
     def data_ptr(self) -> int:
         return self.alloc + self.offset
@@ -84,6 +85,12 @@ class StandinTensor:
 
     def element_size(self) -> int:
         return self._itemsize
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
 
     def untyped_storage(self) -> _Storage:
         return _Storage(self.alloc, len(self.dev.memory[self.alloc]))

@@ -116,6 +116,15 @@ def register_device_kind(kind: str, factory: CopierFactory | None) -> None:
         _KINDS[kind] = factory
 
 
+def device_of(t: Any) -> str:
+    """"" for host memory (a CPU tensor, an array), else the tensor's device (``cuda:0``)."""
+    dev = getattr(t, "device", None)
+    if dev is None:
+        return ""
+    kind = getattr(dev, "type", str(dev))
+    return "" if kind == "cpu" else str(dev)
+
+
 def copier_for(regions: Sequence[MemRegion]) -> DeviceCopier:
     """The copier of ``regions`` (all on one device).
 
@@ -233,6 +242,7 @@ class StagedSave:
 
 
 FetchFn = Callable[[list[str], list[int], list[int]], Sequence["int | KVPlaneError"]]
+PutFn = Callable[[list[str], list[int], list[int]], Sequence["KVPlaneError | None"]]
 
 
 class PendingLoad:
@@ -393,6 +403,40 @@ class DeviceStaging:
         pending = PendingLoad(ok, fences, release)
         pending.failures = failures
         return pending
+
+    def put(self, keys: Sequence[str], dev_addrs: Sequence[int], sizes: Sequence[int],
+            store: PutFn, timeout: float) -> list[KVPlaneError | None]:
+        """Store device pages now (synchronous callers: SGLang, LMCache): chunk by chunk of the
+        save slots, each copied to the host, stored with ``store`` (``batch_put_from``), freed.
+
+        Returns:
+            Per key None (stored) or the error (a failed copy fails its whole chunk).
+
+        Raises:
+            InvalidArgument: a page larger than a slot.
+        """
+        self._check(sizes)
+        out: list[KVPlaneError | None] = []
+        step = self.saves.count
+        for at in range(0, len(keys), step):
+            idx = range(at, min(len(keys), at + step))
+            staged = self.save([dev_addrs[i] for i in idx], [sizes[i] for i in idx])
+            if staged is None:
+                out += [TransferFail("save slots are held by other saves")] * len(idx)
+                continue
+            try:
+                staged.ready(timeout)
+                out += list(store([keys[i] for i in idx], staged.slots, staged.sizes))
+            except KVPlaneError as exc:
+                out += [exc] * len(idx)
+            finally:
+                staged.release()
+        return out
+
+    def get(self, keys: Sequence[str], dev_addrs: Sequence[int], sizes: Sequence[int],
+            fetch: FetchFn, timeout: float) -> list[bool]:
+        """Load pages into device memory now; per page whether it arrived whole."""
+        return self.load(keys, dev_addrs, sizes, fetch, timeout).wait_all(timeout)
 
     def close(self, unregister: Callable[[int], None]) -> None:
         """Unregister the staging buffer (``StoreClient.unregister_buffer``)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplane.common.errors import InvalidArgument
-from kvplane.integrations.device_kv import MemRegion
+from kvplane.integrations.device_kv import MemRegion, device_of
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,7 @@ class LayerSpan:
 KVRegion = MemRegion  # one backing allocation (host or device) of the cache
 
 
-def tensor_device(t: Any) -> str:
-    """"" for a host (CPU) tensor, else ``str(t.device)`` (``cuda:0``...)."""
-    dev = getattr(t, "device", None)
-    if dev is None:
-        return ""
-    kind = getattr(dev, "type", str(dev))
-    return "" if kind == "cpu" else str(dev)
+tensor_device = device_of  # "" for host memory, else the tensor's device
 
 
 def page_order(t: Any) -> str:
