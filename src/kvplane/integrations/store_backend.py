@@ -19,6 +19,7 @@ from typing import Any
 
 from kvplane.common.config import parse_size
 from kvplane.common.errors import InvalidArgument
+from kvplane.integrations.device_kv import DeviceStaging, MemRegion, copier_for, device_of
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
 from kvplane.transfer import fabric
@@ -50,6 +51,8 @@ class StoreBackendConfig:
         token: shared token for the master and the data listeners (default: ``KVPLANE_TOKEN``).
         timeout: seconds one store call may take; a slower call counts as a miss.
         key_prefix: namespace put in front of every key (default: the engine's model name).
+        device_staging_size: host memory through which a pool in device memory moves (half
+            for loads, half for stores; larger batches run in chunks).
     """
 
     master_server_address: str = "127.0.0.1:50051"
@@ -61,6 +64,7 @@ class StoreBackendConfig:
     token: str | None = None
     timeout: float = 5.0
     key_prefix: str = ""
+    device_staging_size: int = 64 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "protocol", fabric.normalise(self.protocol))  # InvalidArgument
@@ -99,6 +103,22 @@ class StoreBackendConfig:
             global_segment_size=self.global_segment_size,
             local_buffer_size=self.local_buffer_size, timeout=self.timeout, token=self.token)
 
+    def staging(self, pool: Any, page_bytes: int, client: StoreClient) -> DeviceStaging:
+        """Host staging for an engine pool in device memory (``pool``: one contiguous tensor),
+        ``device_staging_size`` bytes of ``page_bytes`` slots registered with ``client``.
+
+        Raises:
+            InvalidArgument: a staging size that holds no page per half, or a device kvplane
+                cannot copy.
+        """
+        half = self.device_staging_size // 2 // page_bytes if page_bytes > 0 else 0
+        if half < 1:
+            raise InvalidArgument(f"device_staging_size {self.device_staging_size} B holds no "
+                                  f"{page_bytes} B page per half")
+        nbytes = int(pool.numel()) * int(pool.element_size())
+        region = MemRegion(int(pool.data_ptr()), nbytes, device_of(pool), pool)
+        return DeviceStaging(copier_for([region]), client.register_buffer, page_bytes, half, half)
+
     def open_client(self) -> StoreClient:
         """A connected store client.
 
@@ -109,7 +129,7 @@ class StoreBackendConfig:
 
 
 def _convert(name: str, value: Any) -> Any:
-    if name in ("global_segment_size", "local_buffer_size"):
+    if name in ("global_segment_size", "local_buffer_size", "device_staging_size"):
         return parse_size(value if isinstance(value, int) else str(value))
     if name == "protocol":
         return fabric.normalise(str(value))

@@ -13,6 +13,9 @@ The adapter claims ``kvplane://`` URLs and the ``plugin://kvplane[.name]`` URL L
 plugin's backend. Chunks move between LMCache's memory objects and the store with one
 ``batch_put_from`` / ``batch_get_into`` per batch, straight from and into the registered buffer
 of LMCache's CPU allocator (zero copy; an object outside it goes through the copying calls).
+An allocator buffer in device memory is never registered as host memory: objects in it move by
+address through host staging (:mod:`kvplane.integrations.device_kv`); any other device object
+is copied with torch (never read through a host view of its address). A failed copy is a miss.
 ``batched_contains`` answers with the leading hits in one RPC. Keys keep ``CacheEngineKey``
 intact (:mod:`kvplane.integrations.lmcache.keys`) and carry the chunk's KV-event hash, so the
 store's KV events show the pool's chunks to a conductor. ``list`` returns the key strings of
@@ -36,6 +39,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
+from kvplane.integrations.device_kv import DeviceStaging, device_of
 from kvplane.integrations.lmcache.keys import NAMESPACE, key_string, leading, store_key
 from kvplane.integrations.lmcache.settings import SCHEME, claims, plugin_settings
 
@@ -65,6 +69,7 @@ class KVPlaneConnector(RemoteConnector):
         self.local_cpu_backend = local_cpu_backend
         self.client = self.settings.open_client()
         self._region: tuple[int, int] | None = None
+        self._staging: DeviceStaging | None = None
         self.put_failures = 0
         self._register_allocator()
         log.info("kvplane LMCache connector: master %s, protocol %s, zero-copy region %s",
@@ -72,14 +77,18 @@ class KVPlaneConnector(RemoteConnector):
 
     def _register_allocator(self) -> None:
         pin = getattr(getattr(self.local_cpu_backend, "memory_allocator", None), "pin_allocator", None)
-        buf = getattr(pin, "buffer", None)
-        if not isinstance(buf, torch.Tensor):
+        buf: Any = getattr(pin, "buffer", None)
+        if buf is None or not hasattr(buf, "data_ptr"):  # a tensor (host or device), else none
             return
         size = buf.numel() * buf.element_size()
-        self.client.register_buffer(buf.data_ptr(), size)
+        if device_of(buf):
+            self._staging = self.settings.staging(buf, self.full_chunk_size_bytes, self.client)
+        else:
+            self.client.register_buffer(buf.data_ptr(), size)
         self._region = (buf.data_ptr(), size)
 
     def _zero_copy(self, obj: MemoryObj) -> bool:
+        """Whether ``obj`` lies in the registered allocator buffer (host, or staged device)."""
         if self._region is None:
             return False
         start, size = self._region
@@ -134,7 +143,14 @@ class KVPlaneConnector(RemoteConnector):
         direct = [i for i, o in present.items() if self._zero_copy(o)]
         staged = [i for i, o in present.items() if not self._zero_copy(o)]
         try:
-            if direct:
+            if direct and self._staging is not None:
+                sizes = [present[i].get_size() for i in direct]
+                arrived = self._staging.get([names[i] for i in direct],
+                                            [present[i].data_ptr for i in direct], sizes,
+                                            self.client.batch_get_into, self.settings.timeout)
+                for i, n, ok in zip(direct, sizes, arrived):
+                    got[i] = n if ok else -1
+            elif direct:
                 res = self.client.batch_get_into([names[i] for i in direct],
                                                  [present[i].data_ptr for i in direct],
                                                  [present[i].get_size() for i in direct])
@@ -193,13 +209,15 @@ class KVPlaneConnector(RemoteConnector):
         staged = [i for i, o in enumerate(objs) if not self._zero_copy(o)]
         try:
             res = []
+            put = self.client.batch_put_from
             if direct:
-                res += self.client.batch_put_from([names[i] for i in direct],
-                                                  [objs[i].data_ptr for i in direct],
-                                                  [objs[i].get_size() for i in direct])
+                args = ([names[i] for i in direct], [objs[i].data_ptr for i in direct],
+                        [objs[i].get_size() for i in direct])
+                res += self._staging.put(*args, put, self.settings.timeout) \
+                    if self._staging is not None else put(*args)
             if staged:
                 res += self.client.put_batch([names[i] for i in staged],
-                                             [bytes(objs[i].byte_array) for i in staged])
+                                             [_host_bytes(objs[i]) for i in staged])
         except KVPlaneError as exc:
             self.put_failures += len(names)
             log.warning("kvplane LMCache: put of %d chunks failed: %s", len(names), exc)
@@ -259,6 +277,15 @@ def _chunk_key(name: str) -> str | None:
         return key_string(name)
     except ValueError:
         return None
+
+
+def _host_bytes(obj: MemoryObj) -> bytes:
+    """The object's bytes; a device object is copied with torch (its ``byte_array`` would be a
+    host view of a device address)."""
+    raw = obj.raw_tensor
+    if raw is not None and device_of(raw):
+        return bytes(raw.reshape(-1).view(torch.uint8)[:obj.get_size()].cpu().numpy().tobytes())
+    return bytes(obj.byte_array)
 
 
 def _copy_into(obj: MemoryObj, data: bytes) -> int:

@@ -16,6 +16,11 @@ layouts lay them out: one contiguous region per part (K and V for MHA, one for M
 :mod:`kvplane.integrations.sglang.keys`. Failures never reach SGLang: a failed read or exists is
 a miss (SGLang recomputes), a failed write is logged and reported as False.
 
+SGLang hands this backend its host pool (its own HiCache controller moves KV between the GPU and
+that pool). A pool that lives in device memory anyway is never registered as host memory: its
+pages move by address through host staging (:mod:`kvplane.integrations.device_kv`), and a
+failed device copy is a failed page.
+
 Imports SGLang and torch at module import; ``kvplane.integrations.sglang`` itself does not.
 """
 
@@ -33,6 +38,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
+from kvplane.integrations.device_kv import DeviceStaging, device_of
 from kvplane.integrations.sglang.keys import PageKeys, leading_pages, shard_name
 from kvplane.integrations.store_backend import StoreBackendConfig
 
@@ -73,27 +79,35 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
                                 storage_config.is_mla_model)
         self.keys: PageKeys | None = None
         self._registered: int | None = None
+        self._staging: DeviceStaging | None = None
         self.client = self.config.open_client()
         log.info("kvplane HiCache backend: master %s, protocol %s, shard %s",
                  self.config.master_server_address, self.config.protocol, self.shard)
 
     # -- host pool ------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Register the host pool's KV buffer for zero-copy transfers.
+        """Register the host pool's KV buffer for zero-copy transfers (a pool in device memory:
+        host staging for it instead, see ``StoreBackendConfig.staging``).
 
         Raises:
-            InvalidArgument: the pool's layout is not page-first.
+            InvalidArgument: the pool's layout is not page-first, or a device pool kvplane
+                cannot copy.
         """
         super().register_mem_pool_host(mem_pool_host)
         layout = getattr(mem_pool_host, "layout", None)
-        buf = getattr(mem_pool_host, "kv_buffer", None)
-        if layout not in LAYOUTS or not isinstance(buf, torch.Tensor):
+        buf: Any = getattr(mem_pool_host, "kv_buffer", None)
+        if layout not in LAYOUTS or not hasattr(buf, "data_ptr"):
             raise InvalidArgument(f"kvplane HiCache backend needs --hicache-mem-layout "
                                   f"page_first or page_first_direct, got {layout!r}")
         page = mem_pool_host.page_size
-        ptrs, _ = mem_pool_host.get_page_buffer_meta(torch.arange(page))
+        ptrs, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(page))
         self.keys = PageKeys(self.prefix, layout, str(buf.dtype).removeprefix("torch."), page,
                              self.shard, len(ptrs))
+        if device_of(buf):
+            self._staging = self.config.staging(buf, max(int(s) for s in sizes), self.client)
+            log.info("kvplane HiCache backend: pool on %s, staged through %d B of host memory",
+                     self._staging.device, self._staging.buffer.length)
+            return
         self._registered = self.client.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
 
     def _targets(self, keys: list[str], host_indices: torch.Tensor) -> tuple[list[str], list[int], list[int]]:
@@ -113,7 +127,11 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
             return []
         names, ptrs, sizes = self._targets(keys, host_indices)
         try:
-            res = self.client.batch_put_from(names, ptrs, sizes)
+            if self._staging is not None:
+                res = self._staging.put(names, ptrs, sizes, self.client.batch_put_from,
+                                        self.config.timeout)
+            else:
+                res = self.client.batch_put_from(names, ptrs, sizes)
         except KVPlaneError as exc:
             log.warning("kvplane HiCache: storing %d pages failed: %s", len(keys), exc)
             return [False] * len(keys)
@@ -127,6 +145,10 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         if not keys:
             return []
         names, ptrs, sizes = self._targets(keys, host_indices)
+        if self._staging is not None:  # never raises: a failed read or copy is a False page
+            ok = self._staging.get(names, ptrs, sizes, self.client.batch_get_into,
+                                   self.config.timeout)
+            return self._per_page(ok, len(keys), "load")
         try:
             res = self.client.batch_get_into(names, ptrs, sizes)
         except KVPlaneError as exc:
@@ -215,6 +237,9 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Release the host-pool registration and the store client (idempotent)."""
+        if self._staging is not None:
+            self._staging.close(self.client.unregister_buffer)
+            self._staging = None
         if self._registered is not None:
             try:
                 self.client.unregister_buffer(self._registered)
@@ -225,12 +250,14 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
 
 
 def _split(value: torch.Tensor, parts: int) -> list[bytes]:
-    raw = value.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    """The page's bytes in ``parts`` equal pieces (a device tensor is copied to the host)."""
+    raw = value.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy().tobytes()
     step = len(raw) // parts
     return [raw[i * step:(i + 1) * step] for i in range(parts)]
 
 
 def _fill(target: torch.Tensor, blobs: list[bytes]) -> torch.Tensor | None:
+    """Copy ``blobs`` into ``target`` (host or device: ``copy_`` moves them), or None."""
     data = b"".join(blobs)
     flat = target.view(torch.uint8).view(-1)
     if len(data) != flat.numel():

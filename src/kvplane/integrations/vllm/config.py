@@ -45,6 +45,12 @@ class ConnectorConfig:
         token: token for the master and data listeners (None: ``KVPLANE_TOKEN``, else the
             token file, as every kvplane client finds it).
         transfer_timeout: seconds a prefill instance holds blocks for a decode instance (PD).
+        device_staging_size: host memory (pinned on CUDA) through which the store connector
+            moves KV caches that live in device memory: half for loads (a larger load runs in
+            chunks), half for saves in flight (a save that does not fit is dropped).
+        layerwise_load: copy loaded KV to device memory layer by layer, each layer waited for
+            in ``wait_for_layer_load`` (vLLM then needs PIECEWISE CUDA graphs); else a step's
+            loads are in device memory before its forward starts.
     """
 
     master_server_address: str = "127.0.0.1:50051"
@@ -58,6 +64,8 @@ class ConnectorConfig:
     save_queue_size: int = 256
     token: str | None = None
     transfer_timeout: float = 120.0
+    device_staging_size: int = 256 << 20
+    layerwise_load: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "protocol", fabric.normalise(self.protocol))  # InvalidArgument
@@ -65,6 +73,8 @@ class ConnectorConfig:
             raise InvalidArgument("timeout and transfer_timeout must be > 0")
         if self.save_queue_size < 1:
             raise InvalidArgument("save_queue_size must be >= 1")
+        if self.device_staging_size < 0:
+            raise InvalidArgument("device_staging_size must be >= 0")
         if "/" in self.cache_prefix:
             raise InvalidArgument("cache_prefix must not contain '/'")
 
@@ -123,8 +133,14 @@ def _normalise(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _convert(name: str, value: Any) -> Any:
-    if name in ("global_segment_size", "local_buffer_size"):
+    if name in ("global_segment_size", "local_buffer_size", "device_staging_size"):
         return parse_size(value)
+    if name == "layerwise_load":
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "0", "false", "no"):
+            return str(value).lower() in ("1", "true", "yes")
+        raise InvalidArgument(f"layerwise_load must be true or false, got {value!r}")
     if name == "protocol":
         return fabric.normalise(str(value))
     if name in ("timeout", "transfer_timeout"):

@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.integrations.vllm.config import ConnectorConfig
-from kvplane.integrations.vllm.layout import KVLayout
+from kvplane.integrations.vllm.layout import KVLayout, worker_layout
 from kvplane.integrations.vllm.pd_plan import PullJob, params_ok, pull_job, read_requests
 from kvplane.transfer import EngineConfig, TransferEngine, TransferStatus
 
@@ -58,7 +58,7 @@ class PDHandshake(KVConnectorHandshakeMetadata):
 
     segment: str
     notify: str
-    layers: list[list[int]]  # [base, block_bytes, num_blocks] per layer
+    layers: list[list[int]]  # [base, block_bytes, num_blocks, block_stride] per layer
 
 
 @dataclass
@@ -122,17 +122,18 @@ class KVPlanePDConnector(KVConnectorBase_V1):
         log.info("kvplane PD worker: segment %s, notify %s", self._te.name, self._notify_addr)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Register the paged KV memory with the transfer engine once."""
+        """Register the paged KV memory with the transfer engine once (device memory through
+        the engine's device path; ``KVLayout.register``)."""
         assert self._te is not None
-        self._layout = KVLayout(kv_caches, self._layer_names)
-        for addr, length in self._layout.regions:
-            self._te.register_memory(addr, length)
+        self._layout = worker_layout(kv_caches, self._layer_names)
+        self._layout.register(self._te.register_memory)
 
     def get_handshake_metadata(self) -> PDHandshake | None:
         if self._te is None or self._layout is None:
             return None
         return PDHandshake(self._te.name, self._notify_addr,
-                           [[s.base, s.block_bytes, s.num_blocks] for s in self._layout.layers])
+                           [[s.base, s.block_bytes, s.num_blocks, s.block_stride]
+                            for s in self._layout.layers])
 
     # == scheduler side =========================================================================
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:

@@ -51,6 +51,8 @@ def pull_job(req_id: str, params: dict[str, Any], local_blocks: list[int], num_c
     remote = list(params.get("remote_block_ids") or []) if params_ok(params) else []
     try:
         layers = [[int(x) for x in s] for s in params["remote_layers"]] if remote else []
+        if any(len(s) not in (3, 4) for s in layers):  # [base, bytes, blocks(, stride)]
+            raise ValueError("bad remote layer")
     except (TypeError, ValueError):
         layers, remote = [], []
     if stop > len(remote) or len(local) != stop - start:

@@ -12,6 +12,10 @@ Worker side: registers the paged KV tensors once with the store client, loads gr
 reported through ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"``
 vLLM recomputes it. A request whose prompt blocks are being saved keeps its blocks until the
 save is done (``request_finished`` -> True, reported back by ``get_finished``).
+KV caches in device memory (CUDA tensors) move through registered host staging by address
+(:mod:`kvplane.integrations.vllm.staged`): saves are copied off the device layer by layer as
+``save_kv_layer`` reports each layer computed, loads land in device memory before the forward
+(or layer by layer with ``layerwise_load``); a failed device copy is a failed load or save.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.integrations.vllm.config import ConnectorConfig
-from kvplane.integrations.vllm.layout import KVLayout
+from kvplane.integrations.vllm.layout import KVLayout, worker_layout
 from kvplane.integrations.vllm.plan import (
     KeySpace,
     LoadJob,
@@ -41,7 +45,8 @@ from kvplane.integrations.vllm.plan import (
     matched_tokens,
     save_span,
 )
-from kvplane.integrations.vllm.saver import BackgroundSaver
+from kvplane.integrations.vllm.saver import BackgroundSaver, SaveStats
+from kvplane.integrations.vllm.staged import LoadOutcome, StagedKV, open_staging
 from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
 
@@ -121,6 +126,8 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         self._saving: set[str] = set()
         # worker state
         self._layout: KVLayout | None = None
+        self._staged: StagedKV | None = None
+        self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
         self._saver: BackgroundSaver | None = None
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
@@ -211,16 +218,44 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         return held, None
 
     # == worker side ============================================================================
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads wait in ``wait_for_layer_load``, which a full CUDA graph skips."""
+        return ConnectorConfig.from_sources(extra_config, os.environ).layerwise_load
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Register the paged KV memory once for zero-copy loads and saves."""
-        self._layout = KVLayout(kv_caches, self._layer_names)
-        for addr, length in self._layout.regions:
-            self.client.register_buffer(addr, length)
+        """Register the paged KV memory once: host memory as addresses for zero-copy loads and
+        saves; device memory through host staging (``StagedKV``), never a host view of it.
+
+        Raises:
+            InvalidArgument: a layout whose blocks are not one contiguous run or whose block
+                interior is not ``[H, N, C]``, a device kvplane cannot copy, or a
+                ``device_staging_size`` too small for one page.
+        """
+        self._layout = worker_layout(kv_caches, self._layer_names)
+        if self._layout.device:
+            staging = open_staging(self._layout, self.client.register_buffer,
+                                   self.cfg.device_staging_size)
+            self._staged = StagedKV(self._layout, staging, self.cfg.timeout,
+                                    self.cfg.layerwise_load)
+        else:
+            self._layout.register(self.client.register_buffer)
         self._saver = BackgroundSaver(self.client.batch_put_from, self.cfg.save_queue_size,
                                       name=f"kvplane-saver-{os.getpid()}")
-        log.info("kvplane: registered %d KV regions (%d layers, %d B per block-layer)",
-                 len(self._layout.regions), self._layout.num_layers,
+        log.info("kvplane: registered %d KV regions on %s (%d layers, %d B per block-layer)",
+                 len(self._layout.regions), self._layout.device or "host",
+                 self._layout.num_layers,
                  self._layout.layers[0].block_bytes if self._layout.layers else 0)
+
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        """Where the registered KV pages live (None before ``register_kv_caches``)."""
+        return self._layout
+
+    @property
+    def save_stats(self) -> SaveStats | None:
+        """The background saver's counters (None before ``register_kv_caches``)."""
+        return self._saver.stats if self._saver is not None else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -235,8 +270,16 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self._layout is None or not isinstance(meta, KVPlaneStoreMetadata):
             return
+        if self._staged is not None:
+            self._loaded(self._staged.start_loads(meta.plan.loads, self.client.batch_get_into))
+            return
         for job in meta.plan.loads:
             self._load(job)
+
+    def _loaded(self, outcome: LoadOutcome | None) -> None:
+        if outcome is not None:
+            self._load_errors.update(outcome.failed)
+            self.loaded_blocks += outcome.loaded
 
     def _load(self, job: LoadJob) -> None:
         assert self._layout is not None
@@ -259,16 +302,30 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
             log.info("kvplane: loaded %d blocks of %s", len(job.block_ids), job.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        """With ``layerwise_load`` on device memory: wait until this layer's loads are copied."""
+        layer = self._layer_index.get(layer_name)
+        if self._staged is not None and layer is not None:
+            self._staged.wait_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None
+        """On device memory: start copying this layer's pages of this step's saves to the host
+        (the layer has just been computed). Host memory needs nothing here."""
+        layer = self._layer_index.get(layer_name)
+        if self._staged is None or layer is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVPlaneStoreMetadata):
+            self._staged.save_layer(layer, meta.plan.saves)
 
     def wait_for_save(self) -> None:
         """Queue this step's saves on the background thread; never waits for them."""
         meta = self._get_connector_metadata()
         if self._layout is None or self._saver is None or not isinstance(meta, KVPlaneStoreMetadata):
+            return
+        if self._staged is not None:
+            self._loaded(self._staged.finish_loads())  # layers vLLM never waited for
+            self._staged.submit_saves(meta.plan.saves, self._saver)
             return
         for job in meta.plan.saves:
             addrs, sizes = self._layout.block_addrs(job.block_ids)
@@ -285,6 +342,8 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._staged is not None:
+            self._loaded(self._staged.finish_loads())
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -292,6 +351,9 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         """Finish queued saves, then release the store client (idempotent)."""
         if self._saver is not None:
             self._saver.close(self.cfg.timeout)
+        if self._staged is not None:
+            self._staged.staging.close(self.client.unregister_buffer)
+            self._staged = None
         self.client.close()
 
 
