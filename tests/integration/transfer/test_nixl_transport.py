@@ -59,3 +59,16 @@ def test_protocol_nixl_to_a_peer_without_nixl_is_refused():
 def test_environment_is_not_leaking_into_the_suite():
     # the suite pins NIXL off for every engine that does not ask for it (tests/conftest.py)
     assert os.environ.get("KVPLANE_NIXL") == "off"
+
+
+@pytest.mark.parametrize("ucx_modules", [None, "^efa"], ids=["contained", "user-set"])
+def test_an_engine_with_a_nixl_agent_exits_with_0(ucx_modules):
+    # an agent that never met a peer: where the host has a system libibverbs, this is the exit
+    # that died in libnl-route-3's destructor (rc 139) until nixl.avoid_exit_crash
+    env = nixl_env("")
+    if ucx_modules is not None:
+        env["UCX_MODULES"] = ucx_modules
+    ini = spawn_initiator("--protocol", "nixl", env=env)
+    assert "nixl" in ini.info["transports"]
+    ini.stop()
+    assert ini.popen.returncode == 0

@@ -27,8 +27,10 @@ and CUDA wheels it does not need to import).
 from __future__ import annotations
 
 import atexit
+import ctypes.util
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
 import secrets
@@ -65,6 +67,11 @@ def import_nixl() -> ModuleType:
         InvalidArgument: NIXL is not installed (the message says how to install it).
     """
     for name in _MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            continue
+        if spec.origin:
+            avoid_exit_crash(os.path.dirname(spec.origin))
         try:
             mod = importlib.import_module(name)
         except ImportError:
@@ -77,6 +84,43 @@ def import_nixl() -> ModuleType:
         _quiet_stdout_logging()
         return mod
     raise InvalidArgument(f"NIXL is not installed: {INSTALL}")
+
+
+def avoid_exit_crash(package_dir: str) -> str:
+    """Keep the NIXL wheel's UCX from loading a second libnl into the process, the cause of
+    its crash at exit; returns the UCX_MODULES value set ("" when nothing was changed).
+
+    The wheel bundles renamed copies of libibverbs, libnl-3 and libnl-route-3, and links its
+    UCX modules to them, all but one: ``ucx/libuct_ib_efa.so`` (AWS EFA) still names the
+    system's ``libibverbs.so.1``. Where that library is installed (rdma-core, or Debian's
+    libibverbs1, which Mooncake needs), loading the EFA module brings the system's libnl-3 and
+    libnl-route-3 too. At exit their destructors run against the other copy's interposed
+    symbols, and the process dies in ``rtnl_tc_unregister`` during ``_dl_fini`` (SIGSEGV,
+    rc 139), after all Python code ran. So, on exactly that condition, and only when the user
+    has not chosen UCX's modules (``UCX_MODULES``), UCX is told not to load the EFA module
+    (``UCX_MODULES=^efa``). An EFA host that needs the module sets ``UCX_MODULES`` itself (and
+    then owns the exit code).
+    """
+    if "UCX_MODULES" in os.environ:
+        return ""
+    libs = os.path.join(os.path.dirname(package_dir.rstrip("/")),
+                        f"{os.path.basename(package_dir.rstrip('/'))}.libs", "ucx")
+    try:
+        efa = [os.path.join(libs, f) for f in os.listdir(libs) if f.startswith("libuct_ib_efa.so")]
+    except OSError:
+        return ""
+    unbundled = False
+    for path in efa:
+        try:
+            with open(path, "rb") as f:
+                unbundled = unbundled or b"\x00libibverbs.so.1\x00" in f.read()
+        except OSError:
+            continue
+    if not unbundled or ctypes.util.find_library("ibverbs") is None:
+        return ""
+    os.environ["UCX_MODULES"] = "^efa"
+    log.debug("UCX_MODULES=^efa: the NIXL wheel's EFA module links the system libibverbs")
+    return "^efa"
 
 
 def _quiet_stdout_logging() -> None:
