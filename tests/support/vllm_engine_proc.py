@@ -56,6 +56,8 @@ def serve(cfg: dict) -> None:
               max_model_len=cfg.get("max_model_len", 512), max_num_seqs=2,
               max_num_batched_tokens=cfg.get("max_model_len", 512), block_size=32,
               enable_prefix_caching=True, prefix_caching_hash_algo="sha256", enforce_eager=True,
+              tensor_parallel_size=cfg.get("tensor_parallel_size", 1),
+              distributed_executor_backend="mp" if cfg.get("tensor_parallel_size", 1) > 1 else None,
               kv_transfer_config=KVTransferConfig(**kvt) if kvt else None,
               disable_hybrid_kv_cache_manager=bool(kvt))
     marker.write("READY\n")

@@ -44,3 +44,42 @@ def test_read_requests_pair_remote_and_local_addresses_per_layer():
     other = KVLayout.from_spans([LayerSpan(8 << 20, 2048, 16), LayerSpan(9 << 20, 2048, 16)])
     with pytest.raises(Exception, match="layouts differ"):
         read_requests(job, other, handle=5)
+
+
+RANKS = [{"segment": f"127.0.0.1:{90 + r}", "notify": f"tcp://127.0.0.1:{80 + r}",
+          "layers": [[(r + 1) << 24, 4096, 64], [(r + 1) << 25, 4096, 64]]} for r in range(2)]
+
+
+def test_each_decode_rank_reads_its_own_prefill_rank():
+    job = pull_job("d1", {**PARAMS, "remote_ranks": RANKS}, [7, 8, 9, 10], 0, 97, 32)
+    r0, r1 = job.on_rank(0, 2), job.on_rank(1, 2)
+    assert (r0.segment, r0.notify, r0.layers) == ("127.0.0.1:90", "tcp://127.0.0.1:80",
+                                                  RANKS[0]["layers"])
+    assert (r1.segment, r1.notify, r1.layers) == ("127.0.0.1:91", "tcp://127.0.0.1:81",
+                                                  RANKS[1]["layers"])
+    assert r0.remote_blocks == r1.remote_blocks == [40, 41, 42, 43]
+    assert r0.notifies() == ["tcp://127.0.0.1:80"] and r1.notifies() == ["tcp://127.0.0.1:81"]
+    local = KVLayout.from_spans([LayerSpan(8 << 20, 4096, 16), LayerSpan(9 << 20, 4096, 16)])
+    src = {r.target_offset for r in read_requests(r1, local, handle=1)}
+    assert min(src) == (2 << 24) + 40 * 4096  # rank 1's shard, not rank 0's
+
+
+def test_a_tp_size_mismatch_recomputes_and_still_releases_every_prefill_rank():
+    four = [{**RANKS[0], "notify": f"tcp://127.0.0.1:{80 + r}"} for r in range(4)]
+    job = pull_job("d1", {**PARAMS, "remote_ranks": four}, [7, 8, 9, 10], 0, 97, 32)
+    runs = [job.on_rank(r, 2) for r in range(2)]
+    assert all(j.local_blocks == [7, 8, 9, 10] and j.remote_blocks == [] for j in runs)
+    released = [a for j in runs for a in j.notifies()]
+    assert sorted(released) == sorted(r["notify"] for r in four)  # each exactly once
+    # a TP=1 prefill side (no remote_ranks) seen from a TP=2 decode: recompute, rank 0 releases
+    single = pull_job("d1", PARAMS, [7, 8, 9, 10], 0, 97, 32)
+    assert single.on_rank(0, 2).remote_blocks == [] and single.on_rank(1, 2).notifies() == []
+    assert single.on_rank(0, 2).notifies() == ["tcp://127.0.0.1:8"]
+    assert single.on_rank(0, 1).remote_blocks == [40, 41, 42, 43]
+
+
+def test_malformed_remote_ranks_are_recomputed():
+    bad = pull_job("d1", {**PARAMS, "remote_ranks": [{"segment": "x"}]}, [7, 8], 0, 40, 32)
+    assert bad.remote_blocks == []
+    worse = pull_job("d1", {**PARAMS, "remote_ranks": "nope"}, [7, 8], 0, 40, 32)
+    assert worse.remote_blocks == []

@@ -15,6 +15,9 @@ from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.layout import KVLayout, LayerSpan
 from kvplane.integrations.vllm.plan import (
     KeySpace,
+    LoadJob,
+    SaveJob,
+    StepPlan,
     blocks_present,
     load_job,
     loadable_blocks,
@@ -188,3 +191,32 @@ def test_background_saver_counts_failures_and_drops_when_full():
         gate.set()
         s.close()
     assert "vllm" not in sys.modules  # the pure parts never import vLLM
+
+
+def test_a_workers_plan_is_in_its_own_ranks_keys():
+    sched = KeySpace("m", "float32", 16, 2, tp_rank=0, tp_size=2)
+    worker1 = KeySpace("m", "float32", 16, 2, tp_rank=1, tp_size=2)
+    hashes = [b"\x01" * 4, b"\x02" * 4]
+    plan = StepPlan([LoadJob("r", [3, 4], sched.keys(hashes))],
+                    [SaveJob("s", [5], sched.keys(hashes[:1]))], ["p"])
+    mine = plan.for_rank(worker1)
+    assert mine.loads[0].keys == worker1.keys(hashes)
+    assert mine.saves[0].keys == worker1.keys(hashes[:1])
+    assert mine.loads[0].block_ids == [3, 4] and mine.preempted == ["p"]
+    assert plan.for_rank(sched) is plan  # rank 0 uses the plan as sent
+    assert plan.loads[0].keys == sched.keys(hashes)  # the sent plan is not changed
+
+
+def test_a_key_from_another_space_is_refused():
+    w = KeySpace("m", "float32", 16, 2, tp_rank=1, tp_size=2)
+    other = KeySpace("other", "float32", 16, 2, tp_rank=0, tp_size=2)
+    with pytest.raises(InvalidArgument, match="not under"):
+        w.rebase(other.keys([b"\x01"]), w.of_rank(0))
+
+
+def test_lookup_keys_cover_every_rank():
+    sp = KeySpace("m", "float32", 16, 2, tp_rank=0, tp_size=2)
+    (row,) = sp.every_rank_keys([b"\xab"])
+    assert row == [*sp.block_keys(b"\xab"), *sp.of_rank(1).block_keys(b"\xab")]
+    # a block missing on one rank is not present
+    assert blocks_present([True, True, True, False], 4) == [False]

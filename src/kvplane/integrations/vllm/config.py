@@ -155,3 +155,12 @@ def _convert(name: str, value: Any) -> Any:
     if name == "master_server_address":
         return str(value).removeprefix("tcp://")
     return str(value)
+
+
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a vLLM worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError):
+        return 0

@@ -16,6 +16,11 @@ Protocol (driven by ``kv_transfer_params``; ``kvplane pd-proxy`` does the choreo
    forward path, then notifies the prefill worker, which releases the blocks. A failed read is
    reported as invalid blocks, which vLLM recomputes (``kv_load_failure_policy="recompute"``);
    an unclaimed hold expires after ``transfer_timeout``.
+
+Tensor parallelism: every TP rank of the prefill instance holds its own shard (its heads) of the
+same blocks, so the params list each rank (``remote_ranks``), decode rank r reads from prefill
+rank r and releases it. Different TP sizes on the two sides are not resharded: those requests
+are recomputed on the decode side (``PullJob.on_rank``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvplane.common.errors import KVPlaneError
-from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.config import ConnectorConfig, tp_rank
 from kvplane.integrations.vllm.layout import KVLayout, worker_layout
 from kvplane.integrations.vllm.pd_plan import PullJob, params_ok, pull_job, read_requests
 from kvplane.transfer import EngineConfig, TransferEngine, TransferStatus
@@ -87,6 +92,7 @@ class KVPlanePDConnector(KVConnectorBase_V1):
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         # scheduler state
         self._local: PDHandshake | None = None
+        self._ranks: list[PDHandshake] = []  # every prefill worker, in TP rank order
         self._lookups: dict[str, int] = {}
         self._consumed: set[str] = set()
         self._pulls: list[PullJob] = []
@@ -105,7 +111,10 @@ class KVPlanePDConnector(KVConnectorBase_V1):
         self._recv_done: set[str] = set()
         self._recv_failed_blocks: set[int] = set()
         self._errors: set[int] = set()
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.tp_rank = 0
         if role == KVConnectorRole.WORKER:
+            self.tp_rank = tp_rank()
             self._start_worker()
 
     # == worker plumbing ==========================================================================
@@ -137,9 +146,13 @@ class KVPlanePDConnector(KVConnectorBase_V1):
 
     # == scheduler side =========================================================================
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        meta = metadata.get(0)
-        if isinstance(meta, PDHandshake):
-            self._local = meta
+        """Keep every worker's handshake (vLLM keys them by TP rank)."""
+        ranks = [metadata[k] for k in sorted(metadata)]
+        self._ranks = [m for m in ranks if isinstance(m, PDHandshake)]
+        if len(self._ranks) != len(ranks):
+            log.warning("kvplane PD: %d of %d workers sent no kvplane handshake",
+                        len(ranks) - len(self._ranks), len(ranks))
+        self._local = self._ranks[0] if self._ranks else None
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -187,7 +200,9 @@ class KVPlanePDConnector(KVConnectorBase_V1):
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_segment": self._local.segment, "remote_notify": self._local.notify,
                       "remote_layers": self._local.layers, "remote_block_ids": list(block_ids),
-                      "remote_request_id": rid}
+                      "remote_request_id": rid,
+                      "remote_ranks": [{"segment": m.segment, "notify": m.notify,
+                                        "layers": m.layers} for m in self._ranks]}
 
     # == worker side ============================================================================
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -203,6 +218,10 @@ class KVPlanePDConnector(KVConnectorBase_V1):
             self._pool.submit(self._pull, job)
 
     def _pull(self, job: PullJob) -> None:
+        if job.ranks and len(job.ranks) != self.tp_size:
+            log.warning("kvplane PD: %s was prefilled with TP=%d, this instance runs TP=%d; "
+                        "recomputing it", job.req_id, len(job.ranks), self.tp_size)
+        job = job.on_rank(self.tp_rank, self.tp_size)
         ok = not job.local_blocks  # blocks without a source cannot be filled: recompute them
         if job.local_blocks and job.remote_blocks:
             ok = self._read(job)
@@ -231,19 +250,20 @@ class KVPlanePDConnector(KVConnectorBase_V1):
         return ok
 
     def _notify(self, job: PullJob) -> None:
-        if not job.notify or self._ctx is None:
+        if self._ctx is None:
             return
         with self._lock:
-            sock = self._push.get(job.notify)
-            if sock is None:
-                sock = self._push[job.notify] = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
-                sock.setsockopt(zmq.SNDHWM, 10000)
-                sock.connect(job.notify)
-            try:
-                sock.send(json.dumps({"req_id": job.remote_req_id}).encode(), zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                log.warning("kvplane PD: notify %s failed: %s", job.notify, exc)
+            for addr in job.notifies():
+                sock = self._push.get(addr)
+                if sock is None:
+                    sock = self._push[addr] = self._ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 1000)
+                    sock.setsockopt(zmq.SNDHWM, 10000)
+                    sock.connect(addr)
+                try:
+                    sock.send(json.dumps({"req_id": job.remote_req_id}).encode(), zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    log.warning("kvplane PD: notify %s failed: %s", addr, exc)
 
     def _drain_notifications(self) -> None:
         while self._pull_sock is not None:

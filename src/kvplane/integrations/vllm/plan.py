@@ -10,8 +10,11 @@ algorithm; the prefix keeps different models, dtypes, block sizes and TP shards 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvplane.common.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,36 @@ class KeySpace:
         """Keys of each block (outer) and layer (inner)."""
         return [self.block_keys(h) for h in block_hashes]
 
+    def of_rank(self, rank: int) -> KeySpace:
+        """The same space for tensor-parallel rank ``rank`` (each rank stores its own heads)."""
+        return dataclasses.replace(self, tp_rank=rank)
+
+    def every_rank_keys(self, block_hashes: Sequence[bytes]) -> list[list[str]]:
+        """Keys of each block (outer) on every rank, rank by rank, layers inner: a block is
+        loadable only when all ranks' shards of it are stored."""
+        spaces = [self.of_rank(r) for r in range(self.tp_size)]
+        return [[k for sp in spaces for k in sp.block_keys(h)] for h in block_hashes]
+
+    def rebase(self, keys: list[list[str]], planned_in: KeySpace) -> list[list[str]]:
+        """``keys`` planned in ``planned_in`` (the scheduler's space, rank 0) moved to this
+        rank's space: a worker of rank r saves and loads its own shard, never rank 0's.
+
+        Raises:
+            InvalidArgument: a key outside ``planned_in``.
+        """
+        src, dst = planned_in.root + "/", self.root + "/"
+        if src == dst:
+            return keys
+        out = []
+        for ks in keys:
+            row = []
+            for k in ks:
+                if not k.startswith(src):
+                    raise InvalidArgument(f"key {k!r} is not under {planned_in.root!r}")
+                row.append(dst + k[len(src):])
+            out.append(row)
+        return out
+
 
 @dataclass
 class LoadJob:
@@ -68,11 +101,23 @@ class SaveJob:
 
 @dataclass
 class StepPlan:
-    """What the workers do this step (the connector metadata's payload)."""
+    """What the workers do this step (the connector metadata's payload). Keys are the
+    scheduler's (rank 0's); each worker takes :meth:`for_rank` of it."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+
+    def for_rank(self, space: KeySpace) -> StepPlan:
+        """This plan with every key in ``space`` (a worker's), planned in its rank 0 space."""
+        planned = space.of_rank(0)
+        if planned.root == space.root:
+            return self
+        return StepPlan([LoadJob(j.req_id, j.block_ids, space.rebase(j.keys, planned))
+                         for j in self.loads],
+                        [SaveJob(j.req_id, j.block_ids, space.rebase(j.keys, planned))
+                         for j in self.saves],
+                        self.preempted)
 
 
 def loadable_blocks(num_prompt_tokens: int, num_hashes: int, block_size: int) -> int:

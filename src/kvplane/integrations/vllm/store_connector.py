@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvplane.common.errors import KVPlaneError
-from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.config import ConnectorConfig, tp_rank
 from kvplane.integrations.vllm.layout import KVLayout, worker_layout
 from kvplane.integrations.vllm.plan import (
     KeySpace,
@@ -116,7 +116,7 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
                         "set it to 'recompute' to recompute instead", tcfg.kv_load_failure_policy)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         worker = role == KVConnectorRole.WORKER
-        rank = _tp_rank() if worker else 0
+        rank = tp_rank() if worker else 0
         self.space = key_space(vllm_config, self.cfg, self._layer_names, rank)
         self.client = store_client(self.cfg, contribute=worker)
         # scheduler state
@@ -146,14 +146,16 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         first = num_computed_tokens // bs
         if last <= first:
             return 0, False
-        keys = [k for ks in self.space.keys(request.block_hashes[first:last]) for k in ks]
+        # every rank's shard of a block must be stored (each worker loads its own)
+        keys = [k for ks in self.space.every_rank_keys(request.block_hashes[first:last])
+                for k in ks]
         try:
             found = self.client.batch_exists(keys)
         except KVPlaneError as exc:
             log.warning("kvplane lookup failed, treating as a miss: %s", exc)
             return 0, False
-        hit = matched_tokens(blocks_present(found, self.space.num_layers), first,
-                             num_computed_tokens, bs)
+        per_block = self.space.num_layers * self.space.tp_size
+        hit = matched_tokens(blocks_present(found, per_block), first, num_computed_tokens, bs)
         self._lookups[request.request_id] = num_computed_tokens
         if hit:
             log.info("kvplane: request %s matched %d tokens in the store (after %d local)",
@@ -258,8 +260,12 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
         return self._saver.stats if self._saver is not None else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
         plan = getattr(connector_metadata, "plan", None)
+        if isinstance(plan, StepPlan) and self.space.tp_rank:
+            # the scheduler plans in rank 0's keys: this worker stores and loads its own shard
+            plan = plan.for_rank(self.space)
+            connector_metadata = KVPlaneStoreMetadata(plan)
+        super().bind_connector_metadata(connector_metadata)
         if plan is not None and plan.preempted and self._saver is not None:
             # preempted blocks are reused this step: finish reading them first
             if not self._saver.drain(self.cfg.timeout):
@@ -355,11 +361,3 @@ class KVPlaneStoreConnector(KVConnectorBase_V1):
             self._staged.staging.close(self.client.unregister_buffer)
             self._staged = None
         self.client.close()
-
-
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-        return int(get_tensor_model_parallel_rank())
-    except (ImportError, AssertionError):
-        return 0
