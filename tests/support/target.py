@@ -13,7 +13,8 @@ With ``--standin-mb M`` it also registers M MiB of stand-in device memory
 the same pattern, served through the listener's device staging (chunks of
 ``--device-chunk``); ``dev_addr`` in the ready line. Commands: ``dsum OFFSET N`` (a checksum
 of the device bytes), ``dfail KIND SKIP`` (the stand-in's next batch of KIND ``to_host`` or
-``to_device`` after SKIP more fails at its fence).
+``to_device`` after SKIP more fails at its fence); with ``--standin-threaded`` its copies run
+on a worker thread and ``dstall on|off`` holds or releases them (a stalled device).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file", default="", help="also register a file region NAME:SIZE")
     ap.add_argument("--standin-mb", type=int, default=0)
     ap.add_argument("--device-chunk", type=int, default=4 << 20)
+    ap.add_argument("--standin-threaded", action="store_true")
     a = ap.parse_args(argv)
     cfg = EngineConfig.from_env(metadata=a.metadata, name=a.name, protocol=a.protocol,
                                 token=a.token, port=a.port, file_root=a.file_root,
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = None
     if a.standin_mb:
         from tests.support.standin_device import StandinDevice
-        dev = StandinDevice("standin:0")
+        dev = StandinDevice("standin:0", threaded=a.standin_threaded)
         dn = a.standin_mb << 20
         info["dev_addr"] = dev_addr = dev.alloc(dn)
         dev.write(dev_addr, pattern(dn).tobytes())
@@ -90,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             dev.skip[parts[1]] = int(parts[2])
             setattr(dev, f"fail_{parts[1]}", 1)
             print(json.dumps({"armed": parts[1]}), flush=True)
+        elif parts and parts[0] == "dstall" and dev is not None:
+            if parts[1] == "on":
+                dev.stall = threading.Event()
+            elif dev.stall is not None:
+                dev.stall.set()
+            print(json.dumps({"stall": parts[1]}), flush=True)
         elif parts and parts[0] == "sum":
             off, cnt = int(parts[1]), int(parts[2])
             print(json.dumps({"sum": int(arr[off:off + cnt].sum(dtype=np.uint64))}), flush=True)
@@ -97,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             te.fence.set_epoch(int(parts[1]))
             print(json.dumps({"floor": te.fence.floor}), flush=True)
     te.close()
+    if dev is not None:
+        dev.close()
     return 0
 
 

@@ -158,9 +158,10 @@ class TransferEngine:
     def describe(self) -> SegmentDesc:
         """This engine's segment descriptor."""
         adverts = {n: a for n, t in self._plugins.registers_by_name.items() if (a := t.advert())}
+        staging = {r.addr for r in self._lanes.staging()}  # our own scratch: not for peers
+        regions = [d for d in self.memory.descs() if d.addr not in staging]
         return SegmentDesc(self.name, self.config.host, self.port, self.host_id, os.getpid(),
-                           sorted(self.transports), self.memory.descs(), self._version,
-                           adverts)
+                           sorted(self.transports), regions, self._version, adverts)
 
     def _describe_bytes(self) -> bytes:
         return encode_desc(self.describe())

@@ -95,6 +95,8 @@ def test_a_device_region_has_no_host_view(dev):
         assert [r.device for r in te.describe().regions] == ["standin:0"]
         with pytest.raises(InvalidArgument):
             te.register_memory(np.zeros(8, np.uint8), device="standin:0")  # a host buffer
+        raw = dev.alloc(100)
+        assert te.register_memory(raw, 100, device=dev.name).kind == "dev"  # int address form
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -115,6 +117,9 @@ def test_device_to_host_and_back(proto, n, dev, plain_target, shm_target):
         assert dev.batches == {"to_host": chunks, "to_device": chunks}  # all through the copier
         lane = te._lanes.lane(dev.name)
         assert (lane.ring.free, lane.ring.lost) == (4, 0)
+        staging = lane.ring.buffer.addr
+        assert te.memory.find(staging, 4 * CHUNK).view is not None  # registered for transports
+        assert staging not in [r.addr for r in te.describe().regions]  # but not published
 
 
 def logged(te, d, name="tcp"):
@@ -253,6 +258,26 @@ def test_the_targets_device_region_is_staged_by_its_listener(proto, n, dev_targe
         st, err = one(te, OpCode.WRITE, int(buf.ctypes.data), seg, daddr + n, n)
         assert st == TransferStatus.FAILED and "stand-in device: copy failed" in err
         assert one(te, OpCode.WRITE, int(buf.ctypes.data), seg, daddr, n) == (OK, "")
+
+
+def test_the_target_acks_a_write_only_after_its_device_copies():
+    """A target whose device stalls never acknowledges the WRITE: the initiator times out
+    instead of being told the bytes are in device memory; once the device runs, they are."""
+    with spawn_target("--buf-mb", "1", "--standin-mb", "1", "--device-chunk", str(CHUNK),
+                      "--standin-threaded") as target, engine() as te:
+        n = CHUNK + 3  # two chunks: both fit the two slots, so only the final wait holds the ack
+        buf = np.full(n, 9, np.uint8)
+        te.register_memory(buf)
+        seg = te.open_segment(target.info["segment"])
+        daddr = target.info["dev_addr"]
+        target.ask("dstall on")
+        t0 = time.monotonic()
+        st, _ = one(te, OpCode.WRITE, int(buf.ctypes.data), seg, daddr, n, timeout=1.0)
+        assert st == TransferStatus.TIMEOUT and time.monotonic() - t0 < 3.0
+        target.ask("dstall off")
+        buf[:] = 4
+        assert one(te, OpCode.WRITE, int(buf.ctypes.data), seg, daddr, n) == (OK, "")
+        assert rsum(target, 0, n, "dsum") == 4 * n
 
 
 def test_device_to_device_stages_on_both_sides(dev, dev_target):

@@ -84,3 +84,20 @@ def test_ring_refuses_a_buffer_too_small():
     arr = np.zeros(100, np.uint8)
     with pytest.raises(InvalidArgument):
         StagingRing(HostBuffer(int(arr.ctypes.data), 100, arr), 64, 2)
+
+
+@pytest.mark.timeout(60)  # importing torch on a busy machine
+def test_buffer_of_a_device_tensor_takes_no_host_view():
+    """A tensor on a device other than the CPU ("meta" here: no GPU needed) is device memory."""
+    torch = pytest.importorskip("torch")
+    from kvplane.transfer.memory import buffer_of
+    t = torch.empty(16, dtype=torch.float32, device="meta")
+    addr, n, keep, device = buffer_of(t)
+    assert (addr, n, keep, device) == (t.data_ptr(), 64, t, "meta")
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        buffer_of(torch.empty(4, 4, device="meta").t())
+    with pytest.raises(InvalidArgument):
+        buffer_of(t, device="cuda:0")  # a tensor knows its device
+    cpu = torch.zeros(4)
+    assert buffer_of(cpu)[3] == ""
+    assert buffer_of((cpu.data_ptr(), 16), device="standin:0")[3] == "standin:0"
