@@ -15,6 +15,7 @@ the same pattern, served through the listener's device staging (chunks of
 of the device bytes), ``dfail KIND SKIP`` (the stand-in's next batch of KIND ``to_host`` or
 ``to_device`` after SKIP more fails at its fence); with ``--standin-threaded`` its copies run
 on a worker thread and ``dstall on|off`` holds or releases them (a stalled device).
+``dinfo``: the stand-in's batch counts and armed failures.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             dev.skip[parts[1]] = int(parts[2])
             setattr(dev, f"fail_{parts[1]}", 1)
             print(json.dumps({"armed": parts[1]}), flush=True)
+        elif parts and parts[0] == "dinfo" and dev is not None:
+            print(json.dumps({"batches": dev.batches, "fail_to_host": dev.fail_to_host,
+                              "fail_to_device": dev.fail_to_device}), flush=True)
         elif parts and parts[0] == "dstall" and dev is not None:
             if parts[1] == "on":
                 dev.stall = threading.Event()

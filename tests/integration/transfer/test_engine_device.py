@@ -260,6 +260,24 @@ def test_the_targets_device_region_is_staged_by_its_listener(proto, n, dev_targe
         assert one(te, OpCode.WRITE, int(buf.ctypes.data), seg, daddr, n) == (OK, "")
 
 
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_copy_failing_mid_read_on_the_target_drops_the_connection(retries, dev_target):
+    """The target's second chunk fails after the answer began: only a dropped connection can
+    say so. Without retries the READ is FAILED; with them it is re-read whole, right bytes."""
+    n, off = 3 * CHUNK, (1 << 20) + (768 << 10)  # one frame, three target chunks; its own range
+    with engine(retries=retries) as te:
+        buf = np.zeros(n, np.uint8)
+        te.register_memory(buf)
+        seg = te.open_segment(dev_target.info["segment"])
+        dev_target.ask("dfail to_host 1")
+        st, _ = one(te, OpCode.READ, int(buf.ctypes.data), seg, dev_target.info["dev_addr"] + off, n)
+        assert dev_target.ask("dinfo")["fail_to_host"] == 0  # the failure did happen
+        if retries:
+            assert st == OK and np.array_equal(buf, pattern(n, off))
+        else:
+            assert st == TransferStatus.FAILED
+
+
 def test_the_target_acks_a_write_only_after_its_device_copies():
     """A target whose device stalls never acknowledges the WRITE: the initiator times out
     instead of being told the bytes are in device memory; once the device runs, they are."""
