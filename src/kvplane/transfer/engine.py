@@ -30,7 +30,6 @@ from kvplane.common.deadline import Deadline
 from kvplane.common.errors import InvalidArgument, KVPlaneError, NotFound, Timeout, Unavailable, from_code
 from kvplane.transfer.batch import Batch, Task
 from kvplane.transfer.config import EngineConfig
-from kvplane.transfer.device import HostBuffer
 from kvplane.transfer.engine_items import ItemPaths, count_done
 from kvplane.transfer.engine_route import Router
 from kvplane.transfer.fabric import FabricChoice
@@ -79,8 +78,9 @@ class TransferEngine:
         self.host_id = host_identity()
         self._version = 0
         self._lock = threading.Lock()
-        self._lanes = DeviceLanes(self._add_staging, self._remove_staging,
-                                  cfg.device_chunk, cfg.device_slots)
+        self._lanes = DeviceLanes(  # device staging: registered here, never published
+            lambda b: self._add(Region(b.addr, b.length, view_at(b.addr, b.length), keep=b.obj)),
+            lambda r: self._remove(r.addr), cfg.device_chunk, cfg.device_slots)
         self._server = DataServer(self.memory, self._describe_bytes, cfg.host, cfg.port, cfg.token,
                                   cfg.max_frame, cfg.max_connections, extra_tokens=cfg.extra_tokens,
                                   require_grants=cfg.grants, lanes=self._lanes)
@@ -158,10 +158,9 @@ class TransferEngine:
     def describe(self) -> SegmentDesc:
         """This engine's segment descriptor."""
         adverts = {n: a for n, t in self._plugins.registers_by_name.items() if (a := t.advert())}
-        staging = {r.addr for r in self._lanes.staging()}  # our own scratch: not for peers
-        regions = [d for d in self.memory.descs() if d.addr not in staging]
         return SegmentDesc(self.name, self.config.host, self.port, self.host_id, os.getpid(),
-                           sorted(self.transports), regions, self._version, adverts)
+                           sorted(self.transports), self._lanes.public(self.memory.descs()),
+                           self._version, adverts)
 
     def _describe_bytes(self) -> bytes:
         return encode_desc(self.describe())
@@ -194,16 +193,11 @@ class TransferEngine:
                         device: str = "") -> Region:
         """Register a buffer (numpy, bytearray, mmap, torch tensor) or a raw address.
 
-        Device memory registers too: a contiguous torch tensor on a device (CUDA), or raw
-        device memory as ``register_memory((addr, length), device="cuda:0")`` (or an int
-        address with ``length`` and ``device``). It becomes a region of kind "dev" with no
-        host view: transports that read device memory themselves (NIXL, where the region is
-        registered as VRAM) reach it directly, and the host transports (TCP, shared memory)
-        move it through host staging on the device's copier (``kvplane.transfer.staging``),
-        on this side and, for a peer's device region, on the peer's listener. A device with no
-        copy path (no torch tensor, no kind registered with
-        ``kvplane.transfer.device.register_device_kind``) still registers; a staged move of
-        it then fails with the reason.
+        Device memory too: a contiguous torch tensor on a device, or raw device memory as
+        ``register_memory((addr, length), device="cuda:0")``. It becomes a region of kind
+        "dev" with no host view, which NIXL reaches directly (VRAM) and the host transports
+        through host staging (``kvplane.transfer.staging``; docs/transfer.md, "Device
+        memory"). A device with no copy path still registers; a staged move fails with why.
 
         Args:
             obj: the buffer, an ``(address, length)`` tuple, or an int address (then
@@ -223,20 +217,11 @@ class TransferEngine:
             addr, n, keep, dev = obj, length, None, device
         else:
             addr, n, keep, dev = buffer_of(obj, device)
-        if dev:
-            region = self._add(Region(addr, n, None, kind=RegionKind.DEVICE, keep=keep, device=dev))
-        else:
-            region = self._add(Region(addr, n, view_at(addr, n), keep=keep))
+        kind, view = (RegionKind.DEVICE, None) if dev else (RegionKind.MEM, view_at(addr, n))
+        region = self._add(Region(addr, n, view, kind=kind, keep=keep, device=dev))
         if publish:
             self._changed()
         return region
-
-    def _add_staging(self, buf: HostBuffer) -> Region:
-        """Register a device lane's host staging (not published: it is this engine's own)."""
-        return self._add(Region(buf.addr, buf.length, view_at(buf.addr, buf.length), keep=buf.obj))
-
-    def _remove_staging(self, region: Region) -> None:
-        self._remove(region.addr)
 
     def _add(self, region: Region) -> Region:
         """Insert ``region`` and tell the transports that register memory themselves (and, for

@@ -322,9 +322,6 @@ class DataServer:
                 lo, hi, view, fd = region.addr, region.end, region.view, region.fd
                 if region.kind == "file":
                     view = None
-            if region is not None and region.kind == RegionKind.DEVICE:
-                codes.append(InvalidArgument.code)  # device memory: READ frames only
-                continue
             if not ok:
                 codes.append(refused)
                 continue
@@ -394,11 +391,16 @@ class DataServer:
                                       lambda view: protocol.recv_exact(conn, view))
 
     def _find(self, last: Region | None, addr: int, n: int) -> Region:
-        """The region holding [addr, addr+n): ``last`` when it does (the entries of one frame
-        mostly share a region), else looked up (raises AddressNotRegistered)."""
+        """The region holding [addr, addr+n) for a READV/WRITEV entry: ``last`` when it does
+        (the entries of one frame mostly share a region), else looked up (raises
+        AddressNotRegistered; InvalidArgument for device memory, which READ/WRITE frames
+        stage and vectored entries never do)."""
         if last is not None and last.addr <= addr and addr + n <= last.end:
             return last
-        return self.memory.find(addr, n)
+        region = self.memory.find(addr, n)
+        if region.kind == RegionKind.DEVICE:
+            raise InvalidArgument(f"{addr:#x} is device memory: READ/WRITE frames only")
+        return region
 
     def _retire(self, conn: socket.socket, rid: int, count: int, length: int,
                 tid: bytes | None = None) -> None:
@@ -440,8 +442,6 @@ class DataServer:
                                                                   grant_mod.WRITE):
                         raise Unauthorized("WRITEV entry: no grant for this tenant")
                     region = self._find(region, addr, n)
-                    if region.kind == RegionKind.DEVICE:
-                        raise InvalidArgument("device memory takes WRITE frames, not WRITEV")
                     if not self.fence.begin_write(gen):  # counted in progress until end_write
                         raise Fenced(f"generation {gen:#x} is fenced or from another master epoch")
                 except KVPlaneError as exc:

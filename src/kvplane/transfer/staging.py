@@ -37,6 +37,7 @@ from kvplane.transfer.device import (
     copier_for,
 )
 from kvplane.transfer.memory import Region, view_at
+from kvplane.transfer.types import RegionDesc
 
 DEFAULT_CHUNK = 4 << 20
 DEFAULT_SLOTS = 4
@@ -195,7 +196,7 @@ class Lane:
 
 
 Register = Callable[[HostBuffer], Region]  # registers staging with the engine (not published)
-Unregister = Callable[[Region], None]
+Unregister = Callable[[Region], object]
 
 
 class DeviceLanes:
@@ -268,6 +269,11 @@ class DeviceLanes:
         """The registered staging regions (one per device that staged a move)."""
         with self._lock:
             return [r for _, r in self._lanes.values()]
+
+    def public(self, descs: list[RegionDesc]) -> list[RegionDesc]:
+        """``descs`` without the staging regions (this engine's scratch, not for peers)."""
+        staging = {r.addr for r in self.staging()}
+        return [d for d in descs if d.addr not in staging]
 
     def close(self) -> None:
         """Unregister every ring's staging (idempotent)."""
