@@ -117,3 +117,23 @@ def test_nixl_registers_a_cuda_tensor_as_vram(monkeypatch):
         assert region.addr in nixl._regs  # registered with the agent (as VRAM: _mem_type)
         te.unregister_memory(region.addr)
         assert region.addr not in nixl._regs
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
+def test_nixl_moves_a_local_cuda_tensor_without_staging(monkeypatch):
+    """Local VRAM goes to NIXL as DeviceSlices (``device_kinds``): no staging ring is made."""
+    import uuid
+    monkeypatch.setenv("KVPLANE_NIXL", "on")
+    meta = f"memory://cuda-nixl-{uuid.uuid4().hex}"
+    with TransferEngine(protocol="nixl", metadata=meta) as a, \
+            TransferEngine(protocol="nixl", metadata=meta) as b:
+        n = 3 * CHUNK + 1
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+        a.register_memory(src)
+        host = np.zeros(n, np.uint8)
+        b.register_memory(host)
+        seg = a.open_segment(b.name)
+        torch.cuda.synchronize()
+        assert one(a, OpCode.WRITE, src.data_ptr(), seg, int(host.ctypes.data), n) == (OK, "")
+        assert np.array_equal(host, src.cpu().numpy())
+        assert a._lanes.staging() == []

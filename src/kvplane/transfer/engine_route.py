@@ -4,9 +4,11 @@ Owns :class:`Router`: the choice of transport per request (a transport chosen wh
 protocol, else the protocol's, else under "auto" the first of the preference order that
 reaches the target), the grouping of slices per target and transport (:class:`GroupKey`,
 :class:`Group`), the failover a transport declares (``Capabilities.fallbacks``) and the run of
-groups on the engine's executor. A request whose local memory is a device region goes, as one
-slice, to the picked transport wrapped in :class:`~kvplane.transfer.staged.StagedTransport`
-(host staging through the device's lane). Knows transports only through the seam and the
+groups on the engine's executor. A request whose local memory is a device region goes as one
+slice: a :class:`~kvplane.transfer.batch.DeviceSlice` to a transport that moves that kind of
+device memory itself (``Capabilities.device_kinds``; its fallback staged), else to the picked
+transport wrapped in :class:`~kvplane.transfer.staged.StagedTransport` (host staging through
+the device's lane). Knows transports only through the seam and the
 :class:`~kvplane.transfer.plugins.TransportSet`; never imports a transport module.
 """
 
@@ -19,7 +21,7 @@ from typing import NamedTuple
 from kvplane.common import metrics
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import InvalidArgument, KVPlaneError, Timeout, Unavailable
-from kvplane.transfer.batch import Slice, Task, cut
+from kvplane.transfer.batch import DeviceSlice, Slice, Task, cut
 from kvplane.transfer.failover import guarded
 from kvplane.transfer.memory import MemoryTable, Region
 from kvplane.transfer.plugins import TransportSet
@@ -37,12 +39,14 @@ one is built per request, and a NamedTuple costs several times a tuple to build.
 
 class Group(NamedTuple):
     """The slices one transport runs along one route, in one call; ``auto``: chosen under
-    protocol "auto" (then the transport's fallbacks apply)."""
+    protocol "auto" (then the transport's fallbacks apply); ``device``: the local device of
+    DeviceSlices the transport moves itself (its fallback then goes through staging)."""
 
     transport: Transport
     route: Route
     slices: list[Slice]
     auto: bool
+    device: str = ""
 
 
 class _Choice(NamedTuple):
@@ -136,7 +140,11 @@ class Router:
             group = groups.get(key)
             if group is None:
                 group = groups[key] = self._group(t, route, chosen_auto, mine)
-            if mine.kind == RegionKind.DEVICE:  # one slice: the wrapper cuts it into chunks
+            slices: list[Slice]
+            if group.device:  # the transport moves this device memory itself
+                slices = [DeviceSlice(task, req.op, local, req.target_offset, req.length,
+                                      req.source, mine.device)]
+            elif mine.kind == RegionKind.DEVICE:  # one slice: the wrapper cuts it into chunks
                 slices = [Slice(task, req.op, local, req.target_offset, req.length)]
             else:
                 size = self.slice_size if caps.sliced else max(req.length, 1)
@@ -151,6 +159,8 @@ class Router:
         inside the wrapper, so the group itself declares none)."""
         if mine.kind != RegionKind.DEVICE:
             return Group(t, route, [], auto)
+        if _moves_device(t, mine.device):
+            return Group(t, route, [], auto, mine.device)
         if self.lanes is None:
             raise InvalidArgument("this engine stages no device memory")
         fb = self.transports.fallback(t, route) if auto else None
@@ -175,8 +185,18 @@ class Router:
 
     def _fallback(self, group: Group) -> Transport | None:
         """Where a group chosen under protocol "auto" fails over to (the transport's own
-        ``Capabilities.fallbacks``); None for a group asked of one transport."""
-        return self.transports.fallback(group.transport, group.route) if group.auto else None
+        ``Capabilities.fallbacks``); None for a group asked of one transport. A group of
+        DeviceSlices fails over through host staging, unless the fallback moves that device
+        memory itself too."""
+        fb = self.transports.fallback(group.transport, group.route) if group.auto else None
+        if fb is None or not group.device or _moves_device(fb, group.device):
+            return fb
+        return StagedTransport(fb, None, self.lanes, group.device) if self.lanes else None
+
+
+def _moves_device(t: Transport, device: str) -> bool:
+    """Whether ``t`` moves memory on ``device`` itself (``Capabilities.device_kinds``)."""
+    return device.split(":", 1)[0] in t.capabilities.device_kinds
 
 
 def _local_view(region: Region, addr: int, length: int) -> memoryview:

@@ -21,10 +21,12 @@ class Shadow:
     reporting it: a failure can be retried elsewhere first, and a staged device request
     (``kvplane.transfer.staged``) reports once for all its chunks."""
 
-    __slots__ = ("orig", "op", "local", "remote", "length", "status", "error", "task")
+    __slots__ = ("orig", "op", "local", "remote", "length", "status", "error", "task", "addr",
+                 "device")
 
     def __init__(self, s: Slice) -> None:
         self.orig, self.op, self.local, self.remote, self.length = s, s.op, s.local, s.remote, s.length
+        self.addr, self.device = s.addr, s.device  # a DeviceSlice's device side
         self.task = s.task
         self.status: TransferStatus | None = None
         self.error = ""

@@ -311,3 +311,41 @@ def test_device_to_device_stages_on_both_sides(dev, dev_target):
             dtype=np.uint64))
         assert one(te, OpCode.READ, back, seg, daddr, n) == (OK, "")
         assert dev.read(back, n) == data
+
+
+@pytest.mark.parametrize("op", [OpCode.WRITE, OpCode.READ])
+def test_a_transport_that_moves_device_memory_gets_it_unstaged(op, dev):
+    """A fabric declaring ``device_kinds`` (as NIXL does for cuda) gets DeviceSlices: no
+    staging copy runs; when it fails, its TCP fallback moves the request through staging."""
+    import uuid
+
+    from tests.support.standin_fabric import NAME
+    n = 2 * CHUNK + 9
+    meta = f"memory://fabric-{uuid.uuid4().hex}"
+    with engine("auto", transports=("tcp", "local", NAME), metadata=meta) as a, \
+            engine("tcp", metadata=meta) as b:
+        local = dev_region(a, dev, n)
+        host = np.zeros(n, np.uint8)
+        b.register_memory(host)
+        seg = a.open_segment(b.name)
+        fabric = a.transports[NAME]
+        data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8).tobytes()
+        if op == OpCode.WRITE:
+            dev.write(local, data)
+        else:
+            host[:] = np.frombuffer(data, np.uint8)
+        assert one(a, op, local, seg, int(host.ctypes.data), n) == (OK, "")
+        assert fabric.seen == [("standin:0", local)]  # the device range itself, no view
+        assert host.tobytes() == data if op == OpCode.WRITE else dev.read(local, n) == data
+        assert dev.batches == {"to_host": 0, "to_device": 0} and a._lanes.staging() == []
+        fabric.fail = True
+        back = dev_region(a, dev, n)
+        if op == OpCode.WRITE:
+            host[:] = 0
+            assert one(a, op, local, seg, int(host.ctypes.data), n) == (OK, "")
+            assert host.tobytes() == data
+        else:
+            assert one(a, op, back, seg, int(host.ctypes.data), n) == (OK, "")
+            assert dev.read(back, n) == data
+        assert len(fabric.seen) == 2  # it failed the slice; tcp moved it through staging
+        assert sum(dev.batches.values()) == 3 and len(a._lanes.staging()) == 1
