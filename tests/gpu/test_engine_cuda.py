@@ -137,3 +137,27 @@ def test_nixl_moves_a_local_cuda_tensor_without_staging(monkeypatch):
         assert one(a, OpCode.WRITE, src.data_ptr(), seg, int(host.ctypes.data), n) == (OK, "")
         assert np.array_equal(host, src.cpu().numpy())
         assert a._lanes.staging() == []
+
+
+IPC_ENV = {"KVPLANE_TRANSPORTS": "tcp,shm,file,local,cudaipc"}
+
+
+def test_cuda_ipc_moves_gpu_to_gpu_between_processes_on_one_host():
+    """The cudaipc transport opens the target's exported handle and copies GPU to GPU:
+    no host staging on this side, bytes checksummed on the other."""
+    n = 2 * CHUNK + 3
+    with spawn_target("--buf-mb", "1", "--cuda-mb", "8", env=IPC_ENV) as peer, \
+            TransferEngine(protocol="auto", transports=("tcp", "shm", "file", "local", "cudaipc")) as te:
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+        back = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        te.register_memory(src)
+        te.register_memory(back)
+        seg = te.open_segment(peer.info["segment"])
+        raddr = peer.info["cuda_addr"] + 4096
+        torch.cuda.synchronize()
+        assert one(te, OpCode.WRITE, src.data_ptr(), seg, raddr, n) == (OK, "")
+        assert peer.ask(f"csum 4096 {n}")["sum"] == int(src.cpu().numpy().sum(dtype=np.uint64))
+        assert one(te, OpCode.READ, back.data_ptr(), seg, raddr, n) == (OK, "")
+        torch.cuda.synchronize()
+        assert digest(back) == digest(src)
+        assert te._lanes.staging() == []  # nothing went through host staging here

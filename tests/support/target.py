@@ -15,7 +15,8 @@ the same pattern, served through the listener's device staging (chunks of
 of the device bytes), ``dfail KIND SKIP`` (the stand-in's next batch of KIND ``to_host`` or
 ``to_device`` after SKIP more fails at its fence); with ``--standin-threaded`` its copies run
 on a worker thread and ``dstall on|off`` holds or releases them (a stalled device).
-``dinfo``: the stand-in's batch counts and armed failures.
+``dinfo``: the stand-in's batch counts and armed failures. ``--cuda-mb M`` registers a CUDA
+tensor of M MiB holding the pattern (``cuda_addr``; ``csum OFFSET N`` checksums it).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--standin-mb", type=int, default=0)
     ap.add_argument("--device-chunk", type=int, default=4 << 20)
     ap.add_argument("--standin-threaded", action="store_true")
+    ap.add_argument("--cuda-mb", type=int, default=0)
     a = ap.parse_args(argv)
     cfg = EngineConfig.from_env(metadata=a.metadata, name=a.name, protocol=a.protocol,
                                 token=a.token, port=a.port, file_root=a.file_root,
@@ -84,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         info["dev_addr"] = dev_addr = dev.alloc(dn)
         dev.write(dev_addr, pattern(dn).tobytes())
         te.register_memory((dev_addr, dn), device="standin:0")
+    cuda = None
+    if a.cuda_mb:
+        import torch
+        cuda = torch.from_numpy(pattern(a.cuda_mb << 20)).cuda()
+        te.register_memory(cuda)
+        info["cuda_addr"] = int(cuda.data_ptr())
     print(json.dumps(info), flush=True)
     for line in sys.stdin:  # commands: "sum OFFSET N" prints a checksum of our own memory
         parts = line.split()
@@ -94,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             dev.skip[parts[1]] = int(parts[2])
             setattr(dev, f"fail_{parts[1]}", 1)
             print(json.dumps({"armed": parts[1]}), flush=True)
+        elif parts and parts[0] == "csum" and cuda is not None:
+            off, cnt = int(parts[1]), int(parts[2])
+            got = cuda[off:off + cnt].cpu().numpy()
+            print(json.dumps({"sum": int(got.sum(dtype=np.uint64))}), flush=True)
         elif parts and parts[0] == "dinfo" and dev is not None:
             print(json.dumps({"batches": dev.batches, "fail_to_host": dev.fail_to_host,
                               "fail_to_device": dev.fail_to_device}), flush=True)

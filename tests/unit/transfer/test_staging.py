@@ -101,3 +101,20 @@ def test_buffer_of_a_device_tensor_takes_no_host_view():
     cpu = torch.zeros(4)
     assert buffer_of(cpu)[3] == ""
     assert buffer_of((cpu.data_ptr(), 16), device="standin:0")[3] == "standin:0"
+
+
+@pytest.mark.timeout(60)  # importing torch on a busy machine
+def test_cuda_ipc_advert_round_trip_and_refusals():
+    """The parts of the cudaipc transport that need no GPU: its advert codec, and a clear
+    refusal to load where there is no CUDA device (the copies themselves: tests/gpu)."""
+    from kvplane.transfer import TransferEngine
+    from kvplane.transfer.transports.cuda_ipc import _ENC, Export, decode_advert
+    exp = Export(0, b"h" * 64, 1 << 20, 0, b"r", 8, b"e", True, 256, 4096)
+    assert decode_advert(_ENC.encode({0x7F00: exp})) == {0x7F00: exp}
+    with pytest.raises(InvalidArgument, match="CUDA IPC advert"):
+        decode_advert(b"\x93garbage")
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the transport loads")
+    with pytest.raises(InvalidArgument, match="needs a CUDA device"):
+        TransferEngine(transports=("tcp", "local", "cudaipc"))
