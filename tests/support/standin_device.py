@@ -13,7 +13,15 @@ device's memory and host staging it allocated, like ``cudaMemcpyAsync``:
 * ``lazy=True`` defers each batch until its fence is waited for, so a caller that uses bytes
   before waiting reads stale ones;
 * ``fail_to_device`` / ``fail_to_host`` (counts of batches) make copies refuse at enqueue
-  (``refuse=True``) or fail at the fence, as an asynchronous device error would.
+  (``refuse=True``) or fail at the fence, as an asynchronous device error would; ``skip``
+  (per direction) lets that many batches through first (a failure at chunk k);
+* ``threaded=True`` runs batches in order on one worker thread, as a CUDA stream does (the
+  fence waits for it up to its timeout, then raises ``Timeout``); there ``gates[(kind, i)]``
+  holds batch ``i`` of a direction until the event is set, and ``stall`` (an event) holds
+  every batch until it is set: a stalled device.
+
+Every batch is logged in ``log`` (``("enqueue"|"run"|"done"|"failed", kind, index)``), so a
+test can check the order of copies against other events it appends (``note``).
 
 The test side reads and writes device memory with ``read``/``write`` (test access, not a view).
 Test kit, not product.
@@ -22,13 +30,14 @@ Test kit, not product.
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvplane.common.errors import InvalidArgument
+from kvplane.common.errors import InvalidArgument, Timeout
 from kvplane.integrations.device_kv import (
     DONE,
     Copy,
@@ -125,26 +134,75 @@ class _FailedFence:
         raise TransferFail("stand-in device: copy failed")
 
 
+class _JobFence:
+    """A batch queued on the worker thread: done when the worker ran it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.failed = False
+
+    def wait(self, timeout: float) -> None:
+        if not self.done.wait(timeout):
+            raise Timeout(f"stand-in device: copy not done after {timeout:.2f} s")
+        if self.failed:
+            raise TransferFail("stand-in device: copy failed")
+
+
 class StandinDevice:
     """Fake device memory plus the copier the staging code drives.
 
     Attributes:
         memory: allocation address -> backing bytes (only this class touches them).
         batches: copy batches run, by direction (``to_device`` / ``to_host``).
+        log: what happened, in order (see the module docstring).
     """
 
-    def __init__(self, name: str = "standin:0", lazy: bool = False) -> None:
+    def __init__(self, name: str = "standin:0", lazy: bool = False,
+                 threaded: bool = False) -> None:
         self.name, self.lazy = name, lazy
         self.memory: dict[int, np.ndarray] = {}
         self.host: dict[int, np.ndarray] = {}
         self.fail_to_device = 0
         self.fail_to_host = 0
+        self.skip = {"to_device": 0, "to_host": 0}
         self.refuse = False
         self.batches = {"to_device": 0, "to_host": 0}
+        self.log: list[tuple[Any, ...]] = []
+        self.gates: dict[tuple[str, int], threading.Event] = {}
+        self.stall: threading.Event | None = None
         self._next = BASE + len(DEVICES) * STRIDE * 64
         self._lock = threading.Lock()
+        self._jobs: queue.Queue[Callable[[], None] | None] | None = None
+        self._worker: threading.Thread | None = None
+        if threaded:
+            self._jobs = queue.Queue()
+            self._worker = threading.Thread(target=self._work, name=f"standin-{name}",
+                                            daemon=True)
+            self._worker.start()
         DEVICES[name] = self
         register_device_kind(name.split(":")[0], _copier)
+
+    def note(self, *event: Any) -> None:
+        """Append ``event`` to the log (tests add their own events between the copies')."""
+        with self._lock:
+            self.log.append(event)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker thread (threaded devices; releases a stall first)."""
+        if self.stall is not None:
+            self.stall.set()
+        for gate in self.gates.values():
+            gate.set()
+        if self._jobs is not None and self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join(timeout)
+            self._jobs = None
+
+    def _work(self) -> None:
+        jobs = self._jobs
+        assert jobs is not None
+        while (job := jobs.get()) is not None:
+            job()
 
     # -- memory ------------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
@@ -198,22 +256,55 @@ class StandinDevice:
                 raise InvalidArgument(f"stand-in copy {m} outside registered memory")
             pairs.append((dst, src))
         with self._lock:
+            index = self.batches[kind]
             self.batches[kind] += 1
-            fail = getattr(self, f"fail_{kind}") > 0
+            if self.skip[kind] > 0:
+                self.skip[kind] -= 1
+                fail = False
+            else:
+                fail = getattr(self, f"fail_{kind}") > 0
             if fail:
                 setattr(self, f"fail_{kind}", getattr(self, f"fail_{kind}") - 1)
+            self.log.append(("enqueue", kind, index))
         if fail and self.refuse:
             raise TransferFail(f"stand-in device refused a copy {kind}")
+        if self._jobs is not None:
+            return self._queue(kind, index, pairs, fail)
         if fail:
+            self.note("failed", kind, index)
             return _FailedFence()
 
         def run() -> None:
             for dst, src in pairs:
                 dst[:] = src
+            self.note("done", kind, index)
         if self.lazy:
             return _LazyFence(run)
         run()
         return DONE
+
+    def _queue(self, kind: str, index: int, pairs: list[tuple[np.ndarray, np.ndarray]],
+               fail: bool) -> Fence:
+        fence = _JobFence()
+
+        def job() -> None:
+            gate = self.gates.get((kind, index))
+            if gate is not None:
+                gate.wait()
+            if self.stall is not None:
+                self.stall.wait()
+            self.note("run", kind, index)
+            if fail:
+                fence.failed = True
+                self.note("failed", kind, index)
+            else:
+                for dst, src in pairs:
+                    dst[:] = src
+                self.note("done", kind, index)
+            fence.done.set()
+        assert self._jobs is not None
+        self._jobs.put(job)
+        return fence
 
 
 class _Copier:

@@ -7,6 +7,16 @@ with everything a peer needs, then serves until stdin closes (the parent died or
 
 Commands on stdin: ``sum OFFSET N`` (a checksum of our own memory), ``epoch E`` (serve store
 epoch E: the fence floor moves up).
+
+With ``--standin-mb M`` it also registers M MiB of stand-in device memory
+(``tests.support.standin_device``, raw ``(addr, length)`` with ``device="standin:0"``) holding
+the same pattern, served through the listener's device staging (chunks of
+``--device-chunk``); ``dev_addr`` in the ready line. Commands: ``dsum OFFSET N`` (a checksum
+of the device bytes), ``dfail KIND SKIP`` (the stand-in's next batch of KIND ``to_host`` or
+``to_device`` after SKIP more fails at its fence); with ``--standin-threaded`` its copies run
+on a worker thread and ``dstall on|off`` holds or releases them (a stalled device).
+``dinfo``: the stand-in's batch counts and armed failures. ``--cuda-mb M`` registers a CUDA
+tensor of M MiB holding the pattern (``cuda_addr``; ``csum OFFSET N`` checksums it).
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -45,10 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--file-root", default="")
     ap.add_argument("--file", default="", help="also register a file region NAME:SIZE")
+    ap.add_argument("--standin-mb", type=int, default=0)
+    ap.add_argument("--device-chunk", type=int, default=4 << 20)
+    ap.add_argument("--standin-threaded", action="store_true")
+    ap.add_argument("--cuda-mb", type=int, default=0)
     a = ap.parse_args(argv)
     cfg = EngineConfig.from_env(metadata=a.metadata, name=a.name, protocol=a.protocol,
                                 token=a.token, port=a.port, file_root=a.file_root,
-                                republish_interval=0.2)
+                                republish_interval=0.2, device_chunk=a.device_chunk)
     te = TransferEngine(cfg)
     n = a.buf_mb << 20
     if a.managed or a.fenced:
@@ -63,16 +78,52 @@ def main(argv: list[str] | None = None) -> int:
         fname, fsize = a.file.split(":")
         region = te.register_file(fname, int(fsize))
         info["file_addr"] = region.addr
+    dev = None
+    if a.standin_mb:
+        from tests.support.standin_device import StandinDevice
+        dev = StandinDevice("standin:0", threaded=a.standin_threaded)
+        dn = a.standin_mb << 20
+        info["dev_addr"] = dev_addr = dev.alloc(dn)
+        dev.write(dev_addr, pattern(dn).tobytes())
+        te.register_memory((dev_addr, dn), device="standin:0")
+    cuda = None
+    if a.cuda_mb:
+        import torch
+        cuda = torch.from_numpy(pattern(a.cuda_mb << 20)).cuda()
+        te.register_memory(cuda)
+        info["cuda_addr"] = int(cuda.data_ptr())
     print(json.dumps(info), flush=True)
     for line in sys.stdin:  # commands: "sum OFFSET N" prints a checksum of our own memory
         parts = line.split()
-        if parts and parts[0] == "sum":
+        if parts and parts[0] == "dsum" and dev is not None:
+            got = np.frombuffer(dev.read(info["dev_addr"] + int(parts[1]), int(parts[2])), np.uint8)
+            print(json.dumps({"sum": int(got.sum(dtype=np.uint64))}), flush=True)
+        elif parts and parts[0] == "dfail" and dev is not None:
+            dev.skip[parts[1]] = int(parts[2])
+            setattr(dev, f"fail_{parts[1]}", 1)
+            print(json.dumps({"armed": parts[1]}), flush=True)
+        elif parts and parts[0] == "csum" and cuda is not None:
+            off, cnt = int(parts[1]), int(parts[2])
+            got = cuda[off:off + cnt].cpu().numpy()
+            print(json.dumps({"sum": int(got.sum(dtype=np.uint64))}), flush=True)
+        elif parts and parts[0] == "dinfo" and dev is not None:
+            print(json.dumps({"batches": dev.batches, "fail_to_host": dev.fail_to_host,
+                              "fail_to_device": dev.fail_to_device}), flush=True)
+        elif parts and parts[0] == "dstall" and dev is not None:
+            if parts[1] == "on":
+                dev.stall = threading.Event()
+            elif dev.stall is not None:
+                dev.stall.set()
+            print(json.dumps({"stall": parts[1]}), flush=True)
+        elif parts and parts[0] == "sum":
             off, cnt = int(parts[1]), int(parts[2])
             print(json.dumps({"sum": int(arr[off:off + cnt].sum(dtype=np.uint64))}), flush=True)
         elif parts and parts[0] == "epoch":
             te.fence.set_epoch(int(parts[1]))
             print(json.dumps({"floor": te.fence.floor}), flush=True)
     te.close()
+    if dev is not None:
+        dev.close()
     return 0
 
 

@@ -13,6 +13,7 @@
     ├── Timeout          (retryable)  a deadline passed
     ├── ProtocolError                 malformed or hostile frame, version mismatch
     ├── Unauthorized                  shared token missing or wrong
+    ├── DeviceFailed                  a device (CUDA, a stand-in) failed or refused a copy
     └── MissingExtra                  an optional dependency is not installed (also an ImportError)
 
 ``code`` is a stable negative integer carried on the wire; ``from_code`` turns it back into a
@@ -92,6 +93,13 @@ class Unauthorized(KVPlaneError):
     code = -1009
 
 
+class DeviceFailed(KVPlaneError):
+    """A device copy (device <-> host staging) failed or was refused: the bytes it carried
+    were not moved, and nothing that depended on them was reported done."""
+
+    code = -1011
+
+
 class MissingExtra(KVPlaneError, ImportError):
     """An optional dependency is not installed; the message names the pip extra to add."""
 
@@ -112,6 +120,7 @@ _BY_CODE: dict[int, type[KVPlaneError]] = {
         Timeout,
         ProtocolError,
         Unauthorized,
+        DeviceFailed,
         MissingExtra,
     )
 }

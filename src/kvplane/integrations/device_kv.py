@@ -7,154 +7,46 @@ reaches it through host staging: a save copies each page device -> slot and stor
 load reads into slots and copies slot -> device. Every move is an address range, a device range
 inside a registered device region and a host range inside the staging buffer; nothing here takes
 a host view of device memory. Copies go through a :class:`DeviceCopier` (torch's for torch
-tensors, :mod:`kvplane.integrations.torch_device`; another kind of device registers its own with
+tensors, :mod:`kvplane.transfer.torch_device`; another kind of device registers its own with
 :func:`register_device_kind`), which returns a :class:`Fence` per batch, so a layer-wise caller
-overlaps one layer's copies with other work. A failed copy raises ``TransferFail`` from the
-copy or its fence: the pages it carried count as failed loads (the engine recomputes them) or
-failed saves, never as wrong bytes.
+overlaps one layer's copies with other work. A failed copy raises a ``KVPlaneError``
+(``DeviceFailed``, or ``TransferFail`` from older copiers) from the copy or its fence: the pages
+it carried count as failed loads (the engine recomputes them) or failed saves, never as wrong
+bytes.
 
-Imports neither torch nor an engine.
+The copier protocol and its registry live in :mod:`kvplane.transfer.device` (the transfer
+engine stages device memory too) and are re-exported here under their old names. Imports
+neither torch nor an engine.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.store.errors import TransferFail
+from kvplane.transfer.device import (
+    DONE,
+    CopierFactory,
+    Copy,
+    DeviceCopier,
+    Done,
+    Fence,
+    HostBuffer,
+    MemRegion,
+    coalesce,
+    copier_for,
+    device_of,
+    register_device_kind,
+)
 
-
-@dataclass
-class MemRegion:
-    """One backing allocation of an engine's KV memory, registered once.
-
-    Attributes:
-        addr: start address (a device address when ``device`` is set).
-        length: bytes.
-        device: "" for host memory, else the tensor's device (``cuda:0``, ``standin:0``).
-        tensor: an object spanning the allocation (for device memory: what a copier resolves
-            device addresses in; torch: a flat view of the whole storage).
-    """
-
-    addr: int
-    length: int
-    device: str = ""
-    tensor: Any = field(default=None, repr=False, compare=False)
-
-
-class Copy(NamedTuple):
-    """Copy ``length`` bytes from address ``src`` to address ``dst``."""
-
-    src: int
-    dst: int
-    length: int
-
-
-class HostBuffer(NamedTuple):
-    """Host memory a copier allocated for staging (pinned where the device wants it).
-
-    ``obj`` is what ``StoreClient.register_buffer`` registers (and keeps it alive).
-    """
-
-    addr: int
-    length: int
-    obj: Any
-
-
-class Fence(Protocol):
-    """Completion of one batch of copies."""
-
-    def wait(self, timeout: float) -> None:
-        """Return once the copies are done.
-
-        Raises:
-            TransferFail: a copy failed.
-            Timeout: not done within ``timeout`` seconds.
-        """
-
-
-class DeviceCopier(Protocol):
-    """Copies between one device's registered regions and host staging, by address."""
-
-    device: str
-
-    def host_buffer(self, nbytes: int) -> HostBuffer:
-        """Staging memory for this device (pinned host memory for CUDA)."""
-
-    def copy(self, moves: Sequence[Copy], to_device: bool) -> Fence:
-        """Start ``moves`` (host -> device when ``to_device``, else device -> host).
-
-        Raises:
-            InvalidArgument: an address outside the registered device regions or the staging.
-            TransferFail: the device refused the copy.
-        """
-
-
-class Done:
-    """A fence that is already complete (synchronous copiers)."""
-
-    def wait(self, timeout: float) -> None:
-        return None
-
-
-DONE = Done()
-CopierFactory = Callable[[Sequence[MemRegion]], DeviceCopier]
-_KINDS: dict[str, CopierFactory] = {}
-
-
-def register_device_kind(kind: str, factory: CopierFactory | None) -> None:
-    """Use ``factory(regions)`` as the copier of devices named ``kind:N`` (None unregisters).
-
-    Torch tensors need none (their own copier serves every torch device).
-    """
-    if factory is None:
-        _KINDS.pop(kind, None)
-    else:
-        _KINDS[kind] = factory
-
-
-def device_of(t: Any) -> str:
-    """"" for host memory (a CPU tensor, an array), else the tensor's device (``cuda:0``)."""
-    dev = getattr(t, "device", None)
-    if dev is None:
-        return ""
-    kind = getattr(dev, "type", str(dev))
-    return "" if kind == "cpu" else str(dev)
-
-
-def copier_for(regions: Sequence[MemRegion]) -> DeviceCopier:
-    """The copier of ``regions`` (all on one device).
-
-    Raises:
-        InvalidArgument: no region, regions on several devices, or a device kvplane cannot copy.
-    """
-    devices = {r.device for r in regions}
-    if len(devices) != 1 or "" in devices:
-        raise InvalidArgument(f"staging needs regions on one device, got {sorted(devices)}")
-    device = devices.pop()
-    factory = _KINDS.get(device.split(":", 1)[0])
-    if factory is not None:
-        return factory(regions)
-    if all(type(r.tensor).__module__.startswith("torch") for r in regions):
-        from kvplane.integrations.torch_device import TorchCopier
-        return TorchCopier(regions)
-    raise InvalidArgument(f"KV memory on {device}: kvplane has no copy path for this device "
-                          "(torch tensors, or a kind registered with register_device_kind)")
-
-
-def coalesce(moves: Sequence[Copy]) -> list[Copy]:
-    """``moves`` with each run that is adjacent on both sides merged into one copy."""
-    out: list[Copy] = []
-    for m in moves:
-        if out and out[-1].src + out[-1].length == m.src and out[-1].dst + out[-1].length == m.dst:
-            last = out[-1]
-            out[-1] = Copy(last.src, last.dst, last.length + m.length)
-        else:
-            out.append(m)
-    return out
+__all__ = [
+    "DONE", "CopierFactory", "Copy", "DeviceCopier", "DeviceStaging", "Done", "Fence",
+    "HostBuffer", "MemRegion", "PendingLoad", "SlotPool", "StagedSave", "coalesce", "copier_for",
+    "device_of", "register_device_kind",
+]
 
 
 class SlotPool:

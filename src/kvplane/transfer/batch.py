@@ -41,6 +41,8 @@ class Slice:
     """
 
     __slots__ = ("task", "op", "local", "remote", "length")
+    device = ""  # host memory (a DeviceSlice names its device)
+    addr = 0  # the local address of a DeviceSlice (a host slice's is its view's)
 
     def __init__(self, task: Task, op: OpCode, local: memoryview, remote: int, length: int) -> None:
         self.task = task
@@ -52,6 +54,19 @@ class Slice:
     def done(self, status: TransferStatus, error: str = "") -> None:
         """Report this slice finished with ``status``."""
         self.task.finish_slice(status, self.length if status == TransferStatus.COMPLETED else 0, error)
+
+
+class DeviceSlice(Slice):
+    """A slice whose local side is device memory, for a transport that moves it by itself
+    (``Capabilities.device_kinds``): ``local`` is empty, ``addr`` is the device address on
+    ``device``. Never give one to a transport that reads ``local``."""
+
+    __slots__ = ("addr", "device")
+
+    def __init__(self, task: Task, op: OpCode, local: memoryview, remote: int, length: int,
+                 addr: int, device: str) -> None:
+        super().__init__(task, op, local, remote, length)
+        self.addr, self.device = addr, device
 
 
 def cut(task: Task, local: memoryview, remote: int, length: int, slice_size: int) -> list[Slice]:

@@ -41,6 +41,11 @@ class EngineConfig:
         file_root: directory file-backed segments must live in ("" disables file segments).
         republish_interval: seconds between checks that our descriptor is still published.
         retries: times a slice is retried on a fresh connection after its connection broke.
+        device_chunk: bytes per chunk when device memory moves through host staging (each
+            chunk passes through one staging slot; see ``kvplane.transfer.staging``).
+        device_slots: host staging slots (of ``device_chunk`` bytes, pinned for CUDA)
+            allocated once per device on its first staged move; one transfer uses two at
+            most (one copying while the other moves).
         transports: transports this engine loads (the defaults gain "nixl" when ``fabric``
             chose it).
         fabric: the resolved choice (set at construction; ``protocol``/``transports`` above
@@ -63,6 +68,8 @@ class EngineConfig:
     file_root: str = ""
     republish_interval: float = 2.0
     retries: int = 2
+    device_chunk: int = 4 << 20
+    device_slots: int = 4
     transports: tuple[str, ...] = field(default=fabric.DEFAULT_TRANSPORTS)
     fabric: FabricChoice = field(init=False, compare=False, repr=False)
 
@@ -73,6 +80,8 @@ class EngineConfig:
         object.__setattr__(self, "fabric", choice)
         if self.slice_size <= 0 or self.slice_size > self.max_frame:
             raise InvalidArgument("slice_size must be in (0, max_frame]")
+        if not 0 < self.device_chunk <= self.max_frame or self.device_slots < 1:
+            raise InvalidArgument("device_chunk must be in (0, max_frame] and device_slots >= 1")
         if self.streams < 1 or self.timeout <= 0:
             raise InvalidArgument("streams must be >= 1 and timeout > 0")
 

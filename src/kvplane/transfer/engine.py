@@ -35,12 +35,13 @@ from kvplane.transfer.engine_route import Router
 from kvplane.transfer.fabric import FabricChoice
 from kvplane.transfer.fabric import record as record_fabric
 from kvplane.transfer.jobs import ItemLike, Peer
-from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, address_of, sweep_stale_shm, view_at
+from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, buffer_of, sweep_stale_shm, view_at
 from kvplane.transfer.metadata import KEY_PREFIX, MetadataBackend, open_metadata
 from kvplane.transfer.plugins import TransportSet
 from kvplane.transfer.seam import ControlChannel, RegistersMemory, Route, Transport, TransportContext
 from kvplane.transfer.segments import OpenSegment, check_name, decode_desc, encode_desc, host_identity
 from kvplane.transfer.server import DataServer
+from kvplane.transfer.staging import DeviceLanes
 from kvplane.transfer.types import (
     OpCode,
     RegionKind,
@@ -77,9 +78,12 @@ class TransferEngine:
         self.host_id = host_identity()
         self._version = 0
         self._lock = threading.Lock()
+        self._lanes = DeviceLanes(  # device staging: registered here, never published
+            lambda b: self._add(Region(b.addr, b.length, view_at(b.addr, b.length), keep=b.obj)),
+            lambda r: self._remove(r.addr), cfg.device_chunk, cfg.device_slots)
         self._server = DataServer(self.memory, self._describe_bytes, cfg.host, cfg.port, cfg.token,
                                   cfg.max_frame, cfg.max_connections, extra_tokens=cfg.extra_tokens,
-                                  require_grants=cfg.grants)
+                                  require_grants=cfg.grants, lanes=self._lanes)
         self.port = self._server.port
         self.fence = self._server.fence  # store generations this engine's listener refuses
         self.grants = self._server.grants  # what tenants' connections may touch (store segments)
@@ -100,7 +104,7 @@ class TransferEngine:
         self._managed: dict[int, ManagedBuffer] = {}
         self._exec = cf.ThreadPoolExecutor(8, thread_name_prefix="te-batch")
         self._router = Router(self._plugins, self.memory, self.segment, cfg.protocol,
-                              cfg.slice_size, self._exec)
+                              cfg.slice_size, self._exec, self._lanes)
         self._items = ItemPaths(self._router, self.memory, self._segments,
                                 lambda reqs, left: self.transfer(reqs, left))
         self._stop = threading.Event()
@@ -155,8 +159,8 @@ class TransferEngine:
         """This engine's segment descriptor."""
         adverts = {n: a for n, t in self._plugins.registers_by_name.items() if (a := t.advert())}
         return SegmentDesc(self.name, self.config.host, self.port, self.host_id, os.getpid(),
-                           sorted(self.transports), self.memory.descs(), self._version,
-                           adverts)
+                           sorted(self.transports), self._lanes.public(self.memory.descs()),
+                           self._version, adverts)
 
     def _describe_bytes(self) -> bytes:
         return encode_desc(self.describe())
@@ -185,39 +189,52 @@ class TransferEngine:
                 log.debug("metadata check failed: %s", exc)
 
     # -- memory ----------------------------------------------------------------------------
-    def register_memory(self, obj: Any, length: int | None = None, publish: bool = True) -> Region:
-        """Register a buffer (numpy, bytearray, mmap, torch CPU tensor) or a raw address.
+    def register_memory(self, obj: Any, length: int | None = None, publish: bool = True,
+                        device: str = "") -> Region:
+        """Register a buffer (numpy, bytearray, mmap, torch tensor) or a raw address.
+
+        Device memory too: a contiguous torch tensor on a device, or raw device memory as
+        ``register_memory((addr, length), device="cuda:0")``. It becomes a region of kind
+        "dev" with no host view, which NIXL reaches directly (VRAM) and the host transports
+        through host staging (``kvplane.transfer.staging``; docs/transfer.md, "Device
+        memory"). A device with no copy path still registers; a staged move fails with why.
 
         Args:
-            obj: the buffer, or an int address (then ``length`` is required).
-            length: bytes, for a raw address.
+            obj: the buffer, an ``(address, length)`` tuple, or an int address (then
+                ``length`` is required).
+            length: bytes, for an int address.
             publish: update the published descriptor; False for memory used only as a local
                 source or destination (staging), which saves a metadata write per call.
+            device: the device of raw device memory ("" host memory).
 
         Raises:
             Conflict: overlaps a registered region.
-            InvalidArgument: unsupported or read-only buffer.
+            InvalidArgument: unsupported, read-only or non-contiguous buffer.
         """
         if isinstance(obj, int):
             if not length or length <= 0:
                 raise InvalidArgument("register_memory(address, length) needs length > 0")
-            addr, n, keep = obj, length, None
+            addr, n, keep, dev = obj, length, None, device
         else:
-            addr, n, keep = address_of(obj)
-        region = self._add(Region(addr, n, view_at(addr, n), keep=keep))
+            addr, n, keep, dev = buffer_of(obj, device)
+        kind, view = (RegionKind.DEVICE, None) if dev else (RegionKind.MEM, view_at(addr, n))
+        region = self._add(Region(addr, n, view, kind=kind, keep=keep, device=dev))
         if publish:
             self._changed()
         return region
 
     def _add(self, region: Region) -> Region:
-        """Insert ``region`` and tell the transports that register memory themselves; one
-        that refuses it undoes the insert (its error propagates)."""
+        """Insert ``region`` and tell the transports that register memory themselves (and, for
+        device memory, the device lanes); one that refuses it undoes the insert (its error
+        propagates)."""
         self.memory.add(region)
         told: list[RegistersMemory] = []
         try:
             for t in self._plugins.registers:
                 t.on_register(region)
                 told.append(t)
+            if region.kind == RegionKind.DEVICE:
+                self._lanes.add_region(region)
         except BaseException:
             for t in told:
                 t.on_unregister(region)
@@ -229,6 +246,8 @@ class TransferEngine:
         region = self.memory.remove(addr)
         for t in self._plugins.registers:
             t.on_unregister(region)
+        if region.kind == RegionKind.DEVICE:
+            self._lanes.remove_region(region)
         return region
 
     def unregister_memory(self, addr: int, publish: bool = True) -> None:
@@ -551,6 +570,7 @@ class TransferEngine:
                 pass
             self._meta.close()
         self._server.close()
+        self._lanes.close()
         for t in self.transports.values():
             t.close()
         self._exec.shutdown(wait=False, cancel_futures=True)

@@ -23,7 +23,7 @@ from kvplane.transfer.jobs import ItemLike, PeerJob, Span
 from kvplane.transfer.memory import MemoryTable, Region
 from kvplane.transfer.seam import Route, Transport
 from kvplane.transfer.segments import OpenSegment
-from kvplane.transfer.types import OpCode, RegionDesc, TransferRequest, TransferStatus
+from kvplane.transfer.types import OpCode, RegionDesc, RegionKind, TransferRequest, TransferStatus
 
 Transfer = Callable[[list[TransferRequest], float], list[TransferStatus]]
 _Counts = dict[tuple[OpCode, TransferStatus], int]
@@ -143,6 +143,8 @@ class ItemPaths:
 
     def _vectored(self, seg: OpenSegment, region: RegionDesc) -> Transport | None:
         """The engine's transport for ``region`` of ``seg`` when it is vectored, else None."""
+        if region.kind == RegionKind.DEVICE:  # the peer stages it: READ/WRITE frames only
+            return None
         t = self.router.pick(None, Route(seg.desc, region, seg.same_host))
         return t if t.name in self.vectored else None
 
@@ -229,7 +231,7 @@ class _Views:
         if r is None or not (r.addr <= addr and addr + n <= r.end) or r.view is None:
             r = self.region = self.memory.find(addr, n)
             if r.view is None:
-                raise InvalidArgument(f"{addr:#x} is in a file region; it has no memory view")
+                raise InvalidArgument(f"{addr:#x} is in a {r.kind} region; it has no memory view")
         off = addr - r.addr
         return r.view[off:off + n]
 

@@ -16,13 +16,17 @@ from kvplane.transfer.types import TransferStatus
 log = logging.getLogger("kvplane.transfer.engine")  # the engine's log, as before the split
 
 
-class _Shadow:
-    """Stands in for a slice so a failure can be retried elsewhere before it is reported."""
+class Shadow:
+    """Stands in for a slice and captures its outcome (``status``, ``error``) instead of
+    reporting it: a failure can be retried elsewhere first, and a staged device request
+    (``kvplane.transfer.staged``) reports once for all its chunks."""
 
-    __slots__ = ("orig", "op", "local", "remote", "length", "status", "error", "task")
+    __slots__ = ("orig", "op", "local", "remote", "length", "status", "error", "task", "addr",
+                 "device")
 
     def __init__(self, s: Slice) -> None:
         self.orig, self.op, self.local, self.remote, self.length = s, s.op, s.local, s.remote, s.length
+        self.addr, self.device = s.addr, s.device  # a DeviceSlice's device side
         self.task = s.task
         self.status: TransferStatus | None = None
         self.error = ""
@@ -38,8 +42,8 @@ def guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline,
     A bug in a transport fails its unfinished requests instead of leaving them PENDING forever.
     """
     if fallback is not None:
-        shadows = [_Shadow(s) for s in slices]
-        guarded(t, route, shadows, deadline)  # type: ignore[arg-type]  # a _Shadow stands in for its Slice
+        shadows = [Shadow(s) for s in slices]
+        guarded(t, route, shadows, deadline)  # type: ignore[arg-type]  # a Shadow stands in for its Slice
         retry = [sh.orig for sh in shadows if sh.status == TransferStatus.FAILED and not deadline.expired()]
         for sh in shadows:
             if sh.status != TransferStatus.FAILED or deadline.expired():
@@ -55,7 +59,7 @@ def guarded(t: Transport, route: Route, slices: list[Slice], deadline: Deadline,
     except Exception as exc:
         log.exception("transport %s failed", t.name)
         for s in slices:
-            if isinstance(s, _Shadow):
+            if isinstance(s, Shadow):
                 if s.status is None:
                     s.done(TransferStatus.FAILED, f"internal error in {t.name}: {exc}")
             elif not s.task.status.done:

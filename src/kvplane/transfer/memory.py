@@ -1,6 +1,7 @@
 """Registration of local memory as (address, length) regions, with bounds checks.
 
-Accepts numpy arrays, bytearray, mmap, torch CPU tensors and raw (address, length). Every
+Accepts numpy arrays, bytearray, mmap, torch tensors (CPU, or on a device: then a region of
+kind "dev" with no host view) and raw (address, length). Every
 lookup checks that a whole range lies inside one region before any byte is touched.
 Does not import transports or the engine.
 """
@@ -91,6 +92,31 @@ def address_of(obj: Any) -> tuple[int, int, Any]:
         return int(arr.ctypes.data), mv.nbytes, (obj, arr)
     raise InvalidArgument(f"cannot register {type(obj).__name__}: pass numpy, bytearray, mmap, "
                           "torch CPU tensor or (address, length)")
+
+
+def buffer_of(obj: Any, device: str = "") -> tuple[int, int, Any, str]:
+    """(address, length, keep-alive, device) of a buffer-like object; ``device`` is "" for
+    host memory.
+
+    A contiguous torch tensor on a device (any but "cpu") gives its device address and
+    ``str(tensor.device)``; a raw ``(address, length)`` is device memory when ``device`` names
+    one (``"standin:0"``, ``"cuda:0"``). Anything else is host memory, as :func:`address_of`.
+
+    Raises:
+        InvalidArgument: a non-contiguous device tensor, ``device`` given with a buffer that
+            knows its own device, or what :func:`address_of` refuses.
+    """
+    if type(obj).__module__.startswith("torch") and obj.device.type != "cpu":
+        if not obj.is_contiguous():
+            raise InvalidArgument("only contiguous device tensors can be registered")
+        if device and device != str(obj.device):
+            raise InvalidArgument(f"a tensor on {obj.device} registered as {device}")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), obj, str(obj.device)
+    is_raw = isinstance(obj, tuple)
+    if device and not is_raw:
+        raise InvalidArgument("device= is for raw (address, length) device memory only")
+    addr, n, keep = address_of(obj)
+    return addr, n, keep, device
 
 
 SHM_DIR = "/dev/shm"
@@ -250,7 +276,7 @@ class MemoryTable:
         """Bounds-checked writable view of [addr, addr+length) (memory regions only)."""
         r = self.find(addr, length)
         if r.view is None:
-            raise InvalidArgument(f"{addr:#x} is in a file region; it has no memory view")
+            raise InvalidArgument(f"{addr:#x} is in a {r.kind} region; it has no memory view")
         off = addr - r.addr
         return r.view[off:off + length]
 

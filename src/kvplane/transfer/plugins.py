@@ -33,6 +33,7 @@ TRANSPORTS.register("shm", "kvplane.transfer.transports.shm:ShmTransport")
 TRANSPORTS.register("file", "kvplane.transfer.transports.file:FileTransport")
 TRANSPORTS.register("local", "kvplane.transfer.transports.local:LocalTransport")
 TRANSPORTS.register("nixl", "kvplane.transfer.transports.nixl:NixlTransport")
+TRANSPORTS.register("cudaipc", "kvplane.transfer.transports.cuda_ipc:CudaIpcTransport")
 
 
 def load(name: str) -> type[Transport]:

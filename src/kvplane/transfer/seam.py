@@ -38,6 +38,10 @@ class Capabilities:
             generations against its fence table (retired ones included) and tenant grants.
         fallbacks: transports (registry names, in order) that slices it FAILED go to under
             protocol "auto" (TENT-style failover); the first loaded one reaching the target.
+        device_kinds: kinds of device ("cuda": the part of a device name before ":") whose
+            local memory it moves by itself: it gets those requests as
+            :class:`~kvplane.transfer.batch.DeviceSlice` (no view; ``addr`` on ``device``),
+            one per request. Requests from other device memory reach it through host staging.
     """
 
     same_host_only: bool = False
@@ -46,6 +50,7 @@ class Capabilities:
     sliced: bool = False
     via_listener: bool = False
     fallbacks: tuple[str, ...] = ()
+    device_kinds: tuple[str, ...] = ()
 
 
 class Route(NamedTuple):

@@ -14,6 +14,14 @@ one of ``extra_tokens`` is bound to that token's tenant identity (``grants.tenan
 every READ, WRITE, READV/WRITEV entry and RETIRE generation it sends is checked against the
 grants its tenant installed (``grants.GrantTable``, ``OP_GRANT``) before any byte moves. The
 listener's own token (the service token) needs no grant.
+
+A READ or WRITE frame on a device region (no host view) is staged through the engine's device
+lanes (``kvplane.transfer.staging``): a READ's bytes are copied to host staging chunk by chunk
+before they are sent (a failed first copy answers an error; a later one drops the connection,
+the answer having begun), a WRITE's bytes are received into staging and copied to the device,
+and the WRITE is acknowledged only after every copy finished (else answered with the device's
+error). READV/WRITEV entries on device regions are refused per entry (the initiator sends
+device ranges as READ/WRITE frames).
 """
 
 from __future__ import annotations
@@ -26,15 +34,19 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from contextlib import closing
 
 from kvplane.common import metrics
-from kvplane.common.errors import Fenced, KVPlaneError, ProtocolError, Unauthorized
+from kvplane.common.deadline import Deadline
+from kvplane.common.errors import Fenced, InvalidArgument, KVPlaneError, ProtocolError, Unauthorized
 from kvplane.common.guard import Limits, PeerLog
 from kvplane.common.listener import Listener
 from kvplane.transfer import grants as grant_mod
 from kvplane.transfer import protocol
 from kvplane.transfer.fence import Fence
 from kvplane.transfer.memory import MemoryTable, Region
+from kvplane.transfer.staging import DeviceLanes
+from kvplane.transfer.types import RegionKind
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +79,16 @@ class DataServer:
         require_grants: a connection authenticated with one of ``extra_tokens`` moves bytes
             only under grants (see the module docstring); False: any authenticated peer may
             read and write any registered address (plain transfer-engine use).
+        lanes: the engine's device staging, for frames on device regions (None: refused).
     """
 
     def __init__(self, memory: MemoryTable, describe: Callable[[], bytes], host: str = "127.0.0.1",
                  port: int = 0, token: str = "", max_frame: int = 256 << 20,
                  max_connections: int = 512, limits: Limits | None = None,
-                 extra_tokens: tuple[str, ...] = (), require_grants: bool = False) -> None:
+                 extra_tokens: tuple[str, ...] = (), require_grants: bool = False,
+                 lanes: DeviceLanes | None = None) -> None:
         self.memory = memory
+        self.lanes = lanes
         self._describe = describe
         self._tokens = [t.encode() for t in (token, *extra_tokens) if t]
         # per token, the tenant identity its connections are bound to (None: needs no grant)
@@ -236,9 +251,36 @@ class DataServer:
             protocol.send_all(conn, [protocol.pack_resp(0, rid, length)])
             _sendfile(conn, region, addr - region.addr, length)
             return
+        if region.kind == RegionKind.DEVICE:
+            self._read_device(conn, rid, region, addr, length)
+            return
         off = addr - region.addr
         protocol.send_all(conn, [protocol.pack_resp(0, rid, length),
                                  region.view[off:off + length]])  # type: ignore[index]  # file regions returned above
+
+    def _read_device(self, conn: socket.socket, rid: int, region: Region, addr: int,
+                     length: int) -> None:
+        """A READ of device memory: each chunk copied to host staging, then sent."""
+        if self.lanes is None:
+            self._error(conn, rid, InvalidArgument("this listener serves no device memory"))
+            return
+        try:
+            chunks = self.lanes.serve_read(region, addr, length, Deadline.after(PAYLOAD_TIMEOUT))
+        except KVPlaneError as exc:
+            self._error(conn, rid, exc)
+            return
+        with closing(chunks):
+            try:
+                first = next(chunks)
+            except KVPlaneError as exc:  # nothing sent yet: the initiator gets the error
+                self._error(conn, rid, exc)
+                return
+            protocol.send_all(conn, [protocol.pack_resp(0, rid, length), first])
+            try:
+                for view in chunks:
+                    protocol.send_all(conn, [view])
+            except KVPlaneError as exc:  # mid-answer: only dropping the connection tells
+                raise _Reject("device_copy", f"device copy failed mid-READ: {exc}") from exc
 
     def _readv(self, conn: socket.socket, rid: int, count: int, length: int,
                tid: bytes | None = None) -> None:
@@ -322,21 +364,43 @@ class DataServer:
             self._error(conn, rid, exc)
             return
         off = addr - region.addr
+        failed: KVPlaneError | None = None
         try:
             if region.kind == "file":
                 _recv_to_file(conn, region, off, length)
+            elif region.kind == RegionKind.DEVICE:
+                failed = self._write_device(conn, region, addr, length)
             else:
                 protocol.recv_exact(conn, region.view[off:off + length])  # type: ignore[index]  # not a file region: it has a view
         finally:
             self.fence.end_write(gen)
+        if failed is not None:
+            self._error(conn, rid, failed)
+            return
         conn.sendall(protocol.pack_resp(0, rid, 0))
 
+    def _write_device(self, conn: socket.socket, region: Region, addr: int, length: int
+                      ) -> KVPlaneError | None:
+        """Receive a WRITE's payload for device memory through staging; returns once every
+        copy to the device finished, with the error of a failed one (the payload is received
+        whole either way)."""
+        if self.lanes is None:
+            _drain(conn, length)
+            return InvalidArgument("this listener serves no device memory")
+        return self.lanes.serve_write(region, addr, length, Deadline.after(PAYLOAD_TIMEOUT),
+                                      lambda view: protocol.recv_exact(conn, view))
+
     def _find(self, last: Region | None, addr: int, n: int) -> Region:
-        """The region holding [addr, addr+n): ``last`` when it does (the entries of one frame
-        mostly share a region), else looked up (raises AddressNotRegistered)."""
+        """The region holding [addr, addr+n) for a READV/WRITEV entry: ``last`` when it does
+        (the entries of one frame mostly share a region), else looked up (raises
+        AddressNotRegistered; InvalidArgument for device memory, which READ/WRITE frames
+        stage and vectored entries never do)."""
         if last is not None and last.addr <= addr and addr + n <= last.end:
             return last
-        return self.memory.find(addr, n)
+        region = self.memory.find(addr, n)
+        if region.kind == RegionKind.DEVICE:
+            raise InvalidArgument(f"{addr:#x} is device memory: READ/WRITE frames only")
+        return region
 
     def _retire(self, conn: socket.socket, rid: int, count: int, length: int,
                 tid: bytes | None = None) -> None:

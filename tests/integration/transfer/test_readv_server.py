@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from kvplane.common.errors import AddressNotRegistered, Fenced
+from kvplane.common.errors import AddressNotRegistered, Fenced, InvalidArgument
 from kvplane.transfer import protocol
 from kvplane.transfer.fence import EPOCH_SHIFT
 from kvplane.transfer.memory import MemoryTable, Region
@@ -216,3 +216,22 @@ def test_a_retired_generation_is_refused_from_the_answer_on(server):
         assert struct.unpack("<2i", recv_n(sock, 8)) == (Fenced.code, 0)
         assert recv_n(sock, 16) == bytes(data[16:32])
     assert srv.fence.fenced(old) is False  # retired, not fenced: the master's fences stay apart
+
+
+def test_readv_and_writev_entries_on_device_memory_are_refused_one_by_one(server):
+    """A device region has no view: its READV/WRITEV entries get InvalidArgument, the others
+    are served, and the connection stays in sync (READ/WRITE frames are staged instead)."""
+    srv, data = server
+    dev = 0x7D00_0000_0000_0000
+    srv.memory.add(Region(dev, 4096, None, kind="dev", device="standin:0"))
+    with connect(srv) as sock:
+        readv(sock, [(dev + 8, 16, 0), (BASE + 20, 4, 0)])
+        assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:] == (0, 7, 4)
+        assert struct.unpack("<2i", recv_n(sock, 8)) == (InvalidArgument.code, 0)
+        assert recv_n(sock, 4) == bytes(data[20:24])
+        table = protocol.READV_ENTRY.pack(dev, 3, 0) + protocol.READV_ENTRY.pack(BASE, 3, 0)
+        sock.sendall(protocol.pack_req(protocol.OP_WRITEV, 9, 2, len(table) + 6) + table
+                     + b"abcxyz")
+        assert protocol.RESP.unpack(recv_n(sock, protocol.RESP.size))[1:] == (0, 9, 8)
+        assert struct.unpack("<2i", recv_n(sock, 8)) == (InvalidArgument.code, 0)
+        assert bytes(data[:3]) == b"xyz"

@@ -25,8 +25,8 @@ class LocalTransport(Transport):
     capabilities = Capabilities(same_host_only=True, priority=4, any_protocol=True)
 
     def can_reach(self, route: Route) -> bool:
-        return (route.same_host and route.segment.pid == os.getpid()
-                and route.segment.name == self.ctx.segment and route.region.kind != "file")
+        return (route.same_host and route.segment.pid == os.getpid()  # device memory: no view
+                and route.segment.name == self.ctx.segment and route.region.kind not in ("file", "dev"))
 
     def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
         for s in slices:

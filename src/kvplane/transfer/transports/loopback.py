@@ -27,7 +27,8 @@ class LoopbackTransport(Transport):
         self.fast = 0  # items served by the one-item capability
 
     def can_reach(self, route: Route) -> bool:
-        return route.segment.pid == os.getpid() and route.region.kind != RegionKind.FILE
+        return (route.segment.pid == os.getpid()
+                and route.region.kind not in (RegionKind.FILE, RegionKind.DEVICE))
 
     def run(self, route: Route, slices: list[Slice], deadline: Deadline) -> None:
         for s in slices:

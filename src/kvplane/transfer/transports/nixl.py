@@ -3,7 +3,9 @@ picks RDMA, GPUDirect, CUDA IPC, shared memory or TCP by what the hardware has.
 
 * One agent per engine. Every region the engine registers is registered with the agent too
   (host memory as DRAM, ``cuda:N`` device regions as VRAM on device N); file regions and
-  other devices are not, and routes to them go to the engine's other transports.
+  other devices are not, and routes to them go to the engine's other transports. Requests
+  from local ``cuda:N`` memory come as DeviceSlices (``Capabilities.device_kinds``) and move
+  VRAM to wherever directly; their fallback (TCP) stages them through host memory.
 * The agent's metadata (its UCX address and the remote keys of its regions) is this
   transport's *advert*: it travels in the segment descriptor, so every metadata backend
   (P2PHANDSHAKE, HTTP, etcd, Redis) carries it. A peer loads it on its first route to the
@@ -162,7 +164,7 @@ class NixlTransport(Transport):
     """One-sided transfers through a NIXL agent (see the module docstring)."""
 
     name = "nixl"
-    capabilities = Capabilities(priority=2, fallbacks=("tcp",))
+    capabilities = Capabilities(priority=2, fallbacks=("tcp",), device_kinds=("cuda",))
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
@@ -282,22 +284,24 @@ class NixlTransport(Transport):
     def _move(self, peer: str, op: OpCode, slices: list[Slice], where: list[RegionDesc],
               group: list[int], out: dict[int, tuple[TransferStatus, str]],
               deadline: Deadline) -> None:
-        """One NIXL request per remote memory type for ``group``; failures go to ``out``."""
+        """One NIXL request per (local, remote) memory type for ``group``; failures go to
+        ``out``. A DeviceSlice's local side is VRAM at its ``addr`` (a local ``cuda:N``
+        region, registered as VRAM), any other slice's is DRAM at its view."""
         if deadline.expired():
             for i in group:
                 out[i] = (TransferStatus.TIMEOUT, "deadline passed")
             return
-        by_type: dict[tuple[str, int], list[int]] = {}
+        by_type: dict[tuple[tuple[str, int], tuple[str, int]], list[int]] = {}
         for i in group:
-            mt = _mem_type(where[i].device)
-            assert mt is not None  # checked by run
-            by_type.setdefault(mt, []).append(i)
-        for (mem, dev), part in by_type.items():
-            local = np.array([(_addr_of(slices[i].local), slices[i].length, 0) for i in part],
-                             dtype=np.uint64)
+            mt, lt = _mem_type(where[i].device), _mem_type(slices[i].device)
+            assert mt is not None and lt is not None  # checked by run; device_kinds: cuda only
+            by_type.setdefault((lt, mt), []).append(i)
+        for ((lmem, ldev), (mem, dev)), part in by_type.items():
+            local = np.array([(slices[i].addr if slices[i].device else _addr_of(slices[i].local),
+                               slices[i].length, ldev) for i in part], dtype=np.uint64)
             remote = np.array([(slices[i].remote, slices[i].length, dev) for i in part],
                               dtype=np.uint64)
-            err = self._post(peer, "READ" if op == OpCode.READ else "WRITE", local, "DRAM",
+            err = self._post(peer, "READ" if op == OpCode.READ else "WRITE", local, lmem,
                              remote, mem, deadline)
             if err is not None:
                 for i in part:

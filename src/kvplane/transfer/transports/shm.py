@@ -110,8 +110,8 @@ class ShmTransport(Transport):
         self._cma_ok: bool | None = None
 
     def can_reach(self, route: Route) -> bool:
-        if not route.same_host or route.region.kind == "file":
-            return False
+        if not route.same_host or route.region.kind in ("file", "dev"):
+            return False  # device memory cannot be mapped nor read with CMA: its listener serves it
         if route.region.kind == "shm":
             with self._lock:
                 hit = self._maps.get(route.region.shm)
