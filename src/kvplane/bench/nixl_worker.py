@@ -93,7 +93,8 @@ class RawNixl:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the cells against a spawned target; exit status 0 when the bytes verified."""
+    """Run the cells against a spawned target; exit status 0 when the bytes verified and the
+    target exited cleanly."""
     a = options(__doc__).parse_args(argv)
     label = a.label or "nixl-raw"
     nbytes = a.buf_mb << 20
@@ -116,12 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             agent.remove_remote_agent(peer)
             agent.deregister_memory(reg)
-        return 0 if ok else 1
     finally:
         parent.send("stop")
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+    if proc.exitcode != 0:  # e.g. -11: UCX's crash at exit, which avoid_exit_crash prevents
+        print(f"nixl-raw target exited with {proc.exitcode}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
