@@ -1,4 +1,5 @@
-"""Transfer engine benchmark: kvplane tcp/shm vs real Mooncake TCP vs raw socket and memcpy.
+"""Transfer engine benchmark: kvplane tcp/shm/nixl vs real Mooncake TCP and bare NIXL agents vs
+raw socket and memcpy.
 
 Usage: python benchmarks/transfer.py [kvplane bench transfer options]
 (e.g. --sizes 4KiB,64KiB,1MiB --duration 0.5 --json). See ``kvplane bench transfer --help``.

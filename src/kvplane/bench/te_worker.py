@@ -44,6 +44,15 @@ def _target(conn, impl: str, protocol: str, buf_bytes: int, managed: bool) -> No
     del keep
 
 
+def _kvplane_slices() -> dict:
+    """Slices each kvplane transport was handed in this process (which one moved the bytes)."""
+    from kvplane.common import metrics
+
+    return {"slices": {smp.labels["transport"]: smp.value
+                       for m in metrics.TRANSFER_SLICES.collect() for smp in m.samples
+                       if smp.name.endswith("_total")}}
+
+
 def _pct(v: list[int], q: float) -> float:
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))] / 1e3 if v else float("nan")
 
@@ -74,11 +83,44 @@ def measure(te, ep: str, lp: int, rp: int, nbytes: int, size: int, k: int, op: s
                 gb_s=len(lat) * k * size / el / 1e9, p50_us=_pct(lat, .5), p99_us=_pct(lat, .99))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--impl", choices=["kvplane", "mooncake"], default="kvplane")
-    ap.add_argument("--protocol", default="tcp")
-    ap.add_argument("--managed", action="store_true", help="target memory from allocate_managed_buffer")
+def run_cells(te, ep: str, lp: int, raddr: int, loc: np.ndarray, a: argparse.Namespace,
+              label: str, extra=dict) -> bool:
+    """Warm up, print one JSON row per (size, op, batch) cell, then check the bytes; prints and
+    returns the verdict (with the fields ``extra()`` returns). ``te`` is anything with
+    Mooncake's four sync transfer calls."""
+    nbytes = loc.nbytes
+    # connect and warm up both directions (not measured): first calls pay one-time costs
+    for op in ("write", "read"):
+        measure(te, ep, lp, raddr, nbytes, 4096, 1, op, min(0.3, a.duration), 1)
+    for size in (int(s) for s in a.sizes.split(",")):
+        for op in a.ops.split(","):
+            for b in (int(x) for x in a.batches.split(",")):
+                k = max(1, min(b, nbytes // size))
+                if b > 1 and k == 1:
+                    continue
+                res = measure(te, ep, lp, raddr, nbytes, size, k, op, a.duration, a.min_calls)
+                res.update(impl=label, batch_asked=b)
+                print(json.dumps(res), flush=True)
+    ok = verify(te, ep, lp, raddr, loc)
+    print(json.dumps(dict(impl=label, verified=ok, **extra())), flush=True)
+    return ok
+
+
+def verify(te, ep: str, lp: int, raddr: int, loc: np.ndarray) -> bool:
+    """A fresh pattern written, then read back into zeroed memory."""
+    n = min(loc.nbytes, 1 << 20)
+    loc[:n] = 0x3C
+    if te.transfer_sync_write(ep, lp, raddr, n) != 0:
+        raise RuntimeError("verify write failed")
+    loc[:n] = 0
+    if te.transfer_sync_read(ep, lp, raddr, n) != 0:
+        raise RuntimeError("verify read failed")
+    return bool((loc[:n] == 0x3C).all())
+
+
+def options(description: str | None) -> argparse.ArgumentParser:
+    """The options every worker takes (cells, buffer, timing)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--label", default=None)
     ap.add_argument("--sizes", default="4096,65536,1048576,16777216,67108864")
     ap.add_argument("--batches", default="1,32")
@@ -86,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buf-mb", type=int, default=512)
     ap.add_argument("--duration", type=float, default=1.0)
     ap.add_argument("--min-calls", type=int, default=3)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = options(__doc__)
+    ap.add_argument("--impl", choices=["kvplane", "mooncake"], default="kvplane")
+    ap.add_argument("--protocol", default="tcp")
+    ap.add_argument("--managed", action="store_true", help="target memory from allocate_managed_buffer")
     a = ap.parse_args(argv)
     label = a.label or f"{a.impl}-{a.protocol}"
     nbytes = a.buf_mb << 20
@@ -107,28 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         lp = loc.ctypes.data
         if te.register_memory(lp, nbytes) != 0:
             raise RuntimeError("register_memory failed")
-        # connect and warm up both directions (not measured): first calls pay one-time costs
-        for op in ("write", "read"):
-            measure(te, ep, lp, raddr, nbytes, 4096, 1, op, min(0.3, a.duration), 1)
-        for size in (int(s) for s in a.sizes.split(",")):
-            for op in a.ops.split(","):
-                for b in (int(x) for x in a.batches.split(",")):
-                    k = max(1, min(b, nbytes // size))
-                    if b > 1 and k == 1:
-                        continue
-                    res = measure(te, ep, lp, raddr, nbytes, size, k, op, a.duration, a.min_calls)
-                    res.update(impl=label, batch_asked=b)
-                    print(json.dumps(res), flush=True)
-        # correctness: a fresh pattern written then read back into zeroed memory
-        n = min(nbytes, 1 << 20)
-        loc[:n] = 0x3C
-        if te.transfer_sync_write(ep, lp, raddr, n) != 0:
-            raise RuntimeError("verify write failed")
-        loc[:n] = 0
-        if te.transfer_sync_read(ep, lp, raddr, n) != 0:
-            raise RuntimeError("verify read failed")
-        ok = bool((loc[:n] == 0x3C).all())
-        print(json.dumps(dict(impl=label, verified=ok)), flush=True)
+        ok = run_cells(te, ep, lp, raddr, loc, a, label,
+                       _kvplane_slices if a.impl == "kvplane" else dict)
         return 0 if ok else 1
     finally:
         parent.send("stop")

@@ -1,13 +1,19 @@
-"""``kvplane bench transfer``: kvplane tcp/shm vs real Mooncake vs the machine's limits, in one run.
+"""``kvplane bench transfer``: kvplane tcp/shm/nixl vs real Mooncake and bare NIXL vs the
+machine's limits, in one run.
 
-Every side runs the same loop (``te_worker``) in two processes. Real Mooncake is measured when
-an interpreter with ``mooncake`` is found (``--mooncake-python`` or /tmp/mc-venv/bin/python).
+Every side runs the same loop (``te_worker.run_cells``) in two processes. Real Mooncake is
+measured when an interpreter with ``mooncake`` is found (``--mooncake-python`` or
+/tmp/mc-venv/bin/python); the NIXL sides when ``nixl_cu12`` is installed: ``kvplane-nixl``
+(kvplane's engine, protocol ``nixl``) and ``nixl-raw`` (two bare ``nixl_agent`` s,
+``nixl_worker``), each with UCX's default transports or, suffixed, a fixed ``UCX_TLS``
+(:data:`UCX_VARIANTS`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,8 +24,13 @@ from typing import Any
 from kvplane.bench import limits
 from kvplane.common.extras import pyplot
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_worker.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "te_worker.py")
+NIXL_WORKER = os.path.join(HERE, "nixl_worker.py")
 DEFAULT_MC_PYTHON = "/tmp/mc-venv/bin/python"
+# the NIXL sides' suffixes: "" runs under UCX's own choice of transports (UCX_TLS unset)
+UCX_VARIANTS = {"": "", "-shmtcp": "shm,tcp", "-tcp": "tcp"}
+NIXL_SIDE = re.compile(r"^(kvplane-nixl|nixl-raw)(|-shmtcp|-tcp)$")
 
 
 @dataclass
@@ -32,8 +43,10 @@ class Options:
     buf_mb: int = 512
     duration: float = 1.0
     mooncake_python: str | None = None
-    impls: list[str] = field(default_factory=lambda: ["limits", "kvplane-tcp", "kvplane-shm", "mooncake-tcp"])
-    repeat: int = 1  # run every side this many times, interleaved; keep each cell's best
+    impls: list[str] = field(default_factory=lambda: ["limits", "kvplane-tcp", "kvplane-shm", "mooncake-tcp",
+                                                      "kvplane-nixl", "nixl-raw"])
+    repeat: int = 1  # run every side this many times, interleaved
+    stat: str = "best"  # per cell over the repeats: "best" (highest GB/s) or "median"
 
 
 def find_mooncake_python(hint: str | None) -> str | None:
@@ -48,29 +61,51 @@ def find_mooncake_python(hint: str | None) -> str | None:
 
 
 def _worker(python: str, impl: str, protocol: str, label: str, opt: Options,
-            managed: bool = False, timeout: float = 1200) -> list[dict]:
-    cmd = [python, WORKER, "--impl", impl, "--protocol", protocol, "--label", label,
-           "--sizes", ",".join(map(str, opt.sizes)), "--batches", ",".join(map(str, opt.batches)),
-           "--ops", ",".join(opt.ops), "--buf-mb", str(opt.buf_mb), "--duration", str(opt.duration)]
+            managed: bool = False, timeout: float = 1200, script: str = WORKER,
+            ucx_tls: str | None = None) -> list[dict]:
+    """Run one side's worker; its cell rows (the final verified row checked and dropped).
+    ``ucx_tls``: None leaves UCX_TLS as it is, "" unsets it, else sets it."""
+    cmd = [python, script, "--label", label, "--sizes", ",".join(map(str, opt.sizes)),
+           "--batches", ",".join(map(str, opt.batches)), "--ops", ",".join(opt.ops),
+           "--buf-mb", str(opt.buf_mb), "--duration", str(opt.duration)]
+    if script == WORKER:
+        cmd += ["--impl", impl, "--protocol", protocol]
     if managed:
         cmd.append("--managed")
     env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2")
+    if ucx_tls is not None:
+        env.pop("UCX_TLS", None)
+        if ucx_tls:
+            env["UCX_TLS"] = ucx_tls
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not rows or not rows[-1].get("verified"):
         raise RuntimeError(f"{label} worker failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
+    moved = rows[-1].get("slices")
+    if protocol == "nixl" and not (moved or {}).get("nixl"):
+        raise RuntimeError(f"{label}: no slice went over the nixl transport ({moved})")
     return rows[:-1]
 
 
 def best_of(runs: list[list[dict]], key: tuple[str, ...]) -> list[dict]:
     """Merge repeated runs: per cell (``key`` fields) keep the row with the highest GB/s."""
-    best: dict[tuple, dict] = {}
+    return merged(runs, key, "best")
+
+
+def merged(runs: list[list[dict]], key: tuple[str, ...], stat: str) -> list[dict]:
+    """Merge repeated runs per cell (``key`` fields): the row with the highest GB/s
+    (``stat="best"``) or the median one (``"median"``; the lower middle for an even count),
+    with ``runs`` and the cell's spread (``gb_s_min``, ``gb_s_max``)."""
+    cells: dict[tuple, list[dict]] = {}
     for rows in runs:
         for r in rows:
-            k = tuple(r.get(f) for f in key)
-            if k not in best or r["gb_s"] > best[k]["gb_s"]:
-                best[k] = dict(r, runs=len(runs))
-    return list(best.values())
+            cells.setdefault(tuple(r.get(f) for f in key), []).append(r)
+    out = []
+    for rows in cells.values():
+        rows = sorted(rows, key=lambda r: r["gb_s"])
+        pick = rows[-1] if stat == "best" else rows[(len(rows) - 1) // 2]
+        out.append(dict(pick, runs=len(rows), gb_s_min=rows[0]["gb_s"], gb_s_max=rows[-1]["gb_s"]))
+    return out
 
 
 def numbered(progress: Callable[[str], None], i: int, n: int) -> Callable[[str], None]:
@@ -79,11 +114,14 @@ def numbered(progress: Callable[[str], None], i: int, n: int) -> Callable[[str],
 
 
 def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """Measure every side ``opt.repeat`` times (interleaved); best row per cell."""
+    """Measure every side ``opt.repeat`` times (interleaved: round i runs every side before
+    round i+1 starts); per cell the best or the median row (``opt.stat``)."""
+    if opt.stat not in ("best", "median"):
+        raise ValueError(f"stat {opt.stat!r}: choose best or median")
     runs = []
     for i in range(max(1, opt.repeat)):
         runs.append(run_once(opt, numbered(progress, i, opt.repeat)))
-    return best_of(runs, ("impl", "op", "size", "batch"))
+    return merged(runs, ("impl", "op", "size", "batch"), opt.stat)
 
 
 def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
@@ -111,11 +149,40 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
         else:
             progress("mooncake tcp")
             rows += _worker(mc, "mooncake", "tcp", "mooncake-tcp", opt)
+    nixl = [i for i in opt.impls if _variant(i) is not None]
+    if nixl:
+        rows += _nixl_sides(nixl, opt, progress)
+    return rows
+
+
+def _variant(impl: str) -> str | None:
+    """The UCX variant suffix of a NIXL side ("" for UCX's default), None for other sides."""
+    m = NIXL_SIDE.match(impl)
+    return m.group(2) if m else None
+
+
+def _nixl_sides(impls: list[str], opt: Options, progress: Callable[[str], None]) -> list[dict]:
+    """The NIXL sides asked for, or one skip line when ``nixl_cu12`` is not installed."""
+    from kvplane.transfer.fabric import INSTALL_HINT, nixl_package
+
+    if nixl_package() is None:
+        progress(f"nixl not installed: {', '.join(impls)} skipped ({INSTALL_HINT})")
+        return []
+    rows: list[dict] = []
+    for impl in impls:
+        tls = UCX_VARIANTS[_variant(impl) or ""]
+        progress(f"{impl} (UCX_TLS={tls or 'unset'})")
+        if impl.startswith("nixl-raw"):
+            got = _worker(sys.executable, "nixl", "", impl, opt, script=NIXL_WORKER, ucx_tls=tls)
+        else:
+            got = _worker(sys.executable, "kvplane", "nixl", impl, opt, ucx_tls=tls)
+        rows += [dict(r, ucx_tls=tls or "default") for r in got]
     return rows
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (op, size, batch): kvplane tcp vs raw socket and vs Mooncake; shm vs memcpy."""
+    """Per (op, size, batch): kvplane tcp vs raw socket and vs Mooncake; shm vs memcpy (rows
+    ``side="kvplane-tcp"``); then the NIXL rows of :func:`nixl_ratios`."""
     idx = {(r["impl"], r["op"], r["size"], r["batch"]): r for r in rows}
     lim = {(r["impl"], r["size"]): r for r in rows if r["impl"] in ("memcpy", "raw-socket")}
     out = []
@@ -128,7 +195,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         raw = lim.get(("raw-socket", r["size"]))
         cpy = lim.get(("memcpy", r["size"]))
         out.append(dict(
-            op=r["op"], size=r["size"], batch=r["batch"],
+            side="kvplane-tcp", op=r["op"], size=r["size"], batch=r["batch"],
             tcp_gb_s=r["gb_s"], tcp_ops_s=r["ops_s"],
             tcp_vs_raw=r["gb_s"] / raw["gb_s"] if raw else None,
             tcp_vs_mooncake=r["gb_s"] / mc["gb_s"] if mc else None,
@@ -136,12 +203,41 @@ def ratios(rows: list[dict]) -> list[dict]:
             shm_gb_s=shm["gb_s"] if shm else None,
             shm_vs_memcpy=shm["gb_s"] / cpy["gb_s"] if shm and cpy else None,
         ))
+    return out + nixl_ratios(rows)
+
+
+def _ratio(a: dict | None, b: dict | None) -> float | None:
+    return a["gb_s"] / b["gb_s"] if a and b and b["gb_s"] else None
+
+
+def nixl_ratios(rows: list[dict]) -> list[dict]:
+    """Per UCX variant and (op, size, batch): kvplane nixl vs bare NIXL (same UCX_TLS), and
+    each vs the raw socket and memcpy of the block size."""
+    idx = {(r["impl"], r["op"], r["size"], r["batch"]): r for r in rows}
+    lim = {(r["impl"], r["size"]): r for r in rows if r["impl"] in LIMITS}
+    cells = sorted({(v, r["op"], r["size"], r["batch"])
+                    for r in rows if (v := _variant(r["impl"])) is not None},
+                   key=lambda c: (c[0], c[2], c[1] != "write", c[3]))
+    out = []
+    for suffix, op, size, batch in cells:
+        kv = idx.get((f"kvplane-nixl{suffix}", op, size, batch))
+        raw = idx.get((f"nixl-raw{suffix}", op, size, batch))
+        sock, cpy = lim.get(("raw-socket", size)), lim.get(("memcpy", size))
+        out.append(dict(
+            side=f"nixl{suffix}", ucx_tls=UCX_VARIANTS[suffix] or "default", op=op, size=size,
+            batch=batch, kvplane_gb_s=kv["gb_s"] if kv else None,
+            kvplane_ops_s=kv["ops_s"] if kv else None, raw_gb_s=raw["gb_s"] if raw else None,
+            raw_ops_s=raw["ops_s"] if raw else None, kvplane_vs_raw=_ratio(kv, raw),
+            kvplane_vs_socket=_ratio(kv, sock), raw_vs_socket=_ratio(raw, sock),
+            kvplane_vs_memcpy=_ratio(kv, cpy), raw_vs_memcpy=_ratio(raw, cpy)))
     return out
 
 
 LIMITS = ("raw-socket", "memcpy")
 COLORS = {"kvplane-tcp": "tab:blue", "kvplane-shm": "tab:green", "mooncake-tcp": "tab:red",
-          "raw-socket": "0.35", "memcpy": "0.65"}
+          "kvplane-nixl": "tab:orange", "kvplane-nixl-shmtcp": "tab:brown",
+          "kvplane-nixl-tcp": "tab:pink", "nixl-raw": "tab:olive", "nixl-raw-shmtcp": "tab:cyan",
+          "nixl-raw-tcp": "tab:gray", "raw-socket": "0.35", "memcpy": "0.65"}
 
 
 def layout(rows: list[dict]) -> tuple[str, dict[str, list[tuple[str, str, list[tuple[int, float]]]]]]:
@@ -166,6 +262,8 @@ def layout(rows: list[dict]) -> tuple[str, dict[str, list[tuple[str, str, list[t
     sides = ["kvplane transfer engine"]
     if any(r["impl"].startswith("mooncake") for r in engines):
         sides.append("Mooncake TCP")
+    if any(r["impl"].startswith("nixl-raw") for r in engines):
+        sides.append("NIXL raw")
     if limits:
         sides.append("the machine's limits")
     return " vs ".join(sides), panels

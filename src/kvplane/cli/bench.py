@@ -32,7 +32,7 @@ def _measure(bench: Any, opt: Any, plot: str,
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
                   disable=as_json) as prog:
         task = prog.add_task("starting", total=None)
-        rows = bench.run(opt, progress=lambda s: prog.update(task, description=s))
+        rows = bench.run(opt, progress=lambda s: _progress(prog, task, s))
     ratio_rows = bench.ratios(rows)
     if plot:
         bench.plot(rows, plot)
@@ -42,6 +42,13 @@ def _measure(bench: Any, opt: Any, plot: str,
         for r in ratio_rows:
             print(json.dumps({"ratio": True, **r}))
     return rows, ratio_rows
+
+
+def _progress(prog: Any, task: Any, line: str) -> None:
+    """Show ``line`` as the spinner's text; a side's skip line is also printed, so it stays."""
+    if " skipped " in line or line.endswith(" skipped"):
+        prog.console.print(line, markup=False, highlight=False, soft_wrap=True)
+    prog.update(task, description=line)
 
 
 def _fmt(v: float | None, unit: str = "") -> str:
@@ -55,25 +62,34 @@ def transfer(
     ops: str = typer.Option("write,read", help="Directions."),
     buf_mb: int = typer.Option(512, help="Registered buffer per side, MiB."),
     duration: float = typer.Option(1.0, help="Seconds per cell."),
-    impls: str = typer.Option("limits,kvplane-tcp,kvplane-shm,mooncake-tcp", help="Sides to measure."),
+    impls: str = typer.Option("limits,kvplane-tcp,kvplane-shm,mooncake-tcp,kvplane-nixl,nixl-raw",
+                              help="Sides to measure. NIXL sides: kvplane-nixl, nixl-raw, each also "
+                                   "with -shmtcp (UCX_TLS=shm,tcp) or -tcp (UCX_TLS=tcp); "
+                                   "unsuffixed, UCX picks its transports."),
     mooncake_python: str = typer.Option(None,
                                         help="Python with mooncake installed (default "
                                              "/tmp/mc-venv/bin/python)."),
     repeat: int = typer.Option(1, help="Run every side N times, interleaved; keep each cell's best (noisy "
-                                       "machines)."),
+                                       "machines) or median (--stat)."),
+    stat: str = typer.Option("best", help="Per cell over the repeats: best or median."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per row instead of tables."),
     plot: str = typer.Option("transfer_bench.png",
                              help="Where to write the GB/s-vs-block-size plot ('' for none)."),
 ) -> None:
-    """Transfer engine: kvplane tcp and shm vs real Mooncake TCP vs raw socket and memcpy.
+    """Transfer engine: kvplane tcp, shm and nixl vs real Mooncake TCP and bare NIXL vs raw
+    socket and memcpy.
 
-    Every side runs the same two-process loop; ratios are printed at the end.
+    Every side runs the same two-process loop; ratios are printed at the end. A side whose
+    package is missing (Mooncake, nixl_cu12) is skipped with one line saying why.
     """
     from kvplane.bench import transfer as tb
 
     opt = tb.Options(sizes=_ints(sizes), batches=[int(b) for b in batches.split(",")],
                      ops=ops.split(","), buf_mb=buf_mb, duration=duration,
-                     mooncake_python=mooncake_python, impls=impls.split(","), repeat=repeat)
+                     mooncake_python=mooncake_python, impls=impls.split(","), repeat=repeat,
+                     stat=stat)
+    if stat not in ("best", "median"):
+        raise typer.BadParameter(f"{stat!r}: choose best or median", param_hint="--stat")
     rows, ratio_rows = _measure(tb, opt, plot, as_json)
     if as_json:
         return
@@ -88,12 +104,28 @@ def transfer(
     rt = Table(title="ratios (kvplane tcp / raw socket, / Mooncake tcp; shm / memcpy)")
     for c in ("op", "size", "batch", "tcp GB/s", "tcp/raw", "tcp/mooncake", "shm/memcpy"):
         rt.add_column(c)
-    for r in ratio_rows:
+    for r in (r for r in ratio_rows if r["side"] == "kvplane-tcp"):
         rt.add_row(r["op"], str(r["size"]), str(r["batch"]), f"{r['tcp_gb_s']:.3f}",
                    _fmt(r["tcp_vs_raw"]), _fmt(r["tcp_vs_mooncake"]), _fmt(r["shm_vs_memcpy"]))
     out.print(rt)
+    nixl = [r for r in ratio_rows if r["side"].startswith("nixl")]
+    if nixl:
+        out.print(_nixl_table(nixl))
     if plot:
         out.print(f"plot written to {plot}")
+
+
+def _nixl_table(rows: list[dict[str, Any]]) -> Table:
+    """The NIXL ratios: kvplane nixl / NIXL raw (same UCX_TLS), each / raw socket and / memcpy."""
+    t = Table(title="NIXL ratios (kvplane nixl / NIXL raw, same UCX_TLS; each / raw socket, / memcpy)")
+    for c in ("UCX_TLS", "op", "size", "batch", "kvplane GB/s", "raw GB/s", "kv/raw", "kv/socket",
+              "raw/socket", "kv/memcpy", "raw/memcpy"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["ucx_tls"], r["op"], str(r["size"]), str(r["batch"]), _fmt(r["kvplane_gb_s"]),
+                  _fmt(r["raw_gb_s"]), _fmt(r["kvplane_vs_raw"]), _fmt(r["kvplane_vs_socket"]),
+                  _fmt(r["raw_vs_socket"]), _fmt(r["kvplane_vs_memcpy"]), _fmt(r["raw_vs_memcpy"]))
+    return t
 
 
 def register(app: typer.Typer) -> None:
