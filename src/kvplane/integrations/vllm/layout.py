@@ -172,7 +172,8 @@ class KVLayout:
         """Register every backing allocation with ``register`` (``StoreClient.register_buffer``
         or ``TransferEngine.register_memory``); returns the registered addresses.
 
-        Host memory registers as ``(address, length)``; device memory as its tensor, so the
+        Host memory registers as ``(address, length)``; device memory as its torch tensor (other
+        device kinds as ``(address, length)`` with ``device=``), so the
         engine registers it through its device path (NIXL VRAM or staged copies). An engine
         without device support refuses the tensor with its own error, which is re-raised with
         the device named: nothing ever takes a host view of a device address.
@@ -189,8 +190,11 @@ class KVLayout:
             if r.tensor is None:
                 raise InvalidArgument(f"KV region on {r.device} has no tensor to register")
             try:
-                register(r.tensor)
-            except InvalidArgument as exc:
+                if type(r.tensor).__module__.startswith("torch"):
+                    register(r.tensor)
+                else:  # another device kind (its copier registered by kind): by address
+                    register((r.addr, r.length), device=r.device)
+            except (InvalidArgument, TypeError) as exc:  # TypeError: takes no device=
                 raise InvalidArgument(f"KV caches on {r.device} cannot be registered with this "
                                       f"transfer engine: {exc}") from exc
             out.append(r.addr)
