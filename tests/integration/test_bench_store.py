@@ -45,3 +45,18 @@ def test_store_benchmark_smoke(tmp_path):
     if ha_side:
         ha = [r for r in rows if r.get("ratio") and r["side"] == "kvplane-tcp-ha"]
         assert ha and all(r["vs_non_ha"] > 0 for r in ha)  # HA over the same side without it
+
+
+@pytest.mark.requires("nixl")
+def test_store_benchmark_nixl_side_smoke():
+    """kvplane-nixl: clients and the pool's segment process over NIXL/UCX, bytes verified."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/store.py"), "--sizes", "64KiB", "--batch", "1",
+         "--duration", "0.05", "--clients", "1", "--sides", "kvplane-nixl", "--topologies",
+         "remote", "--segment-mb", "32", "--cap-mb", "8", "--json"],
+        capture_output=True, text=True, timeout=230)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cells = [json.loads(x) for x in out.stdout.splitlines()]
+    nixl = [r for r in cells if not r.get("ratio") and r["impl"] == "kvplane-nixl"]
+    assert {r["op"] for r in nixl} == {"put", "get"}
+    assert all(r["verified"] and r["ops_s"] > 0 for r in nixl)

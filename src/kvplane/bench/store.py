@@ -93,7 +93,8 @@ class Services:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False) -> str:
+def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False,
+             protocol: str = "auto") -> str:
     port, admin = _free_port(), _free_port()
     cli = [sys.executable, "-m", "kvplane.cli.main"]
     if ha:  # etcd, a leader and a standby; clients and the segment use the etcd:// address
@@ -115,7 +116,7 @@ def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False) -> str:
     if remote:
         ready = os.path.join(svc.tmp, "seg.json")
         p = subprocess.Popen([*cli, "segment", "--master", master, "--size", f"{seg_mb}MiB",
-                              "--ready-file", ready], stdout=subprocess.DEVNULL,
+                              "--ready-file", ready, "--protocol", protocol], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         svc.procs.append(p)
         deadline = time.monotonic() + 60
@@ -278,8 +279,11 @@ def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | N
     segment_mb = 0 if remote else opt.segment_mb // 2  # a local client contributes this much
     if cell.side.startswith("kvplane"):
         # "-ha" sides: etcd and two masters (leader + standby), clients follow etcd://
-        master = _kvplane(svc, remote, opt.segment_mb, ha=cell.side.endswith("-ha"))
-        protocol = "tcp" if cell.side.startswith("kvplane-tcp") else "auto"
+        # kvplane-nixl: clients and the pool's segment over NIXL/UCX (issue 30)
+        protocol = "tcp" if cell.side.startswith("kvplane-tcp") else \
+            "nixl" if cell.side.startswith("kvplane-nixl") else "auto"
+        master = _kvplane(svc, remote, opt.segment_mb, ha=cell.side.endswith("-ha"),
+                          protocol="nixl" if protocol == "nixl" else "auto")
         # "-csum" sides: the same client with store checksums on (their cost, side by side)
         env = {"KVPLANE_STORE_CHECKSUM": "1" if "-csum" in cell.side else "0"}
         if "-nocache" in cell.side:  # no speculative gets: the lookup, then the read
