@@ -43,7 +43,7 @@ def chain(n: int, seed: bytes) -> list[bytes]:
 
 
 def block_digests(caches: dict[str, object], blocks: list[int]) -> list[str]:
-    return [hashlib.sha256(caches[n][b].cpu().numpy().tobytes()).hexdigest()  # type: ignore[index]
+    return [hashlib.sha256(caches[n][b].cpu().numpy().tobytes()).hexdigest()
             for b in blocks for n in NAMES]
 
 
@@ -64,7 +64,7 @@ def test_cuda_kv_saved_by_one_worker_loads_into_another(master, layout):
     src = [3, 7, 1, 12, 9, 40]
     for n in NAMES:
         for b in src:
-            src_c[n][b].copy_(torch.rand(HEADS, BS, DIM, generator=gen, device="cuda:0"))  # type: ignore[index]
+            src_c[n][b].copy_(torch.rand(HEADS, BS, DIM, generator=gen, device="cuda:0"))
     want = block_digests(src_c, src)
     ca = StoreClient(master=master, protocol="tcp", timeout=10.0)
     cb = StoreClient(master=master, protocol="tcp", timeout=10.0)

@@ -21,30 +21,31 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
-from types import SimpleNamespace as NS
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from kvplane.common.errors import Timeout
+from kvplane.common.procs import wait_until
 from kvplane.integrations.vllm.pd_connector import KVPlanePDConnector, PDMetadata
 from kvplane.integrations.vllm.pd_plan import PullJob
 from tests.support.standin_device import StandinDevice, vllm_caches
-
-NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-GEOM = {"num_blocks": 32, "heads": 2, "block_size": 4, "head_dim": 16}
+from tests.support.vllm_connector_proc import GEOM, NAMES, kv_cache_config, vllm_config
 
 
 def connector() -> KVPlanePDConnector:
     extra = {"protocol": "tcp", "timeout": 10.0, "transfer_timeout": 120.0}
-    cfg = NS(kv_transfer_config=NS(kv_connector_extra_config=extra, is_kv_consumer=True,
-                                   is_kv_producer=True, kv_load_failure_policy="recompute",
-                                   kv_role="kv_both"),
-             cache_config=NS(cache_dtype="auto", block_size=GEOM["block_size"]),
-             model_config=NS(dtype="torch.float32", model="/models/tiny"),
-             parallel_config=NS(tensor_parallel_size=1))
-    return KVPlanePDConnector(cfg, KVConnectorRole.WORKER,
-                              NS(kv_cache_groups=[NS(layer_names=list(NAMES))]))
+    return KVPlanePDConnector(vllm_config(extra), KVConnectorRole.WORKER, kv_cache_config())
+
+
+def _within(step: Callable[[], bool], timeout: float) -> bool:
+    """Step until ``step`` says done; False when ``timeout`` passed first."""
+    try:
+        wait_until(step, timeout, "the connector")
+    except Timeout:
+        return False
+    return True
 
 
 def pages(dev: StandinDevice, conn: KVPlanePDConnector, blocks: list[int]) -> list[str]:
@@ -77,24 +78,26 @@ def run(req: dict[str, Any]) -> None:
             conn.bind_connector_metadata(PDMetadata(held=["p1"]))
             conn.start_load_kv(None)
             conn.clear_connector_metadata()
-            deadline, released, finished = time.monotonic() + float(req.get("hold_s", 60)), False, {"p1"}
-            while not released and time.monotonic() < deadline:
-                sent, _ = conn.get_finished(finished)  # vLLM reports the finished request once
-                finished = set()
-                released = bool(sent and "p1" in sent)
-                time.sleep(0.01)
-            print(json.dumps({"released": released}), flush=True)
+            finished = {"p1"}
+
+            def step() -> bool:  # one engine step: vLLM reports the finished request once
+                sent, _ = conn.get_finished(finished)
+                finished.clear()
+                return bool(sent and "p1" in sent)
+
+            print(json.dumps({"released": _within(step, float(req.get("hold_s", 60)))}),
+                  flush=True)
             return
         job = PullJob("d1", blocks, list(req["remote_blocks"]), req["segment"], req["notify"],
                       req["layers"], "p1")
         conn.bind_connector_metadata(PDMetadata(pulls=[job]))
         conn.start_load_kv(None)
         conn.clear_connector_metadata()
-        deadline, done = time.monotonic() + 60, False
-        while not done and time.monotonic() < deadline:
+        def pulled() -> bool:
             _, recv = conn.get_finished(set())
-            done = bool(recv and "d1" in recv)
-            time.sleep(0.01)
+            return bool(recv and "d1" in recv)
+
+        done = _within(pulled, 60)
         print(json.dumps({"done": done, "device": layout.device,
                           "errors": sorted(conn.get_block_ids_with_load_errors()),
                           "pages": pages(dev, conn, blocks)}), flush=True)

@@ -78,18 +78,25 @@ def chain(n: int, seed: str) -> list[bytes]:
     return out
 
 
+def vllm_config(extra: dict[str, Any]) -> NS:
+    """The fields of vLLM's config a kvplane connector reads (TP 1, ``GEOM``'s block size)."""
+    return NS(kv_transfer_config=NS(kv_connector_extra_config=extra, is_kv_consumer=True,
+                                    is_kv_producer=True, kv_load_failure_policy="recompute",
+                                    kv_role="kv_both"),
+              cache_config=NS(cache_dtype="auto", block_size=GEOM["block_size"]),
+              model_config=NS(dtype="torch.float32", model="/models/tiny"),
+              parallel_config=NS(tensor_parallel_size=1))
+
+
+def kv_cache_config() -> NS:
+    return NS(kv_cache_groups=[NS(layer_names=list(NAMES))])
+
+
 def connector(req: dict[str, Any]) -> KVPlaneStoreConnector:
     extra = {"master_server_address": req["master"], "protocol": "tcp", "timeout": 5.0,
              "layerwise_load": bool(req.get("layerwise_load", True)),
              "device_staging_size": req.get("staging", "1MiB")}
-    cfg = NS(kv_transfer_config=NS(kv_connector_extra_config=extra, is_kv_consumer=True,
-                                   is_kv_producer=True, kv_load_failure_policy="recompute",
-                                   kv_role="kv_both"),
-             cache_config=NS(cache_dtype="auto", block_size=GEOM["block_size"]),
-             model_config=NS(dtype="torch.float32", model="/models/tiny"),
-             parallel_config=NS(tensor_parallel_size=1))
-    return KVPlaneStoreConnector(cfg, KVConnectorRole.WORKER,
-                                 NS(kv_cache_groups=[NS(layer_names=list(NAMES))]))
+    return KVPlaneStoreConnector(vllm_config(extra), KVConnectorRole.WORKER, kv_cache_config())
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvplane.common.errors import InvalidArgument
+from kvplane.common.procs import wait_until
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 from tests.support.standin_device import StandinDevice
 from tests.support.target import pattern, spawn_target
@@ -215,9 +216,7 @@ def test_a_stalled_copy_ends_at_the_deadline(op, tdev, plain_target):
         lane = te._lanes.lane(tdev.name)
         assert lane.ring.lost >= 1  # a late copy could still land in it: held back
         tdev.stall.set()
-        deadline = time.monotonic() + 5
-        while lane.ring.lost and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not lane.ring.lost, 5, "the held-back staging slot")
         assert (lane.ring.free, lane.ring.lost) == (4, 0)
         tdev.stall = None
         assert one(te, op, local, seg, plain_target.info["addr"], n) == (OK, "")
