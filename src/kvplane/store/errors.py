@@ -22,6 +22,8 @@
     ├── Unavailable                    (retryable)
     │   ├── NotLeader             -1030 a standby, or a leader whose lease ran out (HA)
     │   └── Recovering            -1031 a new leader still re-registering what segments hold
+    │       └── SlotMoving        -1041 the key's hash slot is moving between master shards
+    ├── WrongShard                -1040 another master shard owns the key's hash slot (redirect)
     └── TransferFail              -800 (retryable)
         └── ChecksumMismatch      -1021 every replica read back with bytes that fail the checksum
 """
@@ -145,6 +147,22 @@ class Recovering(Unavailable):
     retry until the call's deadline."""
 
     code = -1031
+
+
+@register_code
+class SlotMoving(Recovering):
+    """The key's hash slot is moving from one master shard to another
+    (``kvplane.store.shard``); retry until the call's deadline."""
+
+    code = -1041
+
+
+@register_code
+class WrongShard(KVPlaneError):
+    """This master shard does not own the key's hash slot: the caller's shard map is stale.
+    Not retried here: a sharded client refreshes its map and sends the key to its owner."""
+
+    code = -1040
 
 
 @register_code

@@ -34,6 +34,7 @@ from kvplane.transfer.engine_items import ItemPaths, count_done
 from kvplane.transfer.engine_route import Router
 from kvplane.transfer.fabric import FabricChoice
 from kvplane.transfer.fabric import record as record_fabric
+from kvplane.transfer.fence import FENCE_BYTES
 from kvplane.transfer.jobs import ItemLike, Peer
 from kvplane.transfer.memory import ManagedBuffer, MemoryTable, Region, buffer_of, sweep_stale_shm, view_at
 from kvplane.transfer.metadata import KEY_PREFIX, MetadataBackend, open_metadata
@@ -263,8 +264,9 @@ class TransferEngine:
         """Shared-memory backed, registered memory that same-host peers map directly.
 
         ``populate`` faults every page in now (segments contributed to a pool do this so a put
-        never pays the first-touch cost). ``fenced``: the first 8 bytes become this engine's
-        fence word (the floor same-host writers check; the caller must not use them)."""
+        never pays the first-touch cost). ``fenced``: the first ``FENCE_BYTES`` become this
+        engine's fence words (the floors same-host writers check; the caller must not use
+        them)."""
         buf = ManagedBuffer(length, populate)
         try:
             self._add(Region(buf.addr, length, view_at(buf.addr, length), kind=RegionKind.SHM,
@@ -273,7 +275,7 @@ class TransferEngine:
             buf.close()
             raise
         if fenced:
-            self.fence.attach(view_at(buf.addr, 8))
+            self.fence.attach(view_at(buf.addr, min(FENCE_BYTES, length)))
         self._managed[buf.addr] = buf
         self._changed()
         return buf

@@ -22,10 +22,18 @@ The listener refuses a frame whose generation
 ``install`` acknowledges only generations with no WRITE in progress, so once the master has the
 acknowledgement no byte of a stale frame can land.
 
-Same-host writers copy through shared memory, where no listener mediates: ``attach`` names an
-8-byte word in this segment's shared memory where the fence publishes its floor (which carries
-the epoch), and the shared-memory transport checks a generation against it before and after each
-copy (``admits``). Pure bookkeeping under one lock; imports no sockets and nothing from the store.
+**Lanes.** A segment shared by the shards of a sharded store master (``kvplane.store.shard``)
+serves one master per shard, each with its own epoch: the fence keeps a floor per *lane* (the
+shard id; 0 for a pool of one master) and admits a generation when the lane serving its epoch
+admits it. Lanes are independent: a new epoch on one lane (its shard failed over) refuses that
+lane's old generations and leaves the others' alone.
+
+Same-host writers copy through shared memory, where no listener mediates: ``attach`` names the
+``FENCE_BYTES`` at the start of this segment's shared memory, where the fence publishes each
+lane's floor (which carries its epoch) as an 8-byte word (lane ``i`` at word ``i``), and the
+shared-memory transport checks a generation against them before and after each copy
+(``admits_words``). Pure bookkeeping under one lock; imports no sockets and nothing from the
+store.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ from collections import Counter, OrderedDict
 EPOCH_SHIFT = 40
 COUNTER_MASK = (1 << EPOCH_SHIFT) - 1
 KEEP = 1 << 20  # fenced generations remembered per epoch (oldest forgotten first)
+NEVER = 1 << 64  # above every generation: the floor of an epoch no lane serves
+LANES = 64  # masters one segment can serve at once (the shards of a sharded pool)
+FENCE_BYTES = 8 * LANES  # the floors published in a fenced region: one 8-byte word per lane
 
 
 def epoch_of(gen: int) -> int:
@@ -49,6 +60,19 @@ def admits(floor: int, gen: int) -> bool:
     return not gen or not floor or floor <= gen < (epoch_of(floor) + 1) << EPOCH_SHIFT
 
 
+def admits_words(words: list[int], gen: int) -> bool:
+    """True when the lanes' floors ``words`` (as published: 0 for a lane not in use) admit
+    ``gen``: every lane unused (not mounted) admits anything, else the lane serving ``gen``'s
+    epoch must, fenced generations aside."""
+    if not gen:
+        return True
+    epoch = gen >> EPOCH_SHIFT
+    for floor in words:
+        if floor >> EPOCH_SHIFT == epoch:
+            return floor <= gen
+    return not any(words)
+
+
 class Fence:
     """The fence table of one data listener. Thread-safe.
 
@@ -59,40 +83,76 @@ class Fence:
     def __init__(self, keep: int = KEEP) -> None:
         self._lock = threading.Lock()
         self._keep = keep
-        self.epoch = 0  # 0: not mounted with a master yet; every epoch is admitted
-        self.floor = 0  # lowest generation admitted (its epoch is ``epoch``)
-        self._word: memoryview | None = None  # shared-memory copy of the floor
+        self.epoch = 0  # lane 0's: 0 while not mounted with a master (every epoch admitted)
+        self.floor = 0  # lowest generation lane 0 admits (its epoch is ``epoch``)
+        self._lanes: dict[int, int] = {}  # lane -> its floor (mounted lanes only)
+        self._floors: dict[int, int] = {}  # epoch -> the floor of the lane serving it
+        self._word: memoryview | None = None  # shared-memory copy of the lanes' floors
         self._fenced: OrderedDict[int, None] = OrderedDict()
         self._retired: OrderedDict[int, None] = OrderedDict()
         self._writing: Counter[int] = Counter()
         self.refused = 0
 
-    def set_epoch(self, epoch: int, floor: int = 0) -> None:
-        """Serve the master of ``epoch`` from now on, generations from ``floor`` up (0: the
-        whole epoch); fences of an older epoch are dropped (their frames fail the epoch check
-        instead)."""
+    def set_epoch(self, epoch: int, floor: int = 0, lane: int = 0) -> None:
+        """Serve the master of ``epoch`` on ``lane`` from now on, generations from ``floor`` up
+        (0: the whole epoch; epoch 0: the lane serves no master). Fences of the lane's older
+        epoch are dropped (their frames fail the epoch check instead).
+
+        Raises:
+            ValueError: ``lane`` is outside ``0..LANES-1``.
+        """
+        if not 0 <= lane < LANES:
+            raise ValueError(f"fence lane {lane} is outside 0..{LANES - 1}")
         floor = max(floor, epoch << EPOCH_SHIFT) if epoch else 0
         with self._lock:
-            if epoch != self.epoch:
-                self._fenced.clear()
-                self._retired.clear()
-            self.epoch, self.floor = epoch, floor
+            old = self._lanes.get(lane, 0) >> EPOCH_SHIFT
+            if epoch != old and old:
+                self._drop_epoch(old)
+            if floor:
+                self._lanes[lane] = floor
+            else:
+                self._lanes.pop(lane, None)
+            self._floors = {f >> EPOCH_SHIFT: f for f in self._lanes.values()}
+            if lane == 0:
+                self.epoch, self.floor = epoch, floor
             if self._word is not None:
-                self._word[:] = floor.to_bytes(8, "little")
+                self._word[8 * lane:8 * lane + 8] = floor.to_bytes(8, "little")
+
+    def _drop_epoch(self, epoch: int) -> None:
+        """Forget fences and retirements of ``epoch`` (under the lock)."""
+        for table in (self._fenced, self._retired):
+            for g in [g for g in table if g >> EPOCH_SHIFT == epoch]:
+                del table[g]
 
     def attach(self, word: memoryview) -> None:
-        """Publish the floor into ``word`` (8 bytes of this segment's shared memory)."""
+        """Publish the lanes' floors into ``word`` (the first ``FENCE_BYTES`` of this segment's
+        shared memory; 8 bytes is enough for lane 0 alone)."""
         with self._lock:
             self._word = word
-            word[:] = self.floor.to_bytes(8, "little")
+            word[:] = bytes(len(word))
+            for lane, floor in self._lanes.items():
+                if 8 * lane + 8 <= len(word):
+                    word[8 * lane:8 * lane + 8] = floor.to_bytes(8, "little")
+
+    def lanes(self) -> dict[int, int]:
+        """The mounted lanes and their floors."""
+        with self._lock:
+            return dict(self._lanes)
+
+    def _admits(self, gen: int) -> bool:
+        """The floor check alone (under the lock)."""
+        if not gen or not self._floors:
+            return True
+        floor = self._floors.get(gen >> EPOCH_SHIFT)
+        return floor is not None and floor <= gen
 
     def writing_outside(self) -> int:
-        """WRITEs in progress that the current floor would refuse (admitted before a remount)."""
+        """WRITEs in progress that the current floors would refuse (admitted before a remount)."""
         with self._lock:
-            return sum(n for g, n in self._writing.items() if not admits(self.floor, g))
+            return sum(n for g, n in self._writing.items() if not self._admits(g))
 
     def _admit(self, gen: int) -> bool:
-        ok = admits(self.floor, gen) and gen not in self._fenced and gen not in self._retired
+        ok = self._admits(gen) and gen not in self._fenced and gen not in self._retired
         if not ok:
             self.refused += 1
         return ok
@@ -109,11 +169,15 @@ class Fence:
         if not any(gens):
             return [True] * len(gens)
         with self._lock:  # ``_admit`` inlined: a READV asks for up to 256 at once
-            floor, fenced, retired = self.floor, self._fenced, self._retired
-            if floor:
+            floors, fenced, retired = self._floors, self._fenced, self._retired
+            if len(floors) == 1:  # one master (or one shard mounted): the common case
+                floor = next(iter(floors.values()))
                 top = (epoch_of(floor) + 1) << EPOCH_SHIFT
                 out = [not g or (floor <= g < top and g not in fenced and g not in retired)
                        for g in gens]
+            elif floors:
+                out = [not g or (floors.get(g >> EPOCH_SHIFT, NEVER) <= g
+                                 and g not in fenced and g not in retired) for g in gens]
             else:
                 out = [not g or (g not in fenced and g not in retired) for g in gens]
             self.refused += out.count(False)

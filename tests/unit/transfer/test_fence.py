@@ -67,3 +67,40 @@ def test_retired_generations_are_refused_and_kept_apart_from_fences():
     assert f.admit_many([gen(1, 6), gen(1, 8), 0]) == [False, True, True]
     f.set_epoch(2)  # a new epoch refuses the old generations by their epoch anyway
     assert f.admit(gen(2, 6))
+
+
+def test_lanes_serve_one_epoch_each_and_change_alone():
+    """A segment shared by master shards: each lane (shard) admits its own epoch from its
+    floor; a new epoch on one lane refuses that lane's old generations only."""
+    f = Fence()
+    f.set_epoch(3, floor=gen(3, 10), lane=0)
+    f.set_epoch(7, floor=gen(7, 5), lane=5)
+    f.install([gen(7, 6), gen(3, 11)])
+    assert f.admit(gen(3, 12)) and f.admit(gen(7, 5)) and not f.admit(gen(7, 4))
+    assert not f.admit(gen(4, 1)) and not f.admit(gen(7, 6))
+    assert f.admit_many([gen(3, 12), gen(7, 9), gen(7, 6), gen(5, 1)]) == [True, True, False, False]
+    f.set_epoch(8, lane=5)  # shard 5 failed over
+    assert not f.admit(gen(7, 9)) and f.admit(gen(8, 1))
+    assert f.admit(gen(3, 12)) and f.fenced(gen(3, 11)) and not f.fenced(gen(7, 6))
+    assert f.lanes() == {0: gen(3, 10), 5: gen(8, 0)}
+
+
+def test_shared_memory_words_publish_every_lane():
+    import numpy as np
+
+    from kvplane.transfer.fence import FENCE_BYTES, admits_words
+    from kvplane.transfer.transports.shm import _admitted
+
+    words = bytearray(FENCE_BYTES)
+    f = Fence()
+    f.attach(memoryview(words))
+    arr = np.frombuffer(words, np.uint8)
+    assert _admitted(arr, gen(9, 1))  # nothing mounted: anything goes
+    f.set_epoch(3, floor=gen(3, 10), lane=0)
+    f.set_epoch(7, floor=gen(7, 5), lane=2)
+    assert _admitted(arr, gen(3, 10)) and not _admitted(arr, gen(3, 9))
+    assert _admitted(arr, gen(7, 5)) and not _admitted(arr, gen(7, 4))
+    assert not _admitted(arr, gen(9, 1))
+    f.set_epoch(0, lane=0)  # shard 0 left: its generations go, lane 2's stay
+    assert not _admitted(arr, gen(3, 11)) and _admitted(arr, gen(7, 6))
+    assert admits_words([0, 0], gen(1, 1)) and not admits_words([0, gen(2, 0)], gen(1, 1))

@@ -58,6 +58,8 @@ from kvplane.store.host.adoption import Holdings
 from kvplane.store.host.disk_node import DiskDuty
 from kvplane.store.host.repairs import SegmentDuty
 from kvplane.store.host.segment import FENCE_WORD, contribute
+from kvplane.store.shard.host import ShardedHoldings
+from kvplane.store.shard.link import ShardedLink, open_link
 from kvplane.store.types import (
     CodesRep,
     KeysReq,
@@ -88,7 +90,7 @@ class StoreClient:
 
     context: ClientContext  # what the layers share (``kvplane.store.client.context``)
     engine: TransferEngine
-    rpc: MasterLink
+    rpc: MasterLink | ShardedLink
     staging: Staging
     suspects: Suspects
     retired: Retired
@@ -118,9 +120,9 @@ class StoreClient:
             grants=bool(cfg.global_segment_size > 0 and cfg.peer_tokens)))
         self.remounts = 0
         self.disk: DiskDuty | None = None
-        rpc: MasterLink | None = None
+        rpc: MasterLink | ShardedLink | None = None
         try:
-            rpc = MasterLink(cfg.master, cfg.token, cfg.timeout)
+            rpc = open_link(cfg.master, cfg.token, cfg.timeout)  # a ShardedLink for shards
             ctx = ClientContext(cfg, self.engine, rpc, Staging(self.engine, cfg.local_buffer_size))
             self._adopt(ctx)
             if cfg.global_segment_size > 0:
@@ -147,7 +149,8 @@ class StoreClient:
         self.suspects, self.retired = ctx.suspects, ctx.retired
         self.locations, self.spares, self.disk_links = ctx.locations, ctx.spares, ctx.disk_links
         self.duty = SegmentDuty(ctx)
-        self.holdings = Holdings(ctx)
+        self.holdings = (ShardedHoldings(ctx, ctx.rpc) if isinstance(ctx.rpc, ShardedLink)
+                         else Holdings(ctx))
 
     @property
     def config(self) -> StoreConfig:

@@ -27,6 +27,7 @@ from kvplane.store.client.spares import Spares
 from kvplane.store.client.staging import Staging
 from kvplane.store.client.suspects import Retired, Suspects
 from kvplane.store.client.timing import coarse
+from kvplane.store.shard.link import ShardedLink
 from kvplane.store.config import StoreConfig
 from kvplane.store.types import Grant, SegmentInfo
 from kvplane.transfer import TransferEngine
@@ -67,7 +68,7 @@ class ClientContext:
     Args:
         config: the client's configuration.
         engine: its transfer engine.
-        rpc: its link to the (leading) master.
+        rpc: its link to the (leading) master, or to every shard of a sharded pool.
         staging: its registered staging memory.
     """
 
@@ -75,7 +76,7 @@ class ClientContext:
                  "retired", "locations", "spares", "disk_links", "lease_ttl", "corrupt_reads",
                  "largest_segment", "segments", "closed")
 
-    def __init__(self, config: StoreConfig, engine: TransferEngine, rpc: MasterLink,
+    def __init__(self, config: StoreConfig, engine: TransferEngine, rpc: MasterLink | ShardedLink,
                  staging: Staging) -> None:
         self.config = config
         self.engine = engine

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -75,19 +76,31 @@ class Holdings:
             time.sleep(0.005)  # a WRITE admitted before the remount is still landing
 
     def _adopt(self) -> None:
+        seg = self._c.segments[0]
+        self.register(self.memory(), seg.name, self.history,
+                      lambda req: self._c.rpc.call("adopt", req, list[int]))
+
+    def register(self, mem: np.ndarray, name: str, history: list[int],
+                 adopt: Callable[[AdoptReq], list[int]],
+                 keep: Callable[[inventory.Record], bool] | None = None) -> None:
+        """Scan ``mem`` (segment ``name``'s memory, or the share of it one master allocates
+        in: record offsets count from its start) and re-register its records in batches
+        through ``adopt``; a record ``keep`` refuses is cleared without being sent."""
         t0 = time.monotonic()
-        mem = self.memory()
-        found = inventory.scan(mem, self.secret, self.history)
+        found = inventory.scan(mem, self.secret, history)
         for off in found.stale:
             inventory.invalidate(mem, off)
         self.last_scan_s = time.monotonic() - t0
         recs = found.records
-        seg = self._c.segments[0]
+        if keep is not None:
+            for rec in recs:
+                if not keep(rec):
+                    inventory.invalidate(mem, rec.offset)
+            recs = [r for r in recs if keep(r)]
         for start in range(0, max(1, len(recs)), BATCH):
             batch = recs[start:start + BATCH]
-            gens = self._c.rpc.call("adopt", AdoptReq(
-                self._c.config.client_id, seg.name, batch, self.history,
-                done=start + BATCH >= len(recs)), list[int])
+            gens = adopt(AdoptReq(self._c.config.client_id, name, batch, history,
+                                  done=start + BATCH >= len(recs)))
             for rec, gen in zip(batch, gens):
                 if gen:
                     inventory.restamp(mem, rec.offset, gen)
@@ -95,7 +108,7 @@ class Holdings:
                     inventory.invalidate(mem, rec.offset)
             self.adopted += sum(1 for g in gens if g)
             self.refused += sum(1 for g in gens if not g)
-        klog.event("store_segment_adopted", segment=seg.name, records=len(recs),
+        klog.event("store_segment_adopted", segment=name, records=len(recs),
                    adopted=self.adopted, scan_s=round(self.last_scan_s, 3))
 
     def forget(self, forgets: list[tuple[int, int]]) -> list[int]:

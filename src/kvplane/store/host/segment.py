@@ -1,7 +1,8 @@
 """The memory a hosting client contributes to the pool, as the master's mount record names it.
 
-The first ``FENCE_WORD`` bytes of the managed buffer hold the segment's fence word (the epoch
-that shared-memory readers check) and are never allocated. Imports the client's ``context``.
+The first ``FENCE_WORD`` bytes of the managed buffer hold the segment's fence words (the floor,
+with its epoch, of each master the segment serves, that shared-memory writers check:
+``kvplane.transfer.fence``) and are never allocated. Imports the client's ``context``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 from kvplane.store.client.context import ClientContext
 from kvplane.store.errors import InvalidParams
 from kvplane.store.types import SegmentInfo
+from kvplane.transfer.fence import FENCE_BYTES
 
-FENCE_WORD = 64  # bytes at the start of a contributed segment: its fence word, never allocated
+FENCE_WORD = FENCE_BYTES  # bytes at the start of a contributed segment: its fence words
 
 
 def contribute(ctx: ClientContext) -> SegmentInfo:

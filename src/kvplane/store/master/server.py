@@ -25,8 +25,8 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI
 
@@ -95,6 +95,26 @@ ADOPTED = metrics.Gauge("master_adopted_replicas", "Replicas re-registered from 
 FORGETS = metrics.Gauge("master_pending_forgets", "Freed headers the segments have not cleared yet")
 
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
+
+
+class Extension(Protocol):
+    """A part a master plays beside the store (a shard of a sharded pool:
+    ``kvplane.store.shard.role.ShardRole``): more RPCs, and a check before every RPC."""
+
+    def handlers(self, serving: Serving) -> Handlers:
+        """Its RPCs, registered like the store's (under the lock, counted, access-checked)."""
+        ...
+
+    def check(self, method: str, request: Any) -> None:
+        """Run under the lock before ``method``'s handler (after the leader check); raises to
+        refuse the call (a key of a hash slot this shard does not serve)."""
+        ...
+
+    def status(self, doc: dict[str, Any], admin: bool, with_history: bool) -> dict[str, Any]:
+        """The ``/status`` document as served (a shard answers for its whole pool); called
+        outside the lock."""
+        ...
+
 LEASE_POLL = 0.5  # seconds at most between a put's asks while read leases keep memory full
 RETRY_AFTER = 0.05  # seconds a put that found memory full of objects being offloaded waits
 
@@ -117,6 +137,7 @@ class MasterServer:
         cluster: the cluster id (overrides the one in ``ha``).
         advertise: the address clients reach this master at (default ``host:port``).
         lease_ttl: HA leader lease, seconds.
+        extensions: parts played beside the store (``Extension``: a shard's role).
     """
 
     def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0,
@@ -124,7 +145,8 @@ class MasterServer:
                  clock: Callable[[], float] = time.monotonic,
                  kv_events_port: int | None = None, tenants: dict[str, str] | None = None,
                  admin_token: str = "", ha: str | None = None, cluster: str | None = None,
-                 advertise: str | None = None, lease_ttl: int = 3) -> None:
+                 advertise: str | None = None, lease_ttl: int = 3,
+                 extensions: Sequence[Extension] = ()) -> None:
         self.config = config or MasterConfig()
         self._secret = inventory.secret_of(token)
         self.state = self._fresh_state(secrets.randbits(23) | 1)  # epoch: new on every start
@@ -149,8 +171,11 @@ class MasterServer:
         self.rpc = RpcServer(host, port, authenticate=self.auth,
                              spin=envs.get("KVPLANE_MASTER_SPIN"), listen=False)
         self.port = self.rpc.port
+        self._checks = [e.check for e in extensions]
+        self._extensions = list(extensions)
         for table in (self._handlers(), replica_rpc.handlers(self.serving),
-                      tier_rpc.handlers(self.serving)):
+                      tier_rpc.handlers(self.serving),
+                      *(e.handlers(self.serving) for e in extensions)):
             for name, (fn, typ) in table.items():
                 self.add_handler(name, fn, typ)
         self.rpc.start()
@@ -242,6 +267,8 @@ class MasterServer:
             with self.lock:
                 if self.election is not None and not self.leading():
                     raise NotLeader(f"not the leader; etcd names {self.election.leader or 'none'}")
+                for check in self._checks:  # a shard: keys of slots it does not serve
+                    check(name, req)
                 self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
                 keys = getattr(req, "keys", None)
                 self.key_ops[name] = self.key_ops.get(name, 0) + (
@@ -530,9 +557,11 @@ class MasterServer:
                 "epoch": self.state.epoch, "recovering": recovering,
                 "elections": e.elections if e else 0}
 
-    def status(self, admin: bool = False, with_history: bool = False) -> dict[str, Any]:
+    def status(self, admin: bool = False, with_history: bool = False,
+               extend: bool = True) -> dict[str, Any]:
         """The ``/status`` document (``kvplane.store.master.status``): segments, objects,
-        evictions, ops and their rates; ``admin`` adds segment owners."""
+        evictions, ops and their rates; ``admin`` adds segment owners; ``extend``: as the
+        extensions serve it (a shard's: the whole pool's), else this master's own."""
         with self.lock:
             now = self.clock()
             ident = {"address": f"{self.host}:{self.port}",
@@ -541,7 +570,10 @@ class MasterServer:
                      "started_at": round(self.started[1], 3)}
             doc = status.document(self.state, self.history, self.key_ops, self.rpc_calls, now,
                                   time.time(), ident, admin=admin, with_history=with_history)
-        return {**doc, **self.extras}
+        doc = {**doc, **self.extras}
+        for ext in self._extensions if extend else ():
+            doc = ext.status(doc, admin, with_history)
+        return doc
 
     def close(self) -> None:
         """Stop the timer, RPC and HTTP (idempotent); a leader hands its lease back."""

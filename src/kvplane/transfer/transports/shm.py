@@ -30,7 +30,7 @@ import numpy as np
 
 from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
-from kvplane.transfer.fence import admits
+from kvplane.transfer.fence import FENCE_BYTES, admits, admits_words
 from kvplane.transfer.seam import Capabilities, Route, Transport, TransportContext
 from kvplane.transfer.types import OpCode, RegionDesc, TransferStatus
 
@@ -227,8 +227,12 @@ class ShmTransport(Transport):
 
 
 def _admitted(arr: np.ndarray, gen: int) -> bool:
-    """The owner's fence (its floor, published in the region's first 8 bytes) admits ``gen``."""
-    return admits(int.from_bytes(arr[:8].tobytes(), "little"), gen)
+    """The owner's fence (its lanes' floors, published in the region's first ``FENCE_BYTES``:
+    lane 0 first, the only one in use without master shards) admits ``gen``."""
+    first = int.from_bytes(arr[:8].tobytes(), "little")
+    if first and first >> 40 == gen >> 40:  # lane 0 serves this epoch (one master: always)
+        return admits(first, gen)
+    return admits_words(arr[:FENCE_BYTES].view("<u8").tolist(), gen)
 
 
 def _unmap(hit: tuple[mmap.mmap, np.ndarray, _Owner]) -> None:

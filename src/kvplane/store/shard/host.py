@@ -1,0 +1,91 @@
+"""The segment host's side of a sharded pool: one fence lane and one re-registration per shard.
+
+A client that contributes a segment to a sharded pool mounts a share of it with every shard
+(``session.py``). Each shard is a master of its own, with its own epoch: the segment's fence
+keeps a floor per shard (lane = shard id, ``kvplane.transfer.fence``), so a shard that restarts
+or fails over refuses its own old generations without touching the other shards'. When a shard
+asks this host to mount again, only that shard's share is scanned and its records re-registered
+with it (``Holdings.register``); a record whose key that shard does not serve by the map (its
+slot belongs to another shard) is cleared rather than sent.
+
+Built from the client's context and its ``ShardedLink``; imports the host package's
+``adoption`` and the shard package.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from kvplane.common.deadline import Deadline
+from kvplane.store import inventory
+from kvplane.store.client.context import ClientContext
+from kvplane.store.errors import WrongShard
+from kvplane.store.host.adoption import Holdings
+from kvplane.store.shard.link import ShardedLink
+from kvplane.store.shard.shares import ShardedMountRep, ShardMount
+from kvplane.store.shard.slots import OUT, OWN, SlotTable, slot_of_internal
+from kvplane.store.types import AdoptReq, MountRep, SegmentInfo
+
+log = logging.getLogger(__name__)
+TRIES = 3  # registrations of one share started over after a redirect (a newer map)
+
+
+class ShardedHoldings(Holdings):
+    """The records of one client's segment, kept per shard (see the module docstring).
+
+    Args:
+        ctx: the client's context (its ``rpc`` is ``link``).
+        link: the client's link to the shards.
+    """
+
+    def __init__(self, ctx: ClientContext, link: ShardedLink) -> None:
+        super().__init__(ctx)
+        self.link = link
+
+    def mounted(self, rep: MountRep) -> None:
+        """Apply a sharded mount answer: each shard's epoch on its lane, then re-register the
+        share of every shard that knew this segment before (its history is not new)."""
+        if not isinstance(rep, ShardedMountRep):
+            super().mounted(rep)
+            return
+        if rep.secret:
+            self.secret = rep.secret
+        fence = self._c.engine.fence
+        for p in rep.parts:
+            if p.rep.epoch > 0 and p.shares:
+                fence.set_epoch(p.rep.epoch, p.rep.floor, lane=p.shard)
+        self.history = [e for p in rep.parts for e in p.history][-64:]
+        again = [p for p in rep.parts if not p.fresh and p.shares and p.rep.epoch > 0]
+        if again:
+            self._drain()
+        for p in again:
+            self._register_shard(p)
+
+    def share_memory(self, share: SegmentInfo) -> np.ndarray:
+        """The bytes of one share of the contributed segment."""
+        return np.frombuffer(self._c.engine.memory.view(share.base, share.size), np.uint8)
+
+    def _register_shard(self, part: ShardMount) -> None:
+        for share in part.shares:
+            for attempt in range(TRIES):
+                try:
+                    self._register_share(part, share)
+                    break
+                except WrongShard as exc:  # our map is older than the shard's: fetch, redo
+                    log.info("shard %s redirected a re-registration: %s", part.shard, exc)
+                    self.link.refresh(Deadline.after(self._c.config.timeout), part.shard)
+                    if attempt == TRIES - 1:
+                        raise
+
+    def _register_share(self, part: ShardMount, share: SegmentInfo) -> None:
+        table = SlotTable(self.link.map, part.shard)
+
+        def keep(rec: inventory.Record) -> bool:
+            return table.state[slot_of_internal(rec.key)] in (OWN, OUT)
+
+        def adopt(req: AdoptReq) -> list[int]:
+            return self.link.call_shard(part.shard, "adopt", req, list[int],
+                                        Deadline.after(self._c.config.timeout))
+        self.register(self.share_memory(share), share.name, part.history, adopt, keep)
