@@ -174,12 +174,12 @@ class ShardedLink:
             got = self.each(method, lambda _sid: request, int, deadline, once)
             return sum(got.values())  # type: ignore[return-value]  # T is int for these
         if method == "list_keys":
-            return self._list(request, deadline, once)  # type: ignore[return-value]
+            return self._list(request, deadline, once)  # type: ignore[return-value]  # T is ListKeysRep here
         if method == "whoami":
             return self.link(self.map.ids()[0]).call(method, request, reply_type,
                                                      timeout=deadline.remaining(), once=once)
         if method in HOST_CALLS:
-            return getattr(self.session, method)(request, deadline, once)  # type: ignore[no-any-return]
+            return getattr(self.session, method)(request, deadline, once)  # type: ignore[no-any-return]  # the session's answer is the reply type asked for
         raise InvalidParams(f"{method} is not served by a sharded pool")
 
     def call_shard(self, shard_id: int, method: str, request: Any, reply_type: type[T],
@@ -260,7 +260,7 @@ class ShardedLink:
                     time.sleep(min(pause, max(0.0, deadline.remaining())))
                     pause = min(pause * 2, BACKOFF[1])
                 todo.sort()
-        return merge(len(keys), done)  # type: ignore[no-any-return]
+        return merge(len(keys), done)  # type: ignore[no-any-return]  # merged answers are of the parts' type
 
     def _refreshed(self, deadline: Deadline, sid: int | None, quiet: bool = False) -> bool:
         """A newer map after ``sid`` redirected; raises WrongShard when the deadline is over."""
