@@ -27,8 +27,8 @@ from kvplane.store.client.spares import Spares
 from kvplane.store.client.staging import Staging
 from kvplane.store.client.suspects import Retired, Suspects
 from kvplane.store.client.timing import coarse
-from kvplane.store.shard.link import ShardedLink
 from kvplane.store.config import StoreConfig
+from kvplane.store.shard.link import ShardedLink
 from kvplane.store.types import Grant, SegmentInfo
 from kvplane.transfer import TransferEngine
 

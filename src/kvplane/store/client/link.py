@@ -73,6 +73,8 @@ class MasterLink:
         with self._lock:
             if self._rpc is not None:
                 return self._rpc
+            if not self.ha:  # closed (a shard's link, closed while a heartbeat still ran)
+                raise Unavailable(f"the link to master {self.address} is closed")
             wait = self._resolved_at + RESOLVE_EVERY - time.monotonic()
         if wait > 0:
             time.sleep(min(wait, deadline.remaining()))

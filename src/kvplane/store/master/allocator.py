@@ -112,3 +112,17 @@ class OffsetAllocator:
     def fragments(self) -> int:
         """Number of free blocks (1 means no fragmentation)."""
         return len(self._by_off)
+
+    def resized(self, capacity: int) -> OffsetAllocator:
+        """A copy of this allocator over ``capacity`` bytes with the same live allocations (a
+        share of a segment that grows or shrinks at its end: ``kvplane.store.shard``).
+
+        Raises:
+            InvalidArgument: a live allocation would end past ``capacity``.
+        """
+        if any(off + size > capacity for off, size in self._live.items()):
+            raise InvalidArgument(f"a live allocation ends past {capacity}")
+        out = OffsetAllocator(capacity)
+        for off, size in sorted(self._live.items()):
+            out.allocate_at(off, size)
+        return out

@@ -27,6 +27,7 @@ from kvplane.store.shard.link import ShardedLink
 from kvplane.store.shard.shares import ShardedMountRep, ShardMount
 from kvplane.store.shard.slots import OUT, OWN, SlotTable, slot_of_internal
 from kvplane.store.types import AdoptReq, MountRep, SegmentInfo
+from kvplane.transfer.fence import epoch_of
 
 log = logging.getLogger(__name__)
 TRIES = 3  # registrations of one share started over after a redirect (a newer map)
@@ -53,15 +54,31 @@ class ShardedHoldings(Holdings):
         if rep.secret:
             self.secret = rep.secret
         fence = self._c.engine.fence
+        for gone in rep.dropped:  # a shard that left: none of its generations lands again
+            fence.set_epoch(0, lane=gone)
+        for addr, length, keep in rep.clears:  # ranges that changed hands
+            self._clear(addr, length, keep)
         for p in rep.parts:
             if p.rep.epoch > 0 and p.shares:
                 fence.set_epoch(p.rep.epoch, p.rep.floor, lane=p.shard)
         self.history = [e for p in rep.parts for e in p.history][-64:]
-        again = [p for p in rep.parts if not p.fresh and p.shares and p.rep.epoch > 0]
+        again = [p for p in rep.parts if p.register and p.shares and p.rep.epoch > 0]
         if again:
             self._drain()
         for p in again:
+            for addr, length in p.clear:
+                self._clear(addr, length)
             self._register_shard(p)
+
+    def _clear(self, addr: int, length: int, keep: int = 0) -> None:
+        """Clear the headers in ``[addr, addr + length)`` (space that came from a shard's
+        share that ended: no record of it describes a live object), except those of epoch
+        ``keep`` (the shard the space went to may have placed objects there already)."""
+        mem = np.frombuffer(self._c.engine.memory.view(addr, length), np.uint8)
+        for off in inventory.candidates(mem):
+            rec = inventory.parse(mem, off, self.secret)
+            if not keep or rec is None or epoch_of(rec.gen) != keep:
+                inventory.invalidate(mem, off)
 
     def share_memory(self, share: SegmentInfo) -> np.ndarray:
         """The bytes of one share of the contributed segment."""

@@ -41,7 +41,7 @@ from kvplane.store.client.timing import coarse
 from kvplane.store.errors import InvalidParams, WrongShard
 from kvplane.store.shard.merge import PARALLEL, merge, part
 from kvplane.store.shard.session import HostSession
-from kvplane.store.shard.slots import ShardMap, owners, slot_of
+from kvplane.store.shard.slots import ShardInfo, ShardMap, owners, slot_of
 from kvplane.store.types import MAX_LIST_KEYS, CodesRep, ListKeysRep, ListKeysReq
 
 log = logging.getLogger(__name__)
@@ -94,12 +94,13 @@ class ShardedLink:
                 return
         seed.close()
 
-    def link(self, shard_id: int) -> MasterLink:
-        """The link to shard ``shard_id`` (opened on first use)."""
+    def link(self, shard_id: int, info: ShardInfo | None = None) -> MasterLink:
+        """The link to shard ``shard_id`` (opened on first use; ``info``: where it is, when
+        this link's map does not list it yet)."""
         got = self._links.get(shard_id)
-        if got is not None:
+        if got is not None and (info is None or got.address == info.address):
             return got
-        info = self.map.shard(shard_id)
+        info = info or self.map.shard(shard_id)
         with self._lock:
             got = self._links.get(shard_id)
             if got is None or got.address != info.address:
@@ -124,11 +125,13 @@ class ShardedLink:
         """A master answered with its epoch (per shard: ``host.py`` tells each shard's link)."""
 
     # -- the map -------------------------------------------------------------------------------
-    def refresh(self, deadline: Deadline, ask: int | None = None) -> bool:
-        """Fetch the newest map (from shard ``ask`` first, then from every shard); True if a
-        newer one than this link's came."""
+    def refresh(self, deadline: Deadline, ask: int | None = None, quick: bool = False) -> bool:
+        """Fetch the newest map (from shard ``ask`` first, then from every shard; ``quick``:
+        from ``ask`` alone); True if a newer one than this link's came."""
         version = self.map.version
         order = ([ask] if ask is not None else []) + [s for s in self.map.ids() if s != ask]
+        if quick:
+            order = order[:1]
         for sid in order:
             try:
                 got = self.link(sid).call("shard_map", "", ShardMap, once=True,
@@ -183,13 +186,14 @@ class ShardedLink:
         raise InvalidParams(f"{method} is not served by a sharded pool")
 
     def call_shard(self, shard_id: int, method: str, request: Any, reply_type: type[T],
-                   deadline: Deadline, once: bool = False) -> T:
-        """``method`` on shard ``shard_id`` alone, within ``deadline``."""
+                   deadline: Deadline, once: bool = False, info: ShardInfo | None = None) -> T:
+        """``method`` on shard ``shard_id`` alone, within ``deadline`` (``info``: see
+        ``link``)."""
         left = deadline.remaining()
         if left <= 0:
             raise Timeout(f"store {method}: no time left to reach shard {shard_id}")
-        return self.link(shard_id).call(method, request, reply_type, timeout=coarse(left),
-                                        once=once)
+        return self.link(shard_id, info).call(method, request, reply_type, timeout=coarse(left),
+                                              once=once)
 
     def each(self, method: str, request_of: Callable[[int], Any], reply_type: type[T],
              deadline: Deadline, once: bool = False, shards: list[int] | None = None,

@@ -12,20 +12,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import msgspec
-
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.client.link import MasterLink
+from kvplane.store.shard.messages import StatusReq
 
 log = logging.getLogger(__name__)
 STATUS_WAIT = 2.0  # seconds a shard waits for another's status document
-
-
-class StatusReq(msgspec.Struct):
-    """Ask a shard for its own status document (``shard_status``)."""
-
-    admin: bool = False
-    history: bool = False
 
 
 class Peers:

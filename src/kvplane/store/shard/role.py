@@ -31,7 +31,9 @@ from kvplane.common import log as klog
 from kvplane.store.errors import InvalidParams, SlotMoving, WrongShard
 from kvplane.store.master.access import require_service
 from kvplane.store.master.serving import Handlers, Serving
+from kvplane.store.shard import move_rpc
 from kvplane.store.shard import status as pool_status
+from kvplane.store.shard.messages import SetMapReq
 from kvplane.store.shard.peers import Peers
 from kvplane.store.shard.slots import (
     IN,
@@ -69,14 +71,14 @@ class ShardRole:
 
     def __init__(self, me: int, shard_map: ShardMap, token: str = "",
                  on_map: Callable[[ShardMap], None] | None = None) -> None:
-        check(shard_map)
-        shard_map.shard(me)  # raises when the map does not list this shard
+        check(shard_map)  # a shard joining a pool may not be in its map yet: it owns nothing
         self.me = me
         self.table = SlotTable(shard_map, me)
         self.frozen = bytearray(len(self.table.state))  # OUT slots whose copy began: no ends
         self.on_map = on_map
         self.block: dict[str, Any] = {}  # the ``shard`` block of ``/status`` (kept current)
         self.peers = Peers(token)  # the other shards' masters (for the pool's status)
+        self._serving: Serving | None = None
         self._describe()
 
     @property
@@ -153,7 +155,9 @@ class ShardRole:
     # -- RPCs ------------------------------------------------------------------------------------
     def handlers(self, serving: Serving) -> Handlers:
         """The shard RPCs, registered by the master with its own."""
-        return {"shard_map": (self._get_map, str), "shard_set_map": (self._set_map, ShardMap)}
+        self._serving = serving
+        return {"shard_map": (self._get_map, str), "shard_set_map": (self._set_map, SetMapReq),
+                "shard_epoch": (self._epoch, str), **move_rpc.handlers(self, serving)}
 
     def status(self, doc: dict[str, Any], admin: bool, with_history: bool) -> dict[str, Any]:
         """The pool's document: this shard's ``doc`` joined with every other shard's own
@@ -168,10 +172,16 @@ class ShardRole:
         docs[self.me] = doc
         return pool_status.pool(self.me, docs)
 
+    def _epoch(self, _client_id: str) -> int:
+        return self._serving.state.epoch if self._serving is not None else 0
+
     def _get_map(self, _client_id: str) -> ShardMap:
         return self.map
 
-    def _set_map(self, new: ShardMap) -> int:
+    def _set_map(self, req: SetMapReq) -> int:
         require_service("a shard map change")
-        self.install(new)
+        if req.expect and self._serving is not None and self._serving.state.epoch != req.expect:
+            raise SlotMoving(f"shard {self.me} restarted or failed over (epoch "
+                             f"{self._serving.state.epoch}, not {req.expect})")
+        self.install(req.map)
         return self.map.version

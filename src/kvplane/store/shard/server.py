@@ -17,7 +17,7 @@ from typing import Any
 from kvplane.common.rpc import current_principal
 from kvplane.store.master.access import require_service
 from kvplane.store.master.server import MasterServer
-from kvplane.store.shard.peers import StatusReq
+from kvplane.store.shard.messages import StatusReq
 from kvplane.store.shard.role import ShardRole
 from kvplane.store.shard.slots import ShardInfo, ShardMap, even
 

@@ -29,14 +29,17 @@ def even(size: int, ids: list[int]) -> dict[int, tuple[int, int]]:
 
 class ShardMount(msgspec.Struct):
     """One shard's part of a mount: its answer, the shares it was given, its history (the
-    epochs this client mounted with on that shard, the answer's included), ``fresh`` when it
-    had none before (nothing to re-register)."""
+    epochs this client mounted with on that shard, the answer's included), ``register``: the
+    host re-registers what those shares hold (the shard knew this segment before, or its share
+    was just re-cut), after clearing every header in ``clear`` (absolute (address, length)
+    ranges that came from another shard's share: nothing there is live any more)."""
 
     shard: int
     rep: MountRep
     shares: list[SegmentInfo]
     history: list[int]
-    fresh: bool
+    register: bool
+    clear: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 class ShardedMountRep(MountRep):
@@ -44,3 +47,6 @@ class ShardedMountRep(MountRep):
     and every shard's part (``parts``). Built by the client's link, never sent."""
 
     parts: list[ShardMount] = msgspec.field(default_factory=list)
+    dropped: list[int] = msgspec.field(default_factory=list)  # shards that left: close lanes
+    # (address, length, epoch): clear the headers there of any other epoch (0: every one)
+    clears: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
