@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "kvplane.cli.bench",
     "kvplane.cli.p2p",
     "kvplane.cli.status",
+    "kvplane.cli.shards",
 ]
 
 app = typer.Typer(

@@ -94,6 +94,11 @@ def view(doc: dict[str, Any], sort: str = "name", reverse: bool = False) -> Any:
                  f"{doc['evictions']['alloc_failures']} allocation failures")
     head.add_row("ops/s", f"put {per['put']:.1f}  get {per['get']:.1f}  "
                  f"remove {per['remove']:.1f}  exist {per['exist']:.1f}")
+    shard = doc.get("shard") or {}
+    if shard.get("shards"):  # a sharded pool: what each shard holds
+        head.add_row("shards", f"map v{shard.get('map_version')}: " + "; ".join(
+            f"{s['id']} {s['objects']} objects, {s['slots']} slots" if s.get("reachable")
+            else f"{s['id']} unreachable" for s in shard["shards"]))
     parts: list[Any] = [head, _segment_table(doc["segments"], sort, reverse)]
     if "conductor" in doc:
         parts.append(_conductor_table(doc["conductor"]))

@@ -81,6 +81,16 @@ def master(
                                          help="Seconds a new leader (or a restarted master) answers misses "
                                               "with 'retry' while segments re-register what they hold."),
     ready_file: str = typer.Option(None, help="Write the bound ports here as JSON once ready."),
+    shards: int = typer.Option(1, min=1, max=64,
+                               help="Split the key space among N master shards, each its own "
+                                    "process (RPC ports --port+I, admin ports --admin-port+I; "
+                                    "free ports when 0). Clients may name any shard's address. "
+                                    "See docs/store.md, \"Sharded metadata\"."),
+    shard: str = typer.Option(None, help="Run shard I of a pool of N shards (I/N, like 0/4), "
+                              "for shards on several hosts; give every shard's address with "
+                              "--peers (with --ha they follow from it)."),
+    peers: str = typer.Option(None, help="With --shard: every shard's master address HOST:PORT, "
+                              "comma-separated, in shard order (this one's included)."),
 ) -> None:
     """Run the store master: metadata only (placement, leases, eviction, liveness).
 
@@ -100,10 +110,16 @@ def master(
     tenant_tokens = load_tenants(tenants)
     check_ports(host, {"--port": port, "--admin-port": admin_port,
                        "--metadata-port": metadata_port, "--kv-events-port": kv_events_port})
+    ha_kw = {"ha": ha, "cluster": cluster_id, "advertise": advertise, "lease_ttl": ha_lease_ttl}
+    if shards > 1 or shard:
+        from kvplane.cli import shards as shard_cli
+
+        shard_cli.run(shards, shard, peers, cfg, host, port, admin_port, metadata_port,
+                      kv_events_port, (tok, adm, tenant_tokens, tenants, no_auth), ready_file,
+                      ha_kw)
+        return
     _run_master(cfg, host, port, admin_port, metadata_port, kv_events_port,
-                (tok, adm, tenant_tokens), ready_file,
-                {"ha": ha, "cluster": cluster_id, "advertise": advertise,
-                 "lease_ttl": ha_lease_ttl})
+                (tok, adm, tenant_tokens), ready_file, ha_kw)
 
 
 def _run_master(cfg: Any, host: str, port: int, admin_port: int, metadata_port: int | None,

@@ -152,7 +152,7 @@ class ShardedLink:
             if new.version <= self.map.version:
                 return False
             self.map, self._owner = new, owners(new)
-        log.info("store shard map v%s (%d shards)", new.version, len(new.shards))
+        log.debug("store shard map v%s (%d shards)", new.version, len(new.shards))
         for hook in list(self.hooks):
             hook(new)
         return True

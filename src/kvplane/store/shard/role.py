@@ -79,6 +79,12 @@ class ShardRole:
         self.block: dict[str, Any] = {}  # the ``shard`` block of ``/status`` (kept current)
         self.peers = Peers(token)  # the other shards' masters (for the pool's status)
         self._serving: Serving | None = None
+        # a watched shard (``launch.MapWatch``) serves no key until its watch has asked the
+        # other shards for their maps: at start, and after each new term of its own
+        self.watched = False
+        self.verify = False
+        self.turn = 0  # new terms seen: a watch round that began before one verifies nothing
+        self._seen: object = None
         self._describe()
 
     @property
@@ -99,6 +105,13 @@ class ShardRole:
             return
         if not self.map.version:  # a placeholder map: the pool is still starting
             raise SlotMoving("the shard map is not installed yet")
+        if self.watched:
+            state = self._serving.state if self._serving is not None else None
+            if state is not self._seen:  # a new term (HA) or the first call
+                self._seen, self.verify = state, True
+                self.turn += 1
+            if self.verify:
+                raise SlotMoving(f"shard {self.me} is checking its map with the other shards")
         if method in RECORDS:
             self._check_slots([slot_of_internal(r.key) for r in request.records], served, method)
         elif method in ONE_KEY:
@@ -117,6 +130,11 @@ class ShardRole:
                 raise WrongShard(f"slot {slot} is served by shard {owner}, not {self.me} "
                                  f"(shard map v{self.map.version})")
             raise SlotMoving(f"slot {slot} is moving between shards (map v{self.map.version})")
+
+    def verified(self, turn: int) -> None:
+        """The watch asked the other shards, in a round that began at ``turn``."""
+        if turn == self.turn:
+            self.verify = False
 
     # -- the map -------------------------------------------------------------------------------
     def install(self, new: ShardMap) -> bool:
