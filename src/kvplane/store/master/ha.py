@@ -51,12 +51,16 @@ class Election:
         on_lead: called with (term, expected segment names or None) on winning.
         on_lose: called with the reason when the lease is lost.
         margin: seconds before the lease's end at which the leader stops answering.
+        term_key: the etcd key of the term counter (default ``kvplane/C/term``); the shards
+            of a sharded pool share one, so their terms (their epochs) never meet.
     """
 
     def __init__(self, where: HaAddress, advertise: str, lease_ttl: int,
                  on_lead: Callable[[int, set[str] | None], None],
-                 on_lose: Callable[[str], None], margin: float = 0.3) -> None:
+                 on_lose: Callable[[str], None], margin: float = 0.3,
+                 term_key: str | None = None) -> None:
         self.where = where
+        self.term_key = term_key or where.key("term")
         self.ttl = max(2, int(lease_ttl))
         self.margin = margin
         self.advertise = advertise
@@ -102,7 +106,7 @@ class Election:
         return POLL
 
     def _campaign(self) -> None:
-        term_key, leader_key = self.where.key("term"), self.where.key("leader")
+        term_key, leader_key = self.term_key, self.where.key("leader")
         cur = self._etcd.get(term_key)
         term = (int(cur[0]) if cur else 0) + 1
         start = time.monotonic()

@@ -138,6 +138,10 @@ class MasterServer:
         advertise: the address clients reach this master at (default ``host:port``).
         lease_ttl: HA leader lease, seconds.
         extensions: parts played beside the store (``Extension``: a shard's role).
+        term_key: HA: the etcd key of the term counter (``ha.Election``; a sharded pool's
+            shards share one).
+        lone_epoch: draws the epoch of a master that leads alone or stands by (default: 23
+            random bits; a shard's keep its id in the low bits, so shards never share one).
     """
 
     def __init__(self, config: MasterConfig | None = None, host: str = "127.0.0.1", port: int = 0,
@@ -146,10 +150,12 @@ class MasterServer:
                  kv_events_port: int | None = None, tenants: dict[str, str] | None = None,
                  admin_token: str = "", ha: str | None = None, cluster: str | None = None,
                  advertise: str | None = None, lease_ttl: int = 3,
-                 extensions: Sequence[Extension] = ()) -> None:
+                 extensions: Sequence[Extension] = (), term_key: str | None = None,
+                 lone_epoch: Callable[[], int] | None = None) -> None:
         self.config = config or MasterConfig()
         self._secret = inventory.secret_of(token)
-        self.state = self._fresh_state(secrets.randbits(23) | 1)  # epoch: new on every start
+        self._lone_epoch = lone_epoch or (lambda: secrets.randbits(23) | 1)
+        self.state = self._fresh_state(self._lone_epoch())  # epoch: new on every start
         self.serving = Serving(self.state, clock)  # what the RPC modules and access checks see
         self._evicted_seen = 0
         self.auth = TokenTable(token, admin_token, tenants)
@@ -183,7 +189,7 @@ class MasterServer:
         self.election: Election | None = None
         if ha:
             self.election = self._election(ha, cluster, advertise or f"{host}:{self.port}",
-                                           lease_ttl)
+                                           lease_ttl, term_key)
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="master-timer", daemon=True)
         self._timer.start()
@@ -197,12 +203,13 @@ class MasterServer:
                    admin_port=self.http.port if self.http else None)
 
     # -- roles -----------------------------------------------------------------------------------
-    def _election(self, ha: str, cluster: str | None, advertise: str, lease_ttl: int) -> Election:
+    def _election(self, ha: str, cluster: str | None, advertise: str, lease_ttl: int,
+                  term_key: str | None) -> Election:
         from kvplane.store.etcd import HaAddress
         from kvplane.store.master.ha import Election
 
         return Election(HaAddress.parse(ha, cluster), advertise, lease_ttl, self._elected,
-                        self._deposed)
+                        self._deposed, term_key=term_key)
 
     def _fresh_state(self, epoch: int) -> MasterState:
         state = MasterState(self.config, epoch=epoch)
@@ -232,7 +239,7 @@ class MasterServer:
         """Lost the lease: forget everything (a standby holds no state)."""
         log.warning("no longer the leader: %s", why)
         with self.lock:
-            self._switch(self._fresh_state(secrets.randbits(23) | 1))
+            self._switch(self._fresh_state(self._lone_epoch()))
 
     def _switch(self, state: MasterState) -> None:
         """Serve ``state`` from now on (under the lock): handlers, access checks and tasks."""

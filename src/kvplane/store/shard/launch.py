@@ -131,9 +131,10 @@ def start_shard(index: int, peers: list[str], ha: str | None = None,
     with ``ha``, the shard campaigns in its own cluster ``CLUSTER-sI``)."""
     if not 0 <= index < len(peers):
         raise InvalidArgument(f"shard {index} is not among the {len(peers)} peers")
-    if ha:
-        master_kw.update(ha=ha, cluster=shard_cluster(HaAddress.parse(ha, cluster).cluster,
-                                                      index))
+    if ha:  # its own election, and the pool's term counter: terms are epochs, never shared
+        pool = HaAddress.parse(ha, cluster)
+        master_kw.update(ha=ha, cluster=shard_cluster(pool.cluster, index),
+                         term_key=pool.key("term"))
     shard = start(index, first_map(peers), **master_kw)
     shard.role.watched = True  # serve nothing before the peers were asked
     watch = MapWatch(shard, peers[index]).start()

@@ -236,8 +236,9 @@ class ShardedLink:
                meanwhile: Callable[[], None] | None) -> T:
         keys = req.keys
         owner, todo = self._owner, list(range(len(keys)))
-        sid = owner[slot_of(keys[0])] if keys else self.map.ids()[0]
-        if all(owner[slot_of(k)] == sid for k in keys[1:]):  # one shard: straight there
+        sids = [owner[slot_of(k)] for k in keys]
+        sid = sids[0] if sids else self.map.ids()[0]
+        if sids.count(sid) == len(sids):  # one shard: straight there
             try:
                 return self.link(sid).call(method, req, typ, timeout=coarse(deadline.remaining()),
                                            once=once, meanwhile=meanwhile)
@@ -247,9 +248,11 @@ class ShardedLink:
         pause = BACKOFF[0]
         while todo:
             groups: dict[int, list[int]] = {}
-            owner = self._owner
+            if owner is not self._owner:  # a newer map since the keys were placed
+                owner = self._owner
+                sids = [owner[slot_of(k)] for k in keys]
             for i in todo:
-                groups.setdefault(owner[slot_of(keys[i])], []).append(i)
+                groups.setdefault(sids[i], []).append(i)
             got = self._parts(method, req, typ, groups, deadline, once, meanwhile)
             meanwhile = None  # run by the first attempt only
             todo, wrong = [], None
@@ -279,30 +282,32 @@ class ShardedLink:
     def _parts(self, method: str, req: Any, typ: type[Any], groups: dict[int, list[int]],
                deadline: Deadline, once: bool, meanwhile: Callable[[], None] | None
                ) -> dict[int, tuple[list[int], Any]]:
-        """Each group's part sent to its shard; per shard (indexes, answer or WrongShard)."""
-        def send(sid: int, idx: list[int], fn: Callable[[], None] | None) -> Any:
+        """Each group's part sent to its shard; per shard (indexes, answer or WrongShard).
+
+        No threads: each part is sent while the shards before it answer (the next part goes
+        out from the previous call's ``meanwhile``), so every shard works at once and the
+        answers are read in turn. Parts go in ascending shard order: two threads never wait
+        for each other's connections.
+        """
+        items = sorted(groups.items())
+        got: dict[int, tuple[list[int], Any]] = {}
+
+        def chain(k: int) -> None:
+            sid, idx = items[k]
+            rest = partial(chain, k + 1) if k + 1 < len(items) else meanwhile
             try:
-                return self.link(sid).call(method, part(req, method, idx), typ, once=once,
-                                           timeout=coarse(deadline.remaining()), meanwhile=fn)
-            except WrongShard as exc:
-                return exc
-        items = list(groups.items())
-        futures = [(sid, idx, self.submit(partial(send, sid, idx, None)))
-                   for sid, idx in items[1:]]
-        out: dict[int, tuple[list[int], Any]] = {}
-        error: KVPlaneError | None = None
-        try:
-            out[items[0][0]] = (items[0][1], send(items[0][0], items[0][1], meanwhile))
-        except KVPlaneError as exc:
-            error = exc
-        for sid, idx, fut in futures:
-            try:
-                out[sid] = (idx, fut.result())
-            except KVPlaneError as exc:
-                error = error or exc
-        if error is not None:
-            raise error
-        return out
+                got[sid] = (idx, self.link(sid).call(
+                    method, part(req, method, idx), typ, once=once, meanwhile=rest,
+                    timeout=coarse(deadline.remaining())))
+            except KVPlaneError as exc:  # (WrongShard: sent again by the caller)
+                got[sid] = (idx, exc)
+            if k + 1 < len(items) and items[k + 1][0] not in got:
+                chain(k + 1)  # this call never sent its request: the rest go now
+        chain(0)
+        for _, rep in got.values():
+            if isinstance(rep, KVPlaneError) and not isinstance(rep, WrongShard):
+                raise rep
+        return got
 
     def _list(self, req: ListKeysReq, deadline: Deadline, once: bool) -> ListKeysRep:
         """One page of keys in order, merged from every shard's page."""

@@ -10,8 +10,10 @@ real map is installed (``addressed``). Binds what ``MasterServer`` binds.
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvplane.common.rpc import current_principal
@@ -53,7 +55,7 @@ class Shard:
 def start(me: int, shard_map: ShardMap, **master_kw: Any) -> Shard:
     """The master of shard ``me`` serving by ``shard_map`` (keywords: ``MasterServer``'s)."""
     role = ShardRole(me, shard_map, token=master_kw.get("token", ""))
-    srv = MasterServer(**master_kw, extensions=[role])
+    srv = MasterServer(**master_kw, extensions=[role], lone_epoch=partial(lone_epoch, me))
     srv.extras["shard"] = role.block
 
     def own_status(req: StatusReq) -> dict[str, Any]:  # outside the lock: status() takes it
@@ -61,6 +63,12 @@ def start(me: int, shard_map: ShardMap, **master_kw: Any) -> Shard:
         return srv.status(req.admin and current_principal().admin, req.history, extend=False)
     srv.rpc.add("shard_status", own_status, StatusReq)
     return Shard(srv, role)
+
+
+def lone_epoch(me: int) -> int:
+    """A random epoch (23 bits, never 0) whose low 6 bits are shard ``me``'s id: two shards
+    never share one, so a segment's fence tells their generations apart."""
+    return (secrets.randbits(17) | 1) << 6 | me
 
 
 def placeholder(n: int) -> ShardMap:
