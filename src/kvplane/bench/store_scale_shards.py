@@ -33,10 +33,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from kvplane.bench.services import CLI, spawn_segment
+from kvplane.bench.services import CLI
 from kvplane.common.procs import Proc, free_port
 
 TICK = os.sysconf("SC_CLK_TCK")
+# the clients and the segment move no bytes here: NIXL stays unloaded (an idle NIXL agent's
+# progress thread spun a core before main's 7b909eb; that is not what this measures)
+QUIET = {"KVPLANE_NIXL": "off"}
 
 
 def proc_cpu(pid: int) -> float:
@@ -54,23 +57,25 @@ def host_cpu() -> tuple[int, int]:
 
 
 @contextmanager
-def pool(shards: int) -> Iterator[tuple[str, list[int]]]:
+def pool(shards: int, spin: str | None = None) -> Iterator[tuple[str, list[int]]]:
     """One master (``shards`` 0) or ``shards`` shard processes, and one segment; yields (an
-    address, the masters' pids)."""
+    address, the masters' pids). ``spin``: the masters' ``KVPLANE_MASTER_SPIN``."""
+    env = {} if spin is None else {"KVPLANE_MASTER_SPIN": spin}
     with ExitStack() as stack:
         if shards == 0:
             m = stack.enter_context(Proc([*CLI, "master", "--port", "0", "--admin-port", "0"],
-                                         stop_signal=signal.SIGTERM))
+                                         env=env, stop_signal=signal.SIGTERM))
             masters = [m]
         else:
             ports = [free_port() for _ in range(shards)]
             peers = ",".join(f"127.0.0.1:{p}" for p in ports)
             masters = [stack.enter_context(Proc(
                 [*CLI, "master", "--shard", f"{i}/{shards}", "--peers", peers, "--port",
-                 str(ports[i]), "--admin-port", "0"], stop_signal=signal.SIGTERM))
+                 str(ports[i]), "--admin-port", "0"], env=env, stop_signal=signal.SIGTERM))
                 for i in range(shards)]
         addr = masters[0].info["master"]
-        stack.enter_context(spawn_segment(addr, "256MiB"))
+        stack.enter_context(Proc([*CLI, "segment", "--master", addr, "--size", "256MiB"],
+                                 env=QUIET, stop_signal=signal.SIGTERM))
         yield addr, [m.pid for m in masters]
 
 
@@ -92,7 +97,8 @@ def run_clients(addr: str, a: argparse.Namespace, op: str, pids: list[int]) -> d
             "--seconds", str(a.seconds)] + (["--grouped"] if a.grouped else [])
     with ExitStack() as stack:
         workers = [stack.enter_context(Proc([sys.executable, "-m", __name__, "worker", *args,
-                                             "--seed", str(i)])) for i in range(a.clients)]
+                                             "--seed", str(i)], env=QUIET))
+                   for i in range(a.clients)]
         cpu0 = [proc_cpu(p) for p in pids]
         host0 = host_cpu()
         for w in workers:
@@ -183,13 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", default="exists,lookup")
     ap.add_argument("--grouped", action="store_true",
                     help="each batch holds keys of one shard (as keys sharing a hash tag)")
+    ap.add_argument("--master-spin", default=None,
+                    help="the masters' KVPLANE_MASTER_SPIN (seconds; default: theirs)")
     a = ap.parse_args(args)
+    os.environ.update(QUIET)  # (this process loads the keys)
     ops = a.ops.split(",")
     load0 = os.getloadavg()[0]
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(a.repeats):
         for shards in (0, a.shards):  # interleaved: one master, then the shards
-            with pool(shards) as (addr, pids):
+            with pool(shards, a.master_spin) as (addr, pids):
                 load_keys(addr, a.keys)
                 for op in ops:
                     name = "one master" if shards == 0 else f"{shards} shards"

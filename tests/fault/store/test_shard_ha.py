@@ -27,7 +27,7 @@ from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 TIMEOUT = 5.0
 MARGIN = 1.0
-RUN = 14.0  # seconds of load; a leader dies about 4 s in
+RUN = 10.0  # seconds of load; a leader dies about 3 s in
 LEASE = "2"
 
 
@@ -71,7 +71,7 @@ def test_a_shard_leader_killed_under_load_others_serve_nothing_lost(etcd):
         with StoreClient(master=addr, protocol="tcp", timeout=TIMEOUT) as probe:
             own = owners(probe.rpc.map)
             zero = [k for k in (f"probe-{n}" for n in range(400)) if own[slot_of(k)] == 0]
-            time.sleep(4)
+            time.sleep(3)
             masters[1, lead[1]].kill()  # shard 1 loses its leader
             killed = time.monotonic()
             slow = []

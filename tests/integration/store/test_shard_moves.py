@@ -105,7 +105,7 @@ def test_slots_move_and_shards_come_and_go_under_load_losing_nothing():
         with StoreClient(master=first, global_segment_size=96 << 20, protocol="tcp"), \
                 StoreClient(master=first, global_segment_size=96 << 20, protocol="tcp"), \
                 Mover(first, batch=512) as mover, Load(first) as load:
-            time.sleep(0.5)
+            time.sleep(0.3)
             own = owners(mover.newest())
             moved = mover.move([s for s in range(len(own)) if own[s] == 0][:3000], 1)
             assert moved.slots == 3000 and moved.objects > 0
@@ -115,7 +115,7 @@ def test_slots_move_and_shards_come_and_go_under_load_losing_nothing():
                 assert added.objects > 0
                 removed = mover.remove_shard(0)
                 assert removed.objects > 0 and shards[0].master.state.objects == {}
-                time.sleep(0.5)
+                time.sleep(0.3)
                 load.stop()
                 assert len(load.acked) > 500 and load.reads > 500
                 lost, wrong = check_all(third.address, load.acked)
@@ -133,7 +133,7 @@ def test_a_move_to_a_shard_that_is_down_is_undone_and_the_source_keeps_serving()
     with local_pool(2, admin_port=None) as shards:
         first = shards[0].address
         with StoreClient(master=first, global_segment_size=32 << 20, protocol="tcp") as host, \
-                Mover(first, timeout=1.0, tries=1) as mover:
+                Mover(first, timeout=0.5, tries=1) as mover:
             keys = [f"undo-{i}" for i in range(200)]
             host.put_batch(keys, [value(k) for k in keys])
             own = owners(mover.newest())
