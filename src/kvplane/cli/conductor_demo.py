@@ -63,7 +63,7 @@ def demo(
     headers = {"Authorization": f"Bearer {tok}"} if tok else {}
     with httpx.Client(base_url=base, headers=headers, timeout=timeout, trust_env=False) as http, \
             KVEventPublisher(host="127.0.0.1", topic=f"kv@{instance}") as pub:
-        _register(http, base, instance, model, block_size, pub)
+        _register(http, base, (instance, model, block_size), pub, timeout)
         try:
             pub.wait_subscribed(timeout)
         except Exception as exc:
@@ -87,21 +87,29 @@ def demo(
                f"\"token_ids\": [{shown}, ..., {probes[0].tokens[-1]}]}}'")
 
 
-def _register(http: Any, base: str, instance: str, model: str, block_size: int, pub: Any) -> None:
-    """(Re)register the demo instance with the publisher's endpoints."""
+def _register(http: Any, base: str, who: tuple[str, str, int], pub: Any, timeout: float) -> None:
+    """(Re)register the demo instance ``who`` (instance, model, block size) with the
+    publisher's endpoints, waiting up to ``timeout`` for the conductor to listen."""
     import httpx
 
     from kvplane.cli.errors import StartFailed
+    from kvplane.common.deadline import Deadline
 
+    instance, model, block_size = who
     body = {"instance_id": instance, "modelname": model, "block_size": block_size,
             "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
             "hash_profile": {"algorithm": "sha256", "python_hash_seed": "0"}}
-    try:
-        http.post("/unregister", json={"instance_id": instance})  # a previous run's, if any
-        r = http.post("/register", json=body)
-    except httpx.HTTPError as exc:
-        raise StartFailed(f"no conductor answers at {base} ({type(exc).__name__}); start one "
-                          "(kvplane conductor) or pass its URL with --conductor") from exc
+    deadline = Deadline.after(timeout)
+    while True:  # a conductor started a moment ago (`kvplane conductor &`) may not listen yet
+        try:
+            http.post("/unregister", json={"instance_id": instance})  # a previous run's, if any
+            r = http.post("/register", json=body)
+            break
+        except httpx.TransportError as exc:
+            if deadline.expired():
+                raise StartFailed(f"no conductor answers at {base} ({type(exc).__name__}); start "
+                                  "one (kvplane conductor) or pass its URL with --conductor") from exc
+            time.sleep(0.1)  # retried until the --timeout deadline
     if r.status_code in (401, 403):
         raise StartFailed(f"the conductor at {base} refused the token ({r.status_code}); pass "
                           "its token with --token or KVPLANE_TOKEN")
