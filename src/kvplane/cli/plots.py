@@ -26,10 +26,11 @@ def skipped(command: str, why: str) -> None:
 
 
 def draw(command: str, plot: Callable[[], object], done: str) -> None:
-    """Run ``plot`` and print ``done``, or, without matplotlib, the one skip line."""
+    """Run ``plot`` and say ``done`` (on stderr: stdout may be JSON), or, without matplotlib,
+    the one skip line."""
     why = missing()
     if why is not None:
         skipped(command, why)
         return
     plot()
-    typer.echo(done)
+    typer.echo(done, err=True)
