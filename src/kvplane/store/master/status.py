@@ -159,7 +159,7 @@ def document(state: MasterState, history: History, key_ops: dict[str, int],
     doc: dict[str, Any] = {
         "master": {**master, "role": "leader", "epoch": state.epoch,
                    "view_version": state.view_version},
-        "masters": [{**master, "role": "leader"}],  # one master until HA lands
+        "masters": [{**master, "role": "leader"}],  # this one (with HA: /ha_status names the leader)
         "config": {"lease_ttl_s": cfg.lease_ttl, "client_ttl_s": cfg.client_ttl,
                    "high_watermark": cfg.high_watermark, "evict_ratio": cfg.evict_ratio},
         "capacity_bytes": current.capacity, "used_bytes": current.used,
