@@ -32,10 +32,9 @@ from kvplane.bench.te_worker import options, run_cells
 
 
 def _agent(name: str) -> Any:
-    from kvplane.transfer.transports.nixl import import_nixl
+    from kvplane.transfer.transports.nixl import import_nixl, new_agent
 
-    nixl = import_nixl()
-    agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+    agent = new_agent(import_nixl(), name)
     if "UCX" not in agent.backends:
         raise RuntimeError("NIXL has no UCX backend here (check UCX_TLS and the plugins)")
     return agent
