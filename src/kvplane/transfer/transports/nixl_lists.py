@@ -68,15 +68,17 @@ class PreppedLists:
         :data:`LOCAL` for ours), prepared now where not cached; both held (give them back
         with :meth:`release`). None, holding nothing, when NIXL cannot prepare one."""
         with self._lock:
+            made = self.prepared
             lp = self._get(local)
             rp = self._get(remote) if lp is not None else None
-            if lp is None or rp is None:
-                return None
-            lp.users += 1
-            rp.users += 1
+            if lp is not None and rp is not None:
+                lp.users += 1
+                rp.users += 1
+            if made == self.prepared:  # both were cached (the usual case): nothing to evict
+                return (lp, rp) if lp is not None and rp is not None else None
             evicted = self._evict(self._lists[True]) + self._evict(self._lists[False])
         self._free(evicted)
-        return lp, rp
+        return (lp, rp) if lp is not None and rp is not None else None
 
     def _get(self, spec: Spec) -> Prepped | None:
         """The cached or newly prepared list of ``spec`` (under the lock)."""
