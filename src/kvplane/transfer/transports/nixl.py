@@ -118,8 +118,9 @@ class NixlTransport(Transport):
         self._lock = threading.Lock()
         self._remotes: dict[str, _Remote] = {}  # segment name -> loaded agent
         self._regs: dict[int, Any] = {}  # region addr -> NIXL registration descriptors
-        self._locals: tuple[_Local, ...] = ()  # regions registered with the agent, by address
-        self._starts: list[int] = []  # their addresses (bisect)
+        # regions registered with the agent, by address, and those addresses (for bisect);
+        # replaced as one tuple, so a reader never sees one without the other
+        self._locals: tuple[tuple[_Local, ...], list[int]] = ((), [])
         self._closed = False
         self.agent_name = f"kvplane-{os.getpid()}-{secrets.token_hex(4)}"
         self._agent: Any = new_agent(self._nixl, self.agent_name)
@@ -162,15 +163,16 @@ class NixlTransport(Transport):
     def _index(self, region: _Local, add: bool) -> None:
         """Add ``region`` to (or remove the one at its address from) the local index."""
         with self._lock:
-            regions = [r for r in self._locals if r.addr != region.addr]
+            regions = [r for r in self._locals[0] if r.addr != region.addr]
             if add:
                 regions.append(region)
             regions.sort()
-            self._locals, self._starts = tuple(regions), [r.addr for r in regions]
+            self._locals = (tuple(regions), [r.addr for r in regions])
 
     def _local(self, addr: int, length: int) -> _Local | None:
         """The registered local region holding ``[addr, addr+length)``, if any."""
-        regions, i = self._locals, bisect.bisect_right(self._starts, addr) - 1
+        regions, starts = self._locals
+        i = bisect.bisect_right(starts, addr) - 1
         if i >= 0 and addr + length <= regions[i].end:
             return regions[i]
         return None
