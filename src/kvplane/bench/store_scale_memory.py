@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvplane.bench.services import spawn_master
-from kvplane.bench.store import Services, _mooncake
+from kvplane.bench.store import Services, start_mooncake
 from kvplane.bench.transfer import find_mooncake_python
 from kvplane.common.rpc import RpcClient
 from kvplane.store import inventory
@@ -130,7 +130,7 @@ def mooncake_side(n: int, opt: Options, py: str) -> dict[str, Any]:
     after."""
     svc = Services()
     try:
-        master, url = _mooncake(svc, py, False, 0)
+        master, url = start_mooncake(svc, py, False, 0)
         mc_pid = svc.procs[-1].pid
         seg = n * opt.value * 3 // 2 + (256 << 20)
         env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2")

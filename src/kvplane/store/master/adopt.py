@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.inventory import FLAG_HARD_PIN, Record
+from kvplane.store.master.rows import Row
 from kvplane.store.master.table import Obj, ObjectTable, Segment
 from kvplane.transfer.fence import COUNTER_MASK, epoch_of
 
@@ -147,7 +148,7 @@ class Adoption:
         if rec.want < 1 or not seg.alloc.allocate_at(rec.offset, rec.hdr + rec.size):
             return 0
         if obj is not None and not self._better(rec, obj, seg.info.name):
-            seg.alloc.free(rec.offset)
+            seg.alloc.free(rec.offset, rec.hdr + rec.size)
             return 0
         gen = st.new_generation()
         if obj is not None and obj.complete and obj.version == rec.version:
@@ -161,7 +162,7 @@ class Adoption:
             checksum=rec.checksum, want=rec.want, hdr=rec.hdr, flags=rec.flags))
         return gen
 
-    def _better(self, rec: Record, obj: Obj, segment: str) -> bool:
+    def _better(self, rec: Record, obj: Row, segment: str) -> bool:
         """Whether ``rec`` may join or replace the known object ``obj``."""
         if not obj.complete:  # a put of this master is under way: it is newer
             return False

@@ -24,12 +24,14 @@ its space freed (``surplus`` counts them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 from kvplane.store import inventory
 from kvplane.store.master.table import ObjectTable
 from kvplane.store.types import RepairTask
 
 SCAN = 4096  # short keys looked at per planning pass
+COUNT = 8192  # short keys looked at to count the under-replicated ones
 
 
 @dataclass
@@ -39,6 +41,11 @@ class _Pending:
     task: RepairTask
     deadline: float
     delivered: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the target allocation (header and value)."""
+        return self.task.size + len(self.task.header)
 
 
 class Repairs:
@@ -52,10 +59,14 @@ class Repairs:
         self.surplus = 0  # completed copies dropped: the object had its replicas already
 
     def under_replicated(self) -> int:
-        """Complete objects holding fewer replicas than asked for, now."""
-        objs = self._st.objects
-        return sum(1 for k in self.short
-                   if k in objs and objs[k].complete and 0 < len(objs[k].replicas) < objs[k].want)
+        """Complete objects holding fewer replicas than asked for, now: exact while at most
+        ``COUNT`` objects may be short, else an upper bound (every key that may be short;
+        counting more would hold the lock too long)."""
+        if len(self.short) > COUNT:
+            return len(self.short)
+        get = self._st.row_of
+        return sum(1 for k in self.short if (o := get(k)) is not None and o.complete
+                   and 0 < o.replica_count() < o.want)
 
     def settled(self, now: float) -> bool:
         """Whether replica counts can be trusted: no recovery under way, no segment still
@@ -63,15 +74,16 @@ class Repairs:
         st = self._st
         return not st.recovering(now) and not any(s.adopting for s in st.segments.values())
 
-    def plan(self, now: float) -> int:
-        """Allocate targets for short objects (no eviction); returns tasks created. Nothing
-        while replicas may still be coming back (``settled``)."""
+    def plan(self, now: float, scan: int = SCAN, skip: int = 0) -> int:
+        """Allocate targets for short objects (no eviction), looking at up to ``scan`` of them
+        after the first ``skip`` (a pass in steps goes on where its last step stopped);
+        returns tasks created. Nothing while replicas may still be coming back (``settled``)."""
         st, made = self._st, 0
         if not self.short or not self.settled(now):
             return 0
-        for key in list(self.short)[:SCAN]:
-            obj = st.objects.get(key)
-            if obj is None or not obj.complete or not 0 < len(obj.replicas) < obj.want:
+        for key in list(islice(self.short, skip, skip + scan)):
+            obj = st.row_of(key)
+            if obj is None or not obj.complete or not 0 < obj.replica_count() < obj.want:
                 self.short.discard(key)
                 continue
             if key in self.pending:
@@ -141,7 +153,7 @@ class Repairs:
                 self.short.discard(key)
             return True
         st.adoption.forget(seg, p.offset, gen)  # its header, if the target wrote one
-        seg.alloc.free(p.offset)  # the target's copy is over (it reported): nothing can land
+        seg.alloc.free(p.offset, p.nbytes)  # the target's copy is over (it reported): nothing can land
         return False
 
     def expire(self, now: float) -> int:
@@ -164,10 +176,9 @@ class Repairs:
             return
         if p.delivered:  # the target may be copying: fence before reuse
             st.adoption.forget(st.segments[p.segment], p.offset, p.task.gen)
-            st.graveyard.hold(p.segment, p.offset, p.task.size + len(p.task.header), now,
-                              p.task.gen)
+            st.graveyard.hold(p.segment, p.offset, p.nbytes, now, p.task.gen)
         else:
-            st.segments[p.segment].alloc.free(p.offset)
+            st.segments[p.segment].alloc.free(p.offset, p.nbytes)
 
     def drop_segment(self, name: str) -> None:
         """``name`` was unmounted: tasks targeting it go (their space went with it)."""
