@@ -12,6 +12,7 @@ import sys
 
 COMMANDS = {  # subcommand -> module with main(argv) -> int
     "memory": "kvplane.bench.store_scale_memory",  # master RSS per object, kvplane vs Mooncake
+    "pauses": "kvplane.bench.store_scale_pauses",  # longest lock hold / RPC wait during long passes
 }
 
 
