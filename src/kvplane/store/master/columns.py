@@ -223,8 +223,8 @@ class Columns:
 
     # -- rows ---------------------------------------------------------------------------------
     def add(self, key: str) -> int:
-        """A new row for ``key`` (not present), linked as the most recently used, all its
-        fields zero but ``seg`` (-1) and ``more`` (-1)."""
+        """A new row for ``key`` (not present), linked as the most recently used, with no
+        replica (``seg`` and ``more`` -1); the caller writes every other column."""
         row = self._free
         if row >= 0:
             self._free = self.nxt[row]
@@ -235,10 +235,6 @@ class Columns:
                 self._grow(max(_GROW_MIN, row // 8))
             self._top += 1
             self.keys.append(key)
-        for col in (self.size, self.version, self.checksum, self.off, self.gen, self.hdr,
-                    self.want, self.flags, self.iflags, self.owner):
-            col[row] = 0
-        self.lease[row] = 0.0
         self.seg[row] = NONE
         self.more[row] = NONE
         self.index.add(key, row)
@@ -348,8 +344,9 @@ class Columns:
 
     def set_replicas(self, row: int, reps: list[tuple[int, int, int]]) -> None:
         """Make ``reps`` (sid, offset, generation) the replicas of ``row``."""
-        self._free_chain(self.more[row])
-        self.more[row] = NONE
+        if self.more[row] != NONE:
+            self._free_chain(self.more[row])
+            self.more[row] = NONE
         if not reps:
             self.seg[row] = NONE
             return

@@ -197,6 +197,14 @@ class Row:
         sid_of = self._c.sid_of
         self._c.set_replicas(self.row, [(sid_of[s], o, g) for s, o, g in reps])
 
+    def first_sid(self) -> int:
+        """The segment id of the first replica (-1: none); it may have gone (not live)."""
+        return self._c.seg[self.row]
+
+    def more_replicas(self) -> bool:
+        """Whether it has replicas past the first (in replica rows)."""
+        return self._c.more[self.row] != NONE
+
     def replica_count(self) -> int:
         """How many memory replicas (on mounted segments) it has."""
         c, row = self._c, self.row

@@ -383,9 +383,14 @@ class MasterState(ObjectTable):
 
     def get_replicas(self, key: str, now: float) -> KeyResult:
         """Replicas of a complete object; grants a read lease and refreshes its LRU position."""
-        obj = self.row_of(key)
-        if obj is None:
+        c = self.cols
+        row = c.index.find(key)
+        if row < 0:
             return KeyResult(ObjectNotFound.code)
+        seg = self._plain(row)
+        if seg is not None:
+            return self._plain_result(row, seg, now + self.config.lease_ttl)
+        obj = Row(c, row)
         if not obj.complete:
             return KeyResult(ReplicaNotReady.code)
         reps = list(obj.replicas)
@@ -399,26 +404,25 @@ class MasterState(ObjectTable):
         return KeyResult(0, obj.replicas_of(self.segments, reps), obj.size, obj.version,
                          obj.checksum, disk=self.tiers.disk_replicas(key, obj) if disk else [])
 
-    def get_replicas_many(self, keys: list[str], now: float) -> list[KeyResult]:
-        """:meth:`get_replicas` of each key (the same leases and LRU moves), with the common
-        case inlined: one replica, no SSD copy."""
+    def _plain_result(self, row: int, seg: Segment, until: float) -> KeyResult:
+        """The lookup of a plain object (``_plain``): its lease to ``until``, LRU move, answer."""
         c = self.cols
-        find, plain, touch = c.index.find, self._plain, c.touch
-        size, hdr, off, gen, lease = c.size, c.hdr, c.off, c.gen, c.lease
+        if c.lease[row] < until:
+            c.lease[row] = until
+        c.touch(row)
+        n = c.size[row]
+        return KeyResult(0, [seg.replica(c.off[row], n, c.gen[row], c.hdr[row])], n,
+                         c.version[row], c.checksum[row])
+
+    def get_replicas_many(self, keys: list[str], now: float) -> list[KeyResult]:
+        """:meth:`get_replicas` of each key (the same leases and LRU moves)."""
+        find, plain, answer = self.cols.index.find, self._plain, self._plain_result
         until = now + self.config.lease_ttl
         out: list[KeyResult] = []
         for key in keys:
             row = find(key)
             seg = plain(row) if row >= 0 else None
-            if seg is None:
-                out.append(self.get_replicas(key, now))
-                continue
-            if lease[row] < until:
-                lease[row] = until
-            touch(row)
-            n = size[row]
-            out.append(KeyResult(0, [seg.replica(off[row], n, gen[row], hdr[row])], n,
-                                 c.version[row], c.checksum[row]))
+            out.append(answer(row, seg, until) if seg is not None else self.get_replicas(key, now))
         return out
 
     def columns_many(self, keys: list[str], now: float) -> Columns | None:
@@ -427,20 +431,26 @@ class MasterState(ObjectTable):
         (the leases and moves already given are those :meth:`get_replicas_many` gives
         again)."""
         c = self.cols
-        find, plain, touch = c.index.find, self._plain, c.touch
+        find, touch, by_sid = c.index.find, c.touch, self.seg_by_sid
+        flags, more, sids, disk, lease = c.flags, c.more, c.seg, c.disk, c.lease
         until = now + self.config.lease_ttl
         names: dict[str, int] = {}
         seg: list[int] = []
         addr: list[int] = []
         size: list[int] = []
         gen: list[int] = []
-        for key in keys:
+        for key in keys:  # ``_plain`` inlined: this is the pool's hottest loop
             row = find(key)
-            s = plain(row) if row >= 0 else None
+            if row < 0:
+                return None
+            sid = sids[row]
+            if sid < 0 or not flags[row] & COMPLETE or more[row] != NONE or row in disk:
+                return None
+            s = by_sid[sid]
             if s is None:
                 return None
-            if c.lease[row] < until:
-                c.lease[row] = until
+            if lease[row] < until:
+                lease[row] = until
             touch(row)
             name = s.info.name
             j = names.get(name)

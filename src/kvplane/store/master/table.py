@@ -263,11 +263,14 @@ class ObjectTable:
         c.lease[row], c.hdr[row], c.want[row] = obj.lease_until, obj.hdr, obj.want
         c.iflags[row] = obj.flags
         c.flags[row] = (COMPLETE if obj.complete else 0) | (HARD_PIN if obj.hard_pin else 0)
-        if obj.owner:
-            c.owner[row] = c.owner_id(obj.owner)
-        if obj.replicas:
+        c.owner[row] = c.owner_id(obj.owner) if obj.owner else 0
+        reps = obj.replicas
+        if len(reps) == 1:  # the common case, without a list
+            name, c.off[row], c.gen[row] = reps[0]
+            c.seg[row] = c.sid_of[name]
+        elif reps:
             sid_of = c.sid_of
-            c.set_replicas(row, [(sid_of[s], o, g) for s, o, g in obj.replicas])
+            c.set_replicas(row, [(sid_of[s], o, g) for s, o, g in reps])
         if obj.soft_pin_until:
             c.pins[row] = obj.soft_pin_until
         if obj.disk:
@@ -316,7 +319,7 @@ class ObjectTable:
                 c.pins[row] = now + put.soft_pin_ttl
             c.touch(row)
             obj = Row(c, row)
-            if obj.replica_count() < c.want[row]:
+            if c.want[row] > 1 and obj.replica_count() < c.want[row]:
                 self.repairs.short.add(key)
             self.tiers.stored(key, obj)
         return 0

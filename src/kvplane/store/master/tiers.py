@@ -95,8 +95,13 @@ class DiskTier:
 
     def stored(self, key: str, obj: Row) -> None:
         """``key`` was committed: a write-through segment copies it to disk at once."""
-        if any(self._st.segments[s].info.write_through for s, _, _ in obj.replicas
-               if s in self._st.segments):
+        st = self._st
+        if obj.more_replicas():
+            through = any(st.segments[s].info.write_through for s, _, _ in obj.replicas)
+        else:  # the common case: one replica at most, read from the columns
+            seg = st.seg_by_sid[obj.first_sid()] if obj.first_sid() >= 0 else None
+            through = seg is not None and seg.info.write_through
+        if through:
             self.unsaved.add(key)
 
     def verdict(self, key: str, obj: Row, now: float) -> Verdict:
