@@ -155,3 +155,24 @@ def test_an_eviction_pass_in_steps_evicts_what_a_whole_pass_does():
     assert list(a.objects) == list(b.objects) and ja.count == jb.count == a.evicted > 0
     c, jc = run(2, reads=range(0, 63, 5))
     assert jc.freed >= jc.target and c.used_ratio() <= c.config.high_watermark
+
+
+def test_the_census_counts_what_a_walk_over_the_objects_counts():
+    """Complete and pending objects, replicas (first and further, on live segments only),
+    bytes, hard pins, replicas by segment: the column scans agree with the rows."""
+    st = _state(40, segs=("s0", "s1", "s2"), replica_num=2)
+    for i in range(5):
+        st.put_start(f"open{i}", 500, ReplicateConfig(replica_num=3), 1.0)
+    st.put_start("pinned", 700, ReplicateConfig(with_hard_pin=True), 1.0)
+    st.put_end("pinned", 1.0)
+    st.remove("k3", True, 2.0)
+    st.unmount_start("s1")  # not swept yet: its replicas no longer count
+    got = st.cols.census()
+    objs = [st.objects[k] for k in st.objects]
+    done = [o for o in objs if o.complete]
+    assert (got.objects, got.pending) == (len(done), len(objs) - len(done))
+    assert got.replicas == sum(len(o.replicas) for o in done) > 0
+    assert got.bytes == sum(o.size for o in done)
+    assert got.hard_pinned == 1
+    by_seg = {s: sum(1 for o in objs for r in o.replicas if r[0] == s) for s in ("s0", "s2")}
+    assert got.per_segment == by_seg

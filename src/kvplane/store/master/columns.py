@@ -51,6 +51,18 @@ _REPLICA_COLUMNS = (("rseg", "h"), ("roff", "q"), ("rgen", "q"), ("rnext", "i"),
                     ("rrow", "i"))
 
 
+@dataclass
+class Census:
+    """Counts over the whole table (``Columns.census``)."""
+
+    objects: int  # complete objects
+    pending: int  # unfinished puts
+    replicas: int  # memory replicas of complete objects
+    bytes: int  # value bytes of complete objects
+    hard_pinned: int  # complete hard-pinned objects
+    per_segment: dict[str, int]  # memory replicas (of any object) by mounted segment
+
+
 @dataclass(slots=True)
 class OpenPut:
     """What only an unfinished put needs (a side table entry, dropped when it ends)."""
@@ -251,6 +263,7 @@ class Columns:
         self._free_chain(self.more[row])
         self.more[row] = NONE
         self.seg[row] = NONE
+        self.flags[row] = 0  # (a free row counts as no object in ``census``)
         self.keys[row] = None
         self.puts.pop(row, None)
         self.pins.pop(row, None)
@@ -406,6 +419,31 @@ class Columns:
     def scan_end(self) -> int:
         """One past the last row or replica row ever used (the end of a full scan)."""
         return max(self._top, self._rtop)
+
+    def census(self) -> Census:
+        """Counts over every object, from whole-column scans (no Python loop per object)."""
+        n, m = self._top, self._rtop
+        flags = np.frombuffer(self.flags, np.uint8, n)
+        seg = np.frombuffer(self.seg, np.int16, n)
+        live = np.frombuffer(bytes(self.live) + b"\0", np.uint8)  # sid -1 reads the last: 0
+        complete = (flags & COMPLETE) != 0
+        held = complete & (live[seg] != 0)
+        rseg = np.frombuffer(self.rseg, np.int16, m)
+        rrow = np.frombuffer(self.rrow, np.int32, m)
+        used = rrow >= 0
+        rheld = used & (live[rseg] != 0)
+        rheld[rheld] = complete[rrow[rheld]]
+        per_sid = np.bincount(seg[seg >= 0], minlength=len(self.live)) + \
+            np.bincount(rseg[used & (rseg >= 0)], minlength=len(self.live))
+        out = Census(
+            objects=int(complete.sum()), pending=self.count - int(complete.sum()),
+            replicas=int(held.sum()) + int(rheld.sum()),
+            bytes=int(np.frombuffer(self.size, np.int64, n)[complete].sum()),
+            hard_pinned=int(((flags & (COMPLETE | HARD_PIN)) == COMPLETE | HARD_PIN).sum()),
+            per_segment={self.names[s]: int(per_sid[s]) for s in range(len(self.live))
+                         if self.live[s]})
+        del flags, seg, rseg, rrow  # (views of the columns: they must not outlive the scan)
+        return out
 
     # -- owners ---------------------------------------------------------------------------------
     def owner_id(self, client_id: str) -> int:
