@@ -235,7 +235,7 @@ class ObjectsView(Mapping[str, Row]):
             raise KeyError(key)
         return Row(self._c, row)
 
-    def get(self, key: str, default: Row | None = None) -> Row | None:  # type: ignore[override]
+    def get(self, key: str, default: Row | None = None) -> Row | None:  # type: ignore[override]  # one signature for Mapping.get's overloads
         row = self._c.index.find(key)
         return Row(self._c, row) if row >= 0 else default
 

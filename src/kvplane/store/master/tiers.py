@@ -38,6 +38,7 @@ from kvplane.common.errors import KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, ObjectNotFound
 from kvplane.store.master.adopt import EpochOrder
+from kvplane.store.master.columns import NONE
 from kvplane.store.master.eviction import Verdict
 from kvplane.store.master.rows import Row
 from kvplane.store.master.table import Obj, ObjectTable, Segment
@@ -189,10 +190,14 @@ class DiskTier:
                 want[p.segment] -= p.task.hdr + p.task.size
         # oldest first; replicas already on disk count too (eviction can drop them at once).
         # At most PLAN_SCAN objects a pass: eviction queues what it meets itself (``verdict``)
-        for n, row in enumerate(st.cols.rows()):
+        c = st.cols
+        wanted = {c.sid_of[name] for name in want}
+        for n, row in enumerate(c.rows()):
             if n >= PLAN_SCAN or not any(v > 0 for v in want.values()):
                 break
-            obj = Row(st.cols, row)
+            if c.more[row] == NONE and c.seg[row] not in wanted:
+                continue  # (the common case, from the columns: no replica where room is wanted)
+            obj = Row(c, row)
             key = obj.key
             if not obj.replicas or not obj.complete or key in self.offloads or key in self.failed:
                 continue
