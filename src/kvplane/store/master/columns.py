@@ -8,12 +8,14 @@ Layout (docs/store.md, "How the object table is laid out"):
   lease end, the first replica (segment id, offset, generation), header length, replicas
   asked for, state flags, inventory flags, owner id, and the LRU links (``nxt``/``prv``).
   Rows freed by a drop go on a free list threaded through ``nxt`` and are reused first;
-  past the rows ever used, the arrays grow by an eighth at a time.
+  past the rows ever used, the arrays grow by a thirty-second at a time (growth writes the
+  new rows, so a bigger step would hold memory no object uses).
 * **Replica rows**: an object's second and later replicas, in their own columns (segment id,
   offset, generation, next, owning row), chained from the object's ``more`` column.
-* **Keys**: the key strings in a list by row, and :class:`KeyIndex`, an open-addressing hash
-  table of int32 rows split into shards by hash, so that one shard's growth rehashes a
-  small part of the keys (a short pause) and never the whole table.
+* **Keys**: the keys, UTF-8 ``bytes`` (16 bytes smaller than the same ``str``), in a list by
+  row, and :class:`KeyIndex`, an open-addressing hash table of int32 rows split into shards by
+  hash, so that one shard's growth rehashes a small part of the keys (a short pause) and
+  never the whole table.
 * **Sparse side tables** (rows that need them only): unfinished puts (:class:`OpenPut`),
   soft pins, and SSD copies.
 
@@ -41,6 +43,7 @@ SHARDS = 1 << _SHARD_BITS  # key index shards: one growth rehashes about 1/SHARD
 _SHARD_MASK = SHARDS - 1
 _MIN_SLOTS = 8
 _GROW_MIN = 4096  # rows added at least when the columns grow
+_GROW_SHIFT = 5  # ... and at most a 1/32 of the rows they have
 
 # (name, typecode) of every object column; ``Columns.__init__`` makes one array each
 _OBJECT_COLUMNS = (("nxt", "i"), ("prv", "i"), ("size", "q"), ("version", "q"),
@@ -78,30 +81,31 @@ class OpenPut:
 class KeyIndex:
     """Key -> row: linear probing over int32 slots (-1 empty), in ``SHARDS`` shards by hash.
 
-    The keys live in the caller's list (``keys[row]``); a slot holds only the row. A shard
-    doubles when two thirds full, rehashing only its own keys; removal shifts the following
-    entries back (no tombstones).
+    The keys live in the caller's list (``keys[row]``, UTF-8 bytes); a slot holds only the
+    row. A shard doubles when two thirds full, rehashing only its own keys; removal shifts the
+    following entries back (no tombstones).
     """
 
-    def __init__(self, keys: list[str | None]) -> None:
+    def __init__(self, keys: list[bytes | None]) -> None:
         self._keys = keys
         self._shards = [array("i", [NONE]) * _MIN_SLOTS for _ in range(SHARDS)]
         self._used = [0] * SHARDS
 
     def find(self, key: str) -> int:
         """The row of ``key``, or -1."""
-        h = hash(key)
+        kb = key.encode()
+        h = hash(kb)
         slots = self._shards[h & _SHARD_MASK]
         mask = len(slots) - 1
         i = (h >> _SHARD_BITS) & mask
         keys = self._keys
         while True:
             r = slots[i]
-            if r < 0 or keys[r] == key:
+            if r < 0 or keys[r] == kb:
                 return r
             i = (i + 1) & mask
 
-    def add(self, key: str, row: int) -> None:
+    def add(self, key: bytes, row: int) -> None:
         """Index ``key`` (not indexed yet) at ``row``."""
         h = hash(key)
         s = h & _SHARD_MASK
@@ -115,7 +119,7 @@ class KeyIndex:
         slots[i] = row
         self._used[s] += 1
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: bytes) -> None:
         """Unindex ``key`` (indexed; ``keys`` still holds it)."""
         h = hash(key)
         s = h & _SHARD_MASK
@@ -186,7 +190,7 @@ class Columns:
     def __init__(self) -> None:
         for name, code in _OBJECT_COLUMNS + _REPLICA_COLUMNS:
             setattr(self, name, array(code))
-        self.keys: list[str | None] = []
+        self.keys: list[bytes | None] = []  # by row, UTF-8 (``key``: the str)
         self.index = KeyIndex(self.keys)
         self.count = 0
         self.head = NONE  # least recently used
@@ -237,19 +241,20 @@ class Columns:
     def add(self, key: str) -> int:
         """A new row for ``key`` (not present), linked as the most recently used, with no
         replica (``seg`` and ``more`` -1); the caller writes every other column."""
+        kb = key.encode()
         row = self._free
         if row >= 0:
             self._free = self.nxt[row]
-            self.keys[row] = key
+            self.keys[row] = kb
         else:
             row = self._top
             if row == len(self.nxt):
-                self._grow(max(_GROW_MIN, row // 8))
+                self._grow(max(_GROW_MIN, row >> _GROW_SHIFT))
             self._top += 1
-            self.keys.append(key)
+            self.keys.append(kb)
         self.seg[row] = NONE
         self.more[row] = NONE
-        self.index.add(key, row)
+        self.index.add(kb, row)
         self._link(row)
         self.count += 1
         return row
@@ -277,9 +282,15 @@ class Columns:
         old = self.keys[row]
         assert old is not None  # a live row
         self.index.remove(old)
-        self.keys[row] = key
-        self.index.add(key, row)
+        kb = self.keys[row] = key.encode()
+        self.index.add(kb, row)
         self.touch(row)
+
+    def key(self, row: int) -> str:
+        """The key of live ``row``."""
+        kb = self.keys[row]
+        assert kb is not None  # a live row
+        return kb.decode()
 
     def _grow(self, n: int) -> None:
         for name, _code in _OBJECT_COLUMNS:
@@ -381,7 +392,7 @@ class Columns:
         else:
             r = self._rtop
             if r == len(self.rnext):
-                n = max(_GROW_MIN, r // 8)
+                n = max(_GROW_MIN, r >> _GROW_SHIFT)
                 for name, _code in _REPLICA_COLUMNS:
                     col: array[int] = getattr(self, name)
                     col.frombytes(bytes(n * col.itemsize))

@@ -41,9 +41,7 @@ class Row:
 
     @property
     def key(self) -> str:
-        key = self._c.keys[self.row]
-        assert key is not None  # a live row
-        return key
+        return self._c.key(self.row)
 
     # -- fixed at the put --------------------------------------------------------------------
     @property
@@ -250,4 +248,4 @@ class ObjectsView(Mapping[str, Row]):
         for row in list(self._c.rows()):
             key = keys[row]
             if key is not None:
-                yield key
+                yield key.decode()

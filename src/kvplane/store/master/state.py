@@ -228,8 +228,7 @@ class MasterState(ObjectTable):
         c = self.cols
         keep = c.replicas(row)  # the live ones
         c.set_replicas(row, keep)
-        key = c.keys[row]
-        assert key is not None  # a live row
+        key = c.key(row)
         complete = bool(c.flags[row] & COMPLETE)
         if not keep and row not in c.disk:
             if complete:
@@ -538,10 +537,8 @@ class MasterState(ObjectTable):
                 self.segments[seg].alloc.free(off, size)
         c = self.cols
         stale = [r for r, p in c.puts.items() if now - p.started > self.config.put_release_timeout]
-        for row in stale:
-            key = c.keys[row]
-            assert key is not None  # a live row (``puts`` entries go with their rows)
-            self.drop_object(key, Row(c, row), now)
+        for row in stale:  # (``puts`` entries go with their rows: each is live)
+            self.drop_object(c.key(row), Row(c, row), now)
         return len(due) + len(stale)
 
     def lease_wait(self, now: float, scan: int = 65536) -> float:

@@ -119,7 +119,7 @@ class EvictPass:
     count: int = 0
     soft: bool = False  # the second walk: soft-pinned objects may go too
     next_row: int = NONE  # where the walk goes on (if that row still holds ``next_key``)
-    next_key: str | None = None
+    next_key: bytes | None = None
     done: bool = False
 
 
@@ -252,8 +252,8 @@ class ObjectTable:
     @property
     def open_puts(self) -> dict[str, Row]:
         """Unfinished puts: key -> row (the timer looks at these, never at every object)."""
-        keys, cols = self.cols.keys, self.cols
-        return {keys[r] or "": Row(cols, r) for r in cols.puts}
+        cols = self.cols
+        return {cols.key(r): Row(cols, r) for r in cols.puts}
 
     def insert(self, key: str, obj: Obj) -> Row:
         """Store ``obj`` as ``key`` (not present) in a new row, the most recently used."""
