@@ -31,7 +31,7 @@ from kvplane.store.master.table import ObjectTable
 from kvplane.store.types import RepairTask
 
 SCAN = 4096  # short keys looked at per planning pass
-COUNT = 8192  # short keys looked at to count the under-replicated ones
+COUNT = 2048  # short keys looked at to count the under-replicated ones (every tick)
 
 
 @dataclass
