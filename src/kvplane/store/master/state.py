@@ -415,13 +415,25 @@ class MasterState(ObjectTable):
 
     def get_replicas_many(self, keys: list[str], now: float) -> list[KeyResult]:
         """:meth:`get_replicas` of each key (the same leases and LRU moves)."""
-        find, plain, answer = self.cols.index.find, self._plain, self._plain_result
+        c = self.cols
+        find, touch, by_sid = c.index.find, c.touch, self.seg_by_sid
+        flags, more, sids, disk, lease = c.flags, c.more, c.seg, c.disk, c.lease
         until = now + self.config.lease_ttl
         out: list[KeyResult] = []
-        for key in keys:
+        for key in keys:  # ``_plain`` and ``_plain_result`` inlined (the hot loop)
             row = find(key)
-            seg = plain(row) if row >= 0 else None
-            out.append(answer(row, seg, until) if seg is not None else self.get_replicas(key, now))
+            sid = sids[row] if row >= 0 else NONE
+            s = by_sid[sid] if sid >= 0 and flags[row] & COMPLETE and more[row] == NONE \
+                and row not in disk else None
+            if s is None:
+                out.append(self.get_replicas(key, now))
+                continue
+            if lease[row] < until:
+                lease[row] = until
+            touch(row)
+            n = c.size[row]
+            out.append(KeyResult(0, [s.replica(c.off[row], n, c.gen[row], c.hdr[row])], n,
+                                 c.version[row], c.checksum[row]))
         return out
 
     def columns_many(self, keys: list[str], now: float) -> Columns | None:
