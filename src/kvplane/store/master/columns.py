@@ -421,10 +421,10 @@ class Columns:
         a, b = min(start, self._rtop), min(stop, self._rtop)
         if b > a:
             rseg = np.frombuffer(self.rseg, np.int16, b - a, 2 * a)
-            hits = np.flatnonzero(rseg == sid) + a
-            del rseg
-            rrow = self.rrow
-            found += [rrow[int(r)] for r in hits if rrow[int(r)] >= 0]
+            rrow = np.frombuffer(self.rrow, np.int32, b - a, 4 * a)
+            owners = rrow[rseg == sid]
+            found += owners[owners >= 0].tolist()
+            del rseg, rrow, owners
         return found, stop
 
     def scan_end(self) -> int:

@@ -98,7 +98,8 @@ FORGETS = metrics.Gauge("master_pending_forgets", "Freed headers the segments ha
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
 STEP = 0.002  # seconds a step of a long pass (eviction, an unmount's sweep, repair planning)
 # aims to hold the lock; between steps the lock is free for the RPCs
-STEP_GAP = 0.0005  # seconds the timer leaves the lock free between two steps
+STEP_GAP = 0.0005  # seconds the timer leaves the lock free between two steps, at least ...
+YIELD_MAX = 0.02  # ... and at most, while RPCs wait for the lock
 LEASE_POLL = 0.5  # seconds at most between a put's asks while read leases keep memory full
 RETRY_AFTER = 0.05  # seconds a put that found memory full of objects being offloaded waits
 
@@ -142,6 +143,8 @@ class MasterServer:
             self.events = PoolEvents(host, kv_events_port, auth=self.auth)
         self.clock = clock
         self.lock = threading.Lock()
+        self._waiting = 0  # RPCs blocked on the lock (a step of a long pass lets them in first)
+        self._waiting_lock = threading.Lock()
         self.rpc_calls: dict[str, int] = {}  # RPCs served, by method
         self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
         self.history = status.History()
@@ -243,7 +246,13 @@ class MasterServer:
 
         def handler(req: Any) -> Any:
             counter.inc()
-            with self.lock:
+            if not self.lock.acquire(blocking=False):  # held: say so (the timer's steps yield)
+                with self._waiting_lock:
+                    self._waiting += 1
+                self.lock.acquire()
+                with self._waiting_lock:
+                    self._waiting -= 1
+            try:
                 if self.election is not None and not self.leading():
                     raise NotLeader(f"not the leader; etcd names {self.election.leader or 'none'}")
                 self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
@@ -254,6 +263,8 @@ class MasterServer:
                     return fn(req)
                 finally:
                     self._flush_changes()
+            finally:
+                self.lock.release()
         return handler
 
     def _flush_changes(self) -> None:
@@ -530,7 +541,7 @@ class MasterServer:
         ``STEP_GAP`` between steps; ``budget`` (objects a step may handle) adapts so that a
         step holds the lock for about ``STEP``. Stops when the state is replaced (a new
         term) or the server closes."""
-        budget = 256
+        budget = 32  # (small: the first step learns what one object costs)
         while not self._stop.is_set():
             with self.lock:
                 if self.state is not st:
@@ -541,6 +552,15 @@ class MasterServer:
             if done:
                 return
             budget = max(16, min(1 << 16, int(budget * STEP / max(took, 1e-5))))
+            self._let_waiters_in()
+
+    def _let_waiters_in(self) -> None:
+        """Between two steps: leave the lock free until the RPCs that wait for it had it
+        (at most ``YIELD_MAX``). A plain sleep is not enough on a busy machine: the lock is not
+        fair, and a waiter that is not scheduled in time loses it to the next step again."""
+        deadline = time.perf_counter() + YIELD_MAX
+        time.sleep(STEP_GAP)
+        while self._waiting and time.perf_counter() < deadline:
             time.sleep(STEP_GAP)
 
     def _gauges(self, now: float) -> None:

@@ -61,7 +61,8 @@ from kvplane.store.types import (
 
 __all__ = ["Client", "MasterState", "Obj", "Row", "Segment"]  # the records live in ``table``
 
-SWEEP_SCAN = 1 << 18  # rows an unmount's sweep looks at per step (a vectorised scan)
+SWEEP_SCAN = 1 << 15  # rows an unmount's sweep scans at a time (a vectorised scan) ...
+SCAN_COST = 32  # ... which counts as this many objects of a step's budget
 
 
 @dataclass
@@ -203,7 +204,7 @@ class MasterState(ObjectTable):
                     self.sweeps.remove(sweep)
                     return True
                 sweep.found, sweep.pos = c.rows_on(sweep.sid, sweep.pos, sweep.pos + SWEEP_SCAN)
-                budget -= 1
+                budget -= SCAN_COST
                 continue
             row = sweep.found.pop()
             budget -= 1
