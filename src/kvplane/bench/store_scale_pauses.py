@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -206,9 +207,14 @@ def run_scenario(name: str, n: int, timeout: float = 600.0) -> dict[str, Any]:
                 st.mount("c0", [_segment(f"s{i}", 2 * n * per, "c0") for i in range(3)], 0.0)
                 fill(st, n, replica_num=2)
         probe = Probe(f"127.0.0.1:{srv.port}")
+        # what this process held before (a test run's heap) is no master's: keep the cyclic
+        # collector from walking it inside a hold
+        gc.collect()
+        gc.freeze()
         try:
             return _measure(name, n, srv, timer, probe, timeout)
         finally:
+            gc.unfreeze()
             probe.close()
 
 

@@ -176,3 +176,20 @@ def test_the_census_counts_what_a_walk_over_the_objects_counts():
     assert got.hard_pinned == 1
     by_seg = {s: sum(1 for o in objs for r in o.replicas if r[0] == s) for s in ("s0", "s2")}
     assert got.per_segment == by_seg
+
+
+def test_repair_planning_in_steps_spends_its_budget_on_tasks_and_goes_on():
+    """A step looks at short objects until its budget is spent (a task made costs
+    ``TASK_COST``); steps that go on after what the last looked at plan every short object."""
+    from kvplane.store.master import repair
+
+    st = _state(60, segs=("s0", "s1", "s2"), replica_num=2)
+    st.unmount("s2")
+    short = len(st.repairs.short)
+    assert short > 20
+    looked = st.repairs.plan_step(1.0, 2 * repair.TASK_COST, 0)
+    assert looked == 2 and len(st.repairs.pending) == 2  # 1 + 16, 1 + 16: spent
+    done = looked
+    while (n := st.repairs.plan_step(1.0, 40, done)):
+        done += n
+    assert len(st.repairs.pending) == short and done >= short

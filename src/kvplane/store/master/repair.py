@@ -31,6 +31,7 @@ from kvplane.store.master.table import ObjectTable
 from kvplane.store.types import RepairTask
 
 SCAN = 4096  # short keys looked at per planning pass
+TASK_COST = 16  # a task made costs about as much as looking at this many short objects
 COUNT = 2048  # short keys looked at to count the under-replicated ones (every tick)
 
 
@@ -74,14 +75,26 @@ class Repairs:
         st = self._st
         return not st.recovering(now) and not any(s.adopting for s in st.segments.values())
 
-    def plan(self, now: float, scan: int = SCAN, skip: int = 0) -> int:
-        """Allocate targets for short objects (no eviction), looking at up to ``scan`` of them
-        after the first ``skip`` (a pass in steps goes on where its last step stopped);
+    def plan(self, now: float, scan: int = SCAN) -> int:
+        """Allocate targets for short objects (no eviction), looking at up to ``scan`` of them;
         returns tasks created. Nothing while replicas may still be coming back (``settled``)."""
-        st, made = self._st, 0
+        return self._plan(now, scan, 0, 0)[0]
+
+    def plan_step(self, now: float, budget: int, skip: int) -> int:
+        """One step of a planning pass in steps: go on after the first ``skip`` short objects,
+        looking at objects until ``budget`` is spent (one unit an object, ``TASK_COST`` a task
+        made); returns how many it looked at (0: nothing to plan)."""
+        return self._plan(now, budget, skip, TASK_COST)[1]
+
+    def _plan(self, now: float, scan: int, skip: int, task_cost: int) -> tuple[int, int]:
+        st, made, spent, looked = self._st, 0, 0, 0
         if not self.short or not self.settled(now):
-            return 0
+            return 0, 0
         for key in list(islice(self.short, skip, skip + scan)):
+            if spent >= scan:
+                break
+            spent += 1
+            looked += 1
             obj = st.row_of(key)
             if obj is None or not obj.complete or not 0 < obj.replica_count() < obj.want:
                 self.short.discard(key)
@@ -101,7 +114,8 @@ class Repairs:
                               obj.checksum, obj.replicas_of(st.segments, sources), header)
             self.pending[key] = _Pending(name, off, task, now + st.config.repair_timeout)
             made += 1
-        return made
+            spent += task_cost
+        return made, looked
 
     def _target(self, size: int, holders: set[str]) -> tuple[str, int] | None:
         st = self._st

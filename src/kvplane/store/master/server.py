@@ -529,11 +529,9 @@ class MasterServer:
         planned = [0]
 
         def plan(n: int) -> bool:
-            now = self.clock()
-            st.repairs.plan(now, n, skip=planned[0])
-            planned[0] += n
-            return planned[0] >= min(repair.SCAN, len(st.repairs.short)) or \
-                not st.repairs.settled(now)
+            looked = st.repairs.plan_step(self.clock(), n, planned[0])
+            planned[0] += looked
+            return not looked or planned[0] >= repair.SCAN
         self._in_steps(st, plan)
 
     def _in_steps(self, st: MasterState, step: Callable[[int], bool]) -> None:
@@ -551,7 +549,8 @@ class MasterServer:
                 took = time.perf_counter() - t0
             if done:
                 return
-            budget = max(16, min(1 << 16, int(budget * STEP / max(took, 1e-5))))
+            # at most twice the last (a run of cheap objects must not make the next step long)
+            budget = max(16, min(1 << 16, 2 * budget, int(budget * STEP / max(took, 1e-5))))
             self._let_waiters_in()
 
     def _let_waiters_in(self) -> None:
