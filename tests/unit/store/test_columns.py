@@ -193,3 +193,20 @@ def test_repair_planning_in_steps_spends_its_budget_on_tasks_and_goes_on():
     while (n := st.repairs.plan_step(1.0, 40, done)):
         done += n
     assert len(st.repairs.pending) == short and done >= short
+
+
+def test_the_sharded_set_is_a_set():
+    from kvplane.store.master.columns import ShardedSet
+
+    s, model = ShardedSet(), set()
+    rng = random.Random(5)
+    for _ in range(20_000):
+        k = f"k{rng.randrange(3000)}"
+        if rng.random() < 0.5:
+            s.add(k)
+            model.add(k)
+        else:
+            s.discard(k)
+            model.discard(k)
+    assert s == model and len(s) == len(model) and sorted(s) == sorted(model)
+    assert all(k in s for k in model) and "nope" not in s

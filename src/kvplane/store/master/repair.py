@@ -23,10 +23,12 @@ its space freed (``surplus`` counts them).
 
 from __future__ import annotations
 
+from collections.abc import MutableSet
 from dataclasses import dataclass
 from itertools import islice
 
 from kvplane.store import inventory
+from kvplane.store.master.columns import ShardedSet
 from kvplane.store.master.table import ObjectTable
 from kvplane.store.types import RepairTask
 
@@ -54,7 +56,8 @@ class Repairs:
 
     def __init__(self, table: ObjectTable) -> None:
         self._st = table
-        self.short: set[str] = set()  # keys that may have fewer replicas than asked for
+        # keys that may have fewer replicas than asked for (millions after an unmount)
+        self.short: MutableSet[str] = ShardedSet()
         self.pending: dict[str, _Pending] = {}
         self.done_count = 0
         self.surplus = 0  # completed copies dropped: the object had its replicas already

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
+from collections.abc import MutableSet, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -126,7 +126,7 @@ class EvictPass:
 class ReplicaRepairs(Protocol):
     """What the table tells re-replication (``repair.Repairs``)."""
 
-    short: set[str]  # keys that may hold fewer replicas than asked for
+    short: MutableSet[str]  # keys that may hold fewer replicas than asked for
 
     def forget(self, key: str, now: float) -> None:
         """``key`` was dropped: abandon its repair."""
