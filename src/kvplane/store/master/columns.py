@@ -30,7 +30,7 @@ must not outlive the scan (an array with a view cannot grow).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, MutableSet
+from collections.abc import Iterator, MutableMapping, MutableSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,6 +107,34 @@ class ShardedSet(MutableSet[str]):
         if key in s:
             s.remove(key)
             self._n -= 1
+
+
+class ShardedIntMap(MutableMapping[int, int]):
+    """int -> int in 64 dicts by key: growing one rehashes 1/64 of it (a queue of a million
+    entries grows without a step of tens of ms)."""
+
+    def __init__(self) -> None:
+        self._maps: list[dict[int, int]] = [{} for _ in range(64)]
+        self._n = 0
+
+    def __getitem__(self, key: int) -> int:
+        return self._maps[key & 63][key]
+
+    def __setitem__(self, key: int, value: int) -> None:
+        m = self._maps[key & 63]
+        self._n += key not in m
+        m[key] = value
+
+    def __delitem__(self, key: int) -> None:
+        del self._maps[key & 63][key]
+        self._n -= 1
+
+    def __iter__(self) -> Iterator[int]:
+        for m in self._maps:
+            yield from m
+
+    def __len__(self) -> int:
+        return self._n
 
 
 class KeyIndex:
