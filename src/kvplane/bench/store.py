@@ -146,7 +146,9 @@ def _wait_leader(admin: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"no HA leader within {timeout}s")
 
 
-def _mooncake(svc: Services, py: str, remote: bool, seg_mb: int) -> tuple[str, str]:
+def start_mooncake(svc: Services, py: str, remote: bool, seg_mb: int) -> tuple[str, str]:
+    """A Mooncake master (with its HTTP metadata server) and, when ``remote``, a store server of
+    ``seg_mb`` MB; (master address, metadata URL)."""
     pkg = subprocess.run([py, "-c", "import mooncake,os;print(os.path.dirname(mooncake.__file__))"],
                          capture_output=True, text=True, check=True).stdout.strip()
     port, meta, metrics, srv = _free_port(), _free_port(), _free_port(), _free_port()
@@ -323,7 +325,7 @@ def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | N
                        segment_mb=segment_mb, extra_env=env)
     if cell.side == "mooncake":
         assert mooncake_python is not None  # _cells skips Mooncake when it is not installed
-        master, url = _mooncake(svc, mooncake_python, remote, opt.segment_mb)
+        master, url = start_mooncake(svc, mooncake_python, remote, opt.segment_mb)
         return _worker(mooncake_python, "mooncake", cell.side, master, opt, cell.clients, "tcp", url,
                        segment_mb)
     return _worker(sys.executable, "redis", cell.side, _redis(svc), opt, cell.clients)
