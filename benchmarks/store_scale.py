@@ -1,4 +1,5 @@
-"""Metadata at scale (issue 32): side by side with one master, and with Mooncake.
+"""Metadata at scale (issue 32): the master's memory and pauses, and sharded metadata, side by side
+with one master and with Mooncake.
 
 Usage: python benchmarks/store_scale.py SUBCOMMAND [options]   (SUBCOMMAND --help for its options)
 
@@ -11,6 +12,8 @@ import importlib
 import sys
 
 COMMANDS = {  # subcommand -> module with main(argv) -> int
+    "memory": "kvplane.bench.store_scale_memory",  # master RSS per object, kvplane vs Mooncake
+    "pauses": "kvplane.bench.store_scale_pauses",  # longest lock hold / RPC wait during long passes
     "shards": "kvplane.bench.store_scale_shards",  # exists/lookup ops/s: N shards vs one master
 }
 
