@@ -9,8 +9,9 @@ import pytest
 from rich.console import Console
 
 from kvplane.bench.services import CLI, spawn_segment
-from kvplane.cli.status import view
-from kvplane.common.procs import Proc, free_port
+from kvplane.cli.status import collect, view
+from kvplane.common.auth import client_token
+from kvplane.common.procs import Proc, free_port, wait_until
 from kvplane.store.client.client import StoreClient
 from kvplane.store.shard.slots import owners, slot_of
 
@@ -68,6 +69,11 @@ def test_a_shard_killed_and_restarted_after_a_move_serves_by_the_newest_map():
                 s1.kill()  # kill -9: its map of 17 versions is gone with it
                 s1.stop()  # (its pipes)
                 s1 = shard(1)  # starts from the first map: slots 8192.. only
+                # a lone master learns that it restarted from the first segment to remount (a
+                # get before that is a miss): wait for the segment's share to be back
+                admin = f"http://127.0.0.1:{s1.info['admin_port']}"
+                wait_until(lambda: collect(admin, None, client_token(), 5.0)["shard"]["shards"][1]
+                           .get("segments"), timeout=20, what="the segment remounted shard 1")
                 assert c.get_batch(keys) == [k.encode() * 50 for k in keys]
                 got = json.loads(cli("shards", "map", "--master", s1.info["master"]))
                 assert got["version"] > 1

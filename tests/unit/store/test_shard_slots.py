@@ -86,3 +86,25 @@ def test_shares_are_disjoint_aligned_and_cover_the_segment():
     assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
     assert all(off % 4096 == 0 for off, _ in spans)
     assert [cut[i][0] for i in (0, 1, 3)] == sorted(cut[i][0] for i in (0, 1, 3))
+
+
+def test_a_share_resized_keeps_its_allocations_and_gives_up_only_a_free_tail():
+    from kvplane.store.master.allocator import OffsetAllocator
+    from kvplane.store.shard.move_rpc import MoveRpc
+    a = OffsetAllocator(1 << 20)
+    x, y = a.allocate(4096), a.allocate(10_000)
+    assert x == 0 and y == 4096
+    assert a.free_tail() == 4096 + 10_048
+    assert MoveRpc._free_tail(a, 0) == 16384  # the first page boundary past the last block
+    assert MoveRpc._free_tail(a, 500_000) == 503_808
+    with pytest.raises(InvalidArgument):
+        a.resized(8192)  # would cut the second block
+    small = a.resized(16384)
+    assert (small.capacity, small.used) == (16384, a.used)
+    assert not small.allocate_at(0, 64) and not small.allocate_at(4096, 64)  # still taken
+    assert small.allocate(16384 - 14144) is not None and small.allocate(64) is None
+    big = a.resized(2 << 20)
+    assert big.largest_free() == (2 << 20) - 14144 and big.fragments() == 1
+    big.free(y, 10_000)
+    big.free(x, 4096)
+    assert big.used == 0 and big.fragments() == 1

@@ -116,16 +116,27 @@ class OffsetAllocator:
         """Number of free blocks (1 means no fragmentation)."""
         return len(self._by_off)
 
+    def free_tail(self) -> int:
+        """Where the free space that reaches the end begins (``capacity``: none does)."""
+        if self._by_off and sum(self._by_off[-1]) == self.capacity:
+            return self._by_off[-1][0]
+        return self.capacity
+
     def resized(self, capacity: int) -> OffsetAllocator:
-        """A copy of this allocator over ``capacity`` bytes with the same live allocations (a
-        share of a segment that grows or shrinks at its end: ``kvplane.store.shard``).
+        """A copy of this allocator over ``capacity`` bytes with the same allocations (a share
+        of a segment that grows or shrinks at its end: ``kvplane.store.shard``).
 
         Raises:
-            InvalidArgument: a live allocation would end past ``capacity``.
+            InvalidArgument: an allocation would end past ``capacity``.
         """
-        if any(off + size > capacity for off, size in self._live.items()):
-            raise InvalidArgument(f"a live allocation ends past {capacity}")
+        tail = self.free_tail()
+        if capacity < tail or capacity <= 0:
+            raise InvalidArgument(f"an allocation ends past {capacity}")
+        blocks = self._by_off[:-1] if tail < self.capacity else list(self._by_off)
+        if capacity > tail:
+            blocks.append((tail, capacity - tail))
         out = OffsetAllocator(capacity)
-        for off, size in sorted(self._live.items()):
-            out.allocate_at(off, size)
+        out._by_off = blocks
+        out._by_size = sorted((n, off) for off, n in blocks)
+        out.used = capacity - sum(n for _, n in blocks)
         return out

@@ -25,7 +25,7 @@ from kvplane.store.errors import WrongShard
 from kvplane.store.host.adoption import Holdings
 from kvplane.store.shard.link import ShardedLink
 from kvplane.store.shard.shares import ShardedMountRep, ShardMount
-from kvplane.store.shard.slots import OUT, OWN, SlotTable, slot_of_internal
+from kvplane.store.shard.slots import OUT, OWN, ShardMap, SlotTable, slot_of_internal
 from kvplane.store.types import AdoptReq, MountRep, SegmentInfo
 from kvplane.transfer.fence import epoch_of
 
@@ -85,6 +85,12 @@ class ShardedHoldings(Holdings):
         return np.frombuffer(self._c.engine.memory.view(share.base, share.size), np.uint8)
 
     def _register_shard(self, part: ShardMount) -> None:
+        # the records kept are those the map gives this shard, and a record not kept is
+        # cleared: the map must be at least the shard's own (a stale one would clear records
+        # of slots that moved to it), so the shard is asked first (it answers once it checked
+        # its own with the other shards)
+        self.link.install(self.link.call_shard(part.shard, "shard_map", "", ShardMap,
+                                               Deadline.after(self._c.config.timeout)))
         for share in part.shares:
             for attempt in range(TRIES):
                 try:

@@ -135,8 +135,8 @@ def start_shard(index: int, peers: list[str], ha: str | None = None,
         pool = HaAddress.parse(ha, cluster)
         master_kw.update(ha=ha, cluster=shard_cluster(pool.cluster, index),
                          term_key=pool.key("term"))
-    shard = start(index, first_map(peers), **master_kw)
-    shard.role.watched = True  # serve nothing before the peers were asked
+    shard = start(index, first_map(peers), watched=True, **master_kw)  # (serves nothing
+    # before its watch asked the peers: a restarted shard never serves by the first map)
     watch = MapWatch(shard, peers[index]).start()
     return shard, watch
 

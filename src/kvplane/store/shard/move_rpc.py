@@ -169,26 +169,8 @@ class MoveRpc:
     @staticmethod
     def _free_tail(alloc: OffsetAllocator, least: int) -> int:
         """The smallest end >= ``least`` (4 KiB aligned) past which ``alloc`` is all free."""
-        cap = alloc.capacity
-
-        def free_from(end: int) -> bool:
-            n = (cap - end) // ALIGN * ALIGN  # (no allocation reaches into a last partial block)
-            if n <= 0:
-                return True
-            if not alloc.allocate_at(end, n):
-                return False
-            alloc.free(end)
-            return True
-        lo, hi = (least + 4095) // 4096, cap // 4096  # in pages; free_from(hi * 4096)...
-        if not free_from(hi * 4096):
-            return cap
-        while lo < hi:  # the first page boundary from which the tail is free
-            mid = (lo + hi) // 2
-            if free_from(mid * 4096):
-                hi = mid
-            else:
-                lo = mid + 1
-        return max(hi * 4096, ALIGN)
+        end = max(-(-least // 4096), -(-alloc.free_tail() // 4096)) * 4096
+        return min(max(end, ALIGN), alloc.capacity)
 
 
 def handlers(role: ShardRole, serving: Serving) -> Handlers:

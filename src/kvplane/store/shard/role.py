@@ -67,10 +67,13 @@ class ShardRole:
         me: this shard's id.
         shard_map: the map to start from (a newer one replaces it: ``install``).
         on_map: called (under the lock) with every map installed after the first.
+        watched: a map watch (``launch.MapWatch``) will keep the map current: serve no key
+            until it asked the other shards (set here, so not even the first call slips by).
     """
 
     def __init__(self, me: int, shard_map: ShardMap, token: str = "",
-                 on_map: Callable[[ShardMap], None] | None = None) -> None:
+                 on_map: Callable[[ShardMap], None] | None = None,
+                 watched: bool = False) -> None:
         check(shard_map)  # a shard joining a pool may not be in its map yet: it owns nothing
         self.me = me
         self.table = SlotTable(shard_map, me)
@@ -81,7 +84,7 @@ class ShardRole:
         self._serving: Serving | None = None
         # a watched shard (``launch.MapWatch``) serves no key until its watch has asked the
         # other shards for their maps: at start, and after each new term of its own
-        self.watched = False
+        self.watched = watched
         self.verify = False
         self.turn = 0  # new terms seen: a watch round that began before one verifies nothing
         self._seen: object = None
@@ -105,19 +108,29 @@ class ShardRole:
             return
         if not self.map.version:  # a placeholder map: the pool is still starting
             raise SlotMoving("the shard map is not installed yet")
-        if self.watched:
-            state = self._serving.state if self._serving is not None else None
-            if state is not self._seen:  # a new term (HA) or the first call
-                self._seen, self.verify = state, True
-                self.turn += 1
-            if self.verify:
-                raise SlotMoving(f"shard {self.me} is checking its map with the other shards")
+        self._unverified()
         if method in RECORDS:
             self._check_slots([slot_of_internal(r.key) for r in request.records], served, method)
         elif method in ONE_KEY:
             self._check_slots([slot_of(request.key)], served, method)
         else:
             self._check_slots([slot_of(k) for k in request.keys], served, method)
+
+    def _unverified(self) -> None:
+        """Refuse while a watched shard has not asked the others for their maps since it
+        started or began a new term (its own map may be older than theirs).
+
+        Raises:
+            SlotMoving: not asked yet.
+        """
+        if not self.watched:
+            return
+        state = self._serving.state if self._serving is not None else None
+        if state is not self._seen:  # a new term (HA) or the first call
+            self._seen, self.verify = state, True
+            self.turn += 1
+        if self.verify:
+            raise SlotMoving(f"shard {self.me} is checking its map with the other shards")
 
     def _check_slots(self, slots: list[int], served: tuple[int, ...], method: str) -> None:
         state, frozen = self.table.state, self.frozen
@@ -194,6 +207,7 @@ class ShardRole:
         return self._serving.state.epoch if self._serving is not None else 0
 
     def _get_map(self, _client_id: str) -> ShardMap:
+        self._unverified()  # (a segment host clears the records the map it gets disowns)
         return self.map
 
     def _set_map(self, req: SetMapReq) -> int:

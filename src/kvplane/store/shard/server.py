@@ -52,9 +52,10 @@ class Shard:
         self.close()
 
 
-def start(me: int, shard_map: ShardMap, **master_kw: Any) -> Shard:
-    """The master of shard ``me`` serving by ``shard_map`` (keywords: ``MasterServer``'s)."""
-    role = ShardRole(me, shard_map, token=master_kw.get("token", ""))
+def start(me: int, shard_map: ShardMap, watched: bool = False, **master_kw: Any) -> Shard:
+    """The master of shard ``me`` serving by ``shard_map`` (keywords: ``MasterServer``'s;
+    ``watched``: see ``ShardRole``)."""
+    role = ShardRole(me, shard_map, token=master_kw.get("token", ""), watched=watched)
     srv = MasterServer(**master_kw, extensions=[role], lone_epoch=partial(lone_epoch, me))
     srv.extras["shard"] = role.block
 

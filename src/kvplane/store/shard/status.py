@@ -103,5 +103,6 @@ def _summary(sid: int, doc: dict[str, Any] | None) -> dict[str, Any]:
             "role": doc["master"].get("role"), "epoch": doc["master"].get("epoch"),
             "map_version": shard.get("map_version"), "slots": shard.get("slots"),
             "moving_out": shard.get("moving_out"), "moving_in": shard.get("moving_in"),
-            "objects": doc["objects"]["objects"], "used_bytes": doc["used_bytes"],
+            "objects": doc["objects"]["objects"], "segments": len(doc["segments"]),
+            "used_bytes": doc["used_bytes"],
             "ops_per_s": doc["ops"]["per_s"]}
