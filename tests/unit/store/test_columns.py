@@ -180,33 +180,48 @@ def test_the_census_counts_what_a_walk_over_the_objects_counts():
 
 def test_repair_planning_in_steps_spends_its_budget_on_tasks_and_goes_on():
     """A step looks at short objects until its budget is spent (a task made costs
-    ``TASK_COST``); steps that go on after what the last looked at plan every short object."""
+    ``TASK_COST``); the steps of one pass plan every short object."""
     from kvplane.store.master import repair
 
     st = _state(60, segs=("s0", "s1", "s2"), replica_num=2)
     st.unmount("s2")
     short = len(st.repairs.short)
     assert short > 20
-    looked = st.repairs.plan_step(1.0, 2 * repair.TASK_COST, 0)
-    assert looked == 2 and len(st.repairs.pending) == 2  # 1 + 16, 1 + 16: spent
-    done = looked
-    while (n := st.repairs.plan_step(1.0, 40, done)):
-        done += n
-    assert len(st.repairs.pending) == short and done >= short
+    job = repair.PlanPass()
+    assert not st.repairs.plan_step(job, 1.0, 2 * repair.TASK_COST)
+    assert job.looked == 2 and len(st.repairs.pending) == 2  # 1 + 16, 1 + 16: spent
+    while not st.repairs.plan_step(job, 1.0, 40):
+        pass
+    assert len(st.repairs.pending) == short == job.looked
 
 
-def test_the_sharded_set_is_a_set():
-    from kvplane.store.master.columns import ShardedSet
+def test_many_short_objects_are_bits_that_passes_scan_for(monkeypatch):
+    """Past ``SHORT_LISTED`` short objects only their rows' SHORT bits hold them (no key or
+    row object each); the count is then an upper bound, planning passes scan the column from
+    where the last one stopped, unmark what is not short, and list rows again once none is
+    left."""
+    from kvplane.store.master import columns
 
-    s, model = ShardedSet(), set()
-    rng = random.Random(5)
-    for _ in range(20_000):
-        k = f"k{rng.randrange(3000)}"
-        if rng.random() < 0.5:
-            s.add(k)
-            model.add(k)
-        else:
-            s.discard(k)
-            model.discard(k)
-    assert s == model and len(s) == len(model) and sorted(s) == sorted(model)
-    assert all(k in s for k in model) and "nope" not in s
+    monkeypatch.setattr(columns, "SHORT_LISTED", 8)
+    st = _state(60, segs=("s0", "s1", "s2"), replica_num=2)
+    st.unmount("s2")
+    c = st.cols
+    want = {k for k in st.objects if len(st.objects[k].replicas) == 1}
+    assert c.short_rows is None and len(st.repairs.short) == len(want) > 8
+    assert set(st.repairs.short) == want and all(k in st.repairs.short for k in want)
+    gone = sorted(want)[:3]  # they get their replica back some other way: not short now
+    for k in gone:
+        st.objects[k].want = 1
+    assert st.repairs.under_replicated() == len(want)  # an upper bound while unlisted
+    for _ in range(40):  # passes of 5: each goes on after the last
+        st.repairs.plan(1.0, scan=5)
+    assert set(st.repairs.pending) == want - set(gone)
+    assert st.repairs.under_replicated() == len(want) - 3
+    for k in list(st.repairs.pending):
+        p = st.repairs.pending[k]
+        assert st.repairs.done(k, p.task.gen, True, 2.0)
+    assert len(st.repairs.short) == 0 and c.short_rows == set()  # listed again
+    assert st.repairs.under_replicated() == 0
+    assert not c.flags.tobytes().count(bytes([columns.SHORT | columns.COMPLETE]))
+
+

@@ -30,14 +30,21 @@ must not outlive the scan (an array with a view cannot grow).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, MutableMapping, MutableSet
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
 
+try:  # ``native``: the optional C accelerator (pyproject's ext-modules); else the Python code
+    from kvplane.store.master import _table as native
+except ImportError:  # pragma: no cover - depends on the build
+    native = None  # type: ignore[assignment]  # not built: callers test for None
+
 NONE = -1
 COMPLETE = 1  # ``flags`` bits
 HARD_PIN = 2
+SHORT = 4  # it may hold fewer replicas than asked for (re-replication looks at it)
+SHORT_LISTED = 2048  # up to this many short rows are also kept in a set (``short_rows``)
 _SHARD_BITS = 10
 SHARDS = 1 << _SHARD_BITS  # key index shards: one growth rehashes about 1/SHARDS of the keys
 _SHARD_MASK = SHARDS - 1
@@ -76,37 +83,6 @@ class OpenPut:
     header: bytes = b""  # the inventory header the writer copies in front of the value
     nonce: int = 0  # id of the PutStart call that made it (a retry of it resumes the put)
     soft_pin_ttl: float = 0.0  # seconds of soft pin from the commit
-
-
-class ShardedSet(MutableSet[str]):
-    """A set of keys in ``SHARDS`` Python sets by hash: the same operations, but growing one
-    rehashes about 1/SHARDS of it (a set of millions grows in one step of tens of ms)."""
-
-    def __init__(self) -> None:
-        self._sets: list[set[str]] = [set() for _ in range(SHARDS)]
-        self._n = 0
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._sets[hash(key) & _SHARD_MASK]
-
-    def __iter__(self) -> Iterator[str]:
-        for s in self._sets:
-            yield from s
-
-    def __len__(self) -> int:
-        return self._n
-
-    def add(self, key: str) -> None:
-        s = self._sets[hash(key) & _SHARD_MASK]
-        if key not in s:
-            s.add(key)
-            self._n += 1
-
-    def discard(self, key: str) -> None:
-        s = self._sets[hash(key) & _SHARD_MASK]
-        if key in s:
-            s.remove(key)
-            self._n -= 1
 
 
 class ShardedIntMap(MutableMapping[int, int]):
@@ -266,6 +242,10 @@ class Columns:
         self.names: list[str] = []  # sid -> segment name (kept until its sweep is over)
         self.live = bytearray()  # sid -> 1 while mounted
         self.sid_of: dict[str, int] = {}  # name -> sid of every mounted segment
+        self.short = 0  # rows with the SHORT bit ...
+        # ... and, while there are at most SHORT_LISTED of them, the same rows (None: more;
+        # then only a scan of the column finds them, ``short_in``)
+        self.short_rows: set[int] | None = set()
 
     # -- segments ---------------------------------------------------------------------------
     def new_sid(self, name: str) -> int:
@@ -327,6 +307,7 @@ class Columns:
         self._free_chain(self.more[row])
         self.more[row] = NONE
         self.seg[row] = NONE
+        self.unmark_short(row)
         self.flags[row] = 0  # (a free row counts as no object in ``census``)
         self.keys[row] = None
         self.puts.pop(row, None)
@@ -490,13 +471,46 @@ class Columns:
         """One past the last row or replica row ever used (the end of a full scan)."""
         return max(self._top, self._rtop)
 
+    # -- objects short of replicas ------------------------------------------------------------
+    def mark_short(self, row: int) -> None:
+        """Set ``row``'s SHORT bit (it may hold fewer replicas than asked for)."""
+        if self.flags[row] & SHORT:
+            return
+        self.flags[row] |= SHORT
+        self.short += 1
+        listed = self.short_rows
+        if listed is not None:
+            if len(listed) < SHORT_LISTED:
+                listed.add(row)
+            else:  # too many to list (an unmount may mark millions): the bits only
+                self.short_rows = None
+
+    def unmark_short(self, row: int) -> None:
+        """Clear ``row``'s SHORT bit."""
+        if not self.flags[row] & SHORT:
+            return
+        self.flags[row] &= ~SHORT & 0xFF
+        self.short -= 1
+        if self.short_rows is not None:
+            self.short_rows.discard(row)
+        elif not self.short:
+            self.short_rows = set()  # none left: list them again
+
+    def short_in(self, start: int, stop: int) -> list[int]:
+        """Rows in ``[start, stop)`` with the SHORT bit (a vectorised scan)."""
+        a, b = min(start, self._top), min(stop, self._top)
+        flags = np.frombuffer(self.flags, np.uint8, b - a, a)
+        found: list[int] = (np.flatnonzero(flags & SHORT) + a).tolist()
+        del flags
+        return found
+
     def census(self) -> Census:
         """Counts over every object, from whole-column scans (no Python loop per object)."""
         n, m = self._top, self._rtop
         flags = np.frombuffer(self.flags, np.uint8, n)
         seg = np.frombuffer(self.seg, np.int16, n)
         live = np.frombuffer(bytes(self.live) + b"\0", np.uint8)  # sid -1 reads the last: 0
-        complete = (flags & COMPLETE) != 0
+        complete = (flags & COMPLETE) != 0  # (any other bit may be set too)
         held = complete & (live[seg] != 0)
         rseg = np.frombuffer(self.rseg, np.int16, m)
         rrow = np.frombuffer(self.rrow, np.int32, m)
