@@ -9,7 +9,7 @@ from kvplane.common.errors import InvalidArgument
 from kvplane.store.errors import ObjectNotFound
 from kvplane.store.master import columns
 from kvplane.store.master.allocator import ALIGN, OffsetAllocator
-from kvplane.store.master.columns import Columns, KeyIndex
+from kvplane.store.master.columns import Columns, KeyIndex, KeyList
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import ReplicateConfig, SegmentInfo
@@ -21,7 +21,7 @@ def test_key_index_matches_a_dict_through_growth_and_removals():
     """Random adds and removals (with shards growing, and removals shifting entries back):
     every key is found at its row, every removed key is gone."""
     rng = random.Random(3)
-    keys: list = []
+    keys = KeyList()
     index = KeyIndex(keys)
     model: dict[str, int] = {}
     for step in range(60_000):
@@ -34,24 +34,37 @@ def test_key_index_matches_a_dict_through_growth_and_removals():
             if key in model:
                 continue
             keys.append(key.encode())
-            index.add(keys[-1], len(keys) - 1)
+            index.add(keys[len(keys) - 1], len(keys) - 1)
             model[key] = len(keys) - 1
     assert all(index.find(k) == r for k, r in model.items())
     assert all(index.find(k) == -1 for k in (f"key-{rng.randrange(1 << 40)}x" for _ in range(1000)))
-    gone = [k for k in keys if k is not None and k.decode() not in model]
+    gone = [k for i in range(len(keys)) if (k := keys[i]) is not None and k.decode() not in model]
     assert not gone
 
 
 def test_key_index_shards_grow_alone():
     """A shard doubles when two thirds full; the others keep their size (a growth rehashes
     about 1/SHARDS of the keys)."""
-    keys: list = []
+    keys = KeyList()
     index = KeyIndex(keys)
     for i in range(columns.SHARDS * 8):
         keys.append(f"k{i}".encode())
-        index.add(keys[-1], i)
+        index.add(keys[i], i)
     sizes = [len(s) for s in index._shards]
     assert max(sizes) > min(sizes) and sum(sizes) < 8 * columns.SHARDS * 8
+
+
+def test_the_cyclic_collector_reaches_no_key():
+    """No object the collector tracks refers to a stored key: a full collection does not
+    walk millions of them (a list of keys costs 0.1-0.4 s per collection at 10M)."""
+    import gc
+
+    c = Columns()
+    for i in range(70_000):  # past one chunk of the key list
+        c.add(f"k{i}")
+    assert len(c.keys.chunks) == 2 and c.keys[69_999] == b"k69999"
+    for row in (0, 65_536, 69_999):
+        assert gc.get_referrers(c.keys[row]) == []
 
 
 def test_rows_are_reused_and_the_lru_list_stays_whole():

@@ -12,9 +12,10 @@ Layout (docs/store.md, "How the object table is laid out"):
   new rows, so a bigger step would hold memory no object uses).
 * **Replica rows**: an object's second and later replicas, in their own columns (segment id,
   offset, generation, next, owning row), chained from the object's ``more`` column.
-* **Keys**: the keys, UTF-8 ``bytes`` (16 bytes smaller than the same ``str``), in a list by
-  row, and :class:`KeyIndex`, an open-addressing hash table of int32 rows split into shards by
-  hash, so that one shard's growth rehashes a small part of the keys (a short pause) and
+* **Keys**: the keys, UTF-8 ``bytes`` (16 bytes smaller than the same ``str``), by row in
+  :class:`KeyList` (numpy object arrays: the cyclic collector does not walk them), and
+  :class:`KeyIndex`, an open-addressing hash table of int32 rows split into shards by hash,
+  so that one shard's growth rehashes a small part of the keys (a short pause) and
   never the whole table.
 * **Sparse side tables** (rows that need them only): unfinished puts (:class:`OpenPut`),
   soft pins, and SSD copies.
@@ -49,6 +50,8 @@ _SHARD_BITS = 10
 SHARDS = 1 << _SHARD_BITS  # key index shards: one growth rehashes about 1/SHARDS of the keys
 _SHARD_MASK = SHARDS - 1
 _MIN_SLOTS = 8
+_KEY_BITS = 16  # keys are held in numpy object arrays of 2**_KEY_BITS rows each
+_KEY_MASK = (1 << _KEY_BITS) - 1
 _GROW_MIN = 4096  # rows added at least when the columns grow
 _GROW_SHIFT = 5  # ... and at most a 1/32 of the rows they have
 
@@ -113,16 +116,53 @@ class ShardedIntMap(MutableMapping[int, int]):
         return self._n
 
 
+class KeyList:
+    """The keys by row (UTF-8 ``bytes``, None for a free row), in numpy object arrays of
+    2**16 rows each, with the interface of a list (index, assign, append, len).
+
+    Not a list: a full collection of Python's cyclic collector visits every item of a list
+    (one cache miss per key: 0.1-0.4 s at 10M keys, with every thread stopped), and numpy
+    arrays are not tracked by the collector (these hold bytes and None only: no cycle can go
+    through them). In chunks: growing never copies the keys held (and touches none).
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list[np.ndarray] = []
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, row: int) -> bytes | None:
+        key: bytes | None = self.chunks[row >> _KEY_BITS][row & _KEY_MASK]
+        return key
+
+    def __setitem__(self, row: int, key: bytes | None) -> None:
+        self.chunks[row >> _KEY_BITS][row & _KEY_MASK] = key
+
+    def append(self, key: bytes) -> None:
+        """Add ``key`` as row ``len(self)``."""
+        n = self._n
+        if n == len(self.chunks) << _KEY_BITS:
+            self.chunks.append(np.empty(1 << _KEY_BITS, object))  # (every item None)
+        self.chunks[n >> _KEY_BITS][n & _KEY_MASK] = key
+        self._n = n + 1
+
+    def nbytes(self) -> int:
+        """Bytes of the arrays (not of the keys)."""
+        return sum(int(a.nbytes) for a in self.chunks)
+
+
 class KeyIndex:
     """Key -> row: linear probing over int32 slots (-1 empty), in ``SHARDS`` shards by hash.
 
-    The keys live in the caller's list (``keys[row]``, UTF-8 bytes); a slot holds only the
-    row. A shard doubles when two thirds full, rehashing only its own keys; removal shifts the
+    The keys live in the caller's :class:`KeyList` (UTF-8 bytes by row); a slot holds only
+    the row. A shard doubles when two thirds full, rehashing only its own keys; removal shifts the
     following entries back (no tombstones).
     """
 
-    def __init__(self, keys: list[bytes | None]) -> None:
-        self._keys = keys
+    def __init__(self, keys: KeyList) -> None:
+        self._keys = keys.chunks
         self._shards = [array("i", [NONE]) * _MIN_SLOTS for _ in range(SHARDS)]
         self._used = [0] * SHARDS
 
@@ -136,7 +176,7 @@ class KeyIndex:
         keys = self._keys
         while True:
             r = slots[i]
-            if r < 0 or keys[r] == kb:
+            if r < 0 or keys[r >> _KEY_BITS][r & _KEY_MASK] == kb:
                 return r
             i = (i + 1) & mask
 
@@ -162,7 +202,10 @@ class KeyIndex:
         mask = len(slots) - 1
         i = (h >> _SHARD_BITS) & mask
         keys = self._keys
-        while keys[slots[i]] != key:
+        while True:
+            r = slots[i]
+            if keys[r >> _KEY_BITS][r & _KEY_MASK] == key:
+                break
             i = (i + 1) & mask
         j = i
         while True:  # shift back every entry that may not stay past the hole at i
@@ -170,7 +213,7 @@ class KeyIndex:
             r = slots[j]
             if r < 0:
                 break
-            home = (hash(keys[r]) >> _SHARD_BITS) & mask
+            home = (hash(keys[r >> _KEY_BITS][r & _KEY_MASK]) >> _SHARD_BITS) & mask
             if (i < home <= j) if i <= j else (home > i or home <= j):
                 continue
             slots[i] = r
@@ -185,7 +228,7 @@ class KeyIndex:
         keys = self._keys
         for r in old:
             if r >= 0:
-                i = (hash(keys[r]) >> _SHARD_BITS) & mask
+                i = (hash(keys[r >> _KEY_BITS][r & _KEY_MASK]) >> _SHARD_BITS) & mask
                 while new[i] >= 0:
                     i = (i + 1) & mask
                 new[i] = r
@@ -225,7 +268,7 @@ class Columns:
     def __init__(self) -> None:
         for name, code in _OBJECT_COLUMNS + _REPLICA_COLUMNS:
             setattr(self, name, array(code))
-        self.keys: list[bytes | None] = []  # by row, UTF-8 (``key``: the str)
+        self.keys = KeyList()  # by row, UTF-8 (``key``: the str)
         self.index = KeyIndex(self.keys)
         self.count = 0
         self.head = NONE  # least recently used
@@ -542,4 +585,4 @@ class Columns:
         """Bytes of the arrays, the key list and the key index (not the key strings)."""
         cols: int = sum(len(getattr(self, n)) * getattr(self, n).itemsize
                         for n, _ in _OBJECT_COLUMNS + _REPLICA_COLUMNS)
-        return cols + 8 * len(self.keys) + self.index.nbytes()
+        return cols + self.keys.nbytes() + self.index.nbytes()
