@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvplane.store.master import columns
+from kvplane.store.master import keys
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import ReplicateConfig, SegmentInfo
 
@@ -40,15 +40,15 @@ def _key(i: int) -> str:
 
 def build(n: int, native: bool) -> MasterState:
     """A state holding ``n`` objects, its table on the C accelerator or on the Python path."""
-    saved = columns.native
+    saved = getattr(keys, "native", None)  # (the module's switch: tables made now use it)
     if not native:
-        columns.native = None
+        setattr(keys, "native", None)  # noqa: B010  # the Python path, for this table only
     elif saved is None:
         raise RuntimeError("the store's C accelerator is not built")
     try:
         st = MasterState()
     finally:
-        columns.native = saved
+        setattr(keys, "native", saved)  # noqa: B010
     st.mount("c0", [SegmentInfo("s0", 1 << 40, 4 * (n + 1_000_000) * (VALUE + 512), "c0",
                                 "127.0.0.1:9", "bench-host")], 0.0)
     cfg = ReplicateConfig()
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvplane.bench.store_scale_memory import cpu_times, host_load
 
     sides = [s for s in a.sides.split(",") if s]
-    if "native" in sides and columns.native is None:
+    if "native" in sides and getattr(keys, "native", None) is None:
         print("the store's C accelerator is not built: python side only", file=sys.stderr)
         sides = [s for s in sides if s != "native"]
     before = cpu_times()

@@ -8,16 +8,29 @@ import pytest
 from kvplane.common.errors import InvalidArgument
 from kvplane.store.errors import ObjectNotFound
 from kvplane.store.master import columns
+from kvplane.store.master import keys as keymod
 from kvplane.store.master.allocator import ALIGN, OffsetAllocator
-from kvplane.store.master.columns import Columns, KeyIndex, KeyList
+from kvplane.store.master.columns import Columns
 from kvplane.store.master.config import MasterConfig
+from kvplane.store.master.keys import KeyIndex, KeyList
 from kvplane.store.master.state import MasterState
 from kvplane.store.types import ReplicateConfig, SegmentInfo
+from kvplane.testing.needs import requires
 
 MB = 1 << 20
 
 
-def test_key_index_matches_a_dict_through_growth_and_removals():
+@pytest.fixture(params=["native", "python"])
+def table_path(request, monkeypatch):
+    """Run a test on the C accelerator's index probe and LRU move, and again on Python's."""
+    if request.param == "native":
+        requires("store_accel")
+    else:
+        monkeypatch.setattr(keymod, "native", None)
+    return request.param
+
+
+def test_key_index_matches_a_dict_through_growth_and_removals(table_path):
     """Random adds and removals (with shards growing, and removals shifting entries back):
     every key is found at its row, every removed key is gone."""
     rng = random.Random(3)
@@ -47,11 +60,84 @@ def test_key_index_shards_grow_alone():
     about 1/SHARDS of the keys)."""
     keys = KeyList()
     index = KeyIndex(keys)
-    for i in range(columns.SHARDS * 8):
+    for i in range(keymod.SHARDS * 8):
         keys.append(f"k{i}".encode())
         index.add(keys[i], i)
     sizes = [len(s) for s in index._shards]
-    assert max(sizes) > min(sizes) and sum(sizes) < 8 * columns.SHARDS * 8
+    assert max(sizes) > min(sizes) and sum(sizes) < 8 * keymod.SHARDS * 8
+
+
+def test_both_paths_give_the_same_table():
+    """The same adds, drops, renames, LRU moves and lookups through the C accelerator and
+    through the Python code leave the same rows, LRU order and index answers."""
+    requires("store_accel")
+    saved = keymod.native
+    made = []
+    for accel in (saved, None):
+        keymod.native = accel
+        try:
+            c = Columns()
+        finally:
+            keymod.native = saved
+        made.append(c)
+    rng = random.Random(5)
+    live: list[str] = []
+    seen: list[list[int]] = [[], []]
+    for step in range(30_000):
+        op = rng.random()
+        if live and op < 0.25:
+            key = live.pop(rng.randrange(len(live)))
+            for c in made:
+                c.drop(c.index.find(key))
+        elif live and op < 0.6:
+            key = rng.choice(live)
+            for side, c in enumerate(made):
+                row = c.index.find(key)
+                c.touch(row)
+                seen[side].append(row)
+        elif live and op < 0.61:  # the oldest (the head moves)
+            for side, c in enumerate(made):
+                seen[side].append(c.head)
+                c.touch(c.head)
+        elif live and op < 0.62:
+            old = live.pop(rng.randrange(len(live)))
+            key = f"r{step}-é"
+            live.append(key)
+            for c in made:
+                c.rename(c.index.find(old), key)
+        else:
+            key = f"k{step}-{rng.randrange(1 << 30)}"
+            live.append(key)
+            for side, c in enumerate(made):
+                seen[side].append(c.add(key))
+        for side, c in enumerate(made):  # a miss, on every step
+            seen[side].append(c.index.find(f"missing-{step}"))
+    a, b = made
+    assert seen[0] == seen[1]
+    assert list(a.rows()) == list(b.rows()) and (a.head, a.tail) == (b.head, b.tail)
+    assert list(a.rows_newest()) == list(a.rows())[::-1]
+    assert [a.index.find(k) for k in live] == [b.index.find(k) for k in live]
+    assert all(a.key(a.index.find(k)) == k for k in live)
+    assert a.index._shards == b.index._shards
+
+
+def test_the_accelerator_refuses_what_would_read_out_of_bounds():
+    """Bad arguments raise; they never read past an array."""
+    from array import array
+
+    native = requires("store_accel")
+    c = Columns()
+    c.add("a")
+    c.add("b")
+    with pytest.raises(IndexError):
+        native.touch(c.nxt, c.prv, c._ends, len(c.nxt))
+    with pytest.raises(TypeError):
+        native.touch(c.nxt, array("q", [0]), c._ends, 0)
+    with pytest.raises(TypeError):
+        native.find(c.index._shards, array("i", [0]), "a")
+    with pytest.raises(ValueError):
+        native.find(c.index._shards[:3], c.keys.addrs, "a")
+    assert native.find(c.index._shards, c.keys.addrs, "b") == 1
 
 
 def test_the_cyclic_collector_reaches_no_key():
@@ -67,7 +153,7 @@ def test_the_cyclic_collector_reaches_no_key():
         assert gc.get_referrers(c.keys[row]) == []
 
 
-def test_rows_are_reused_and_the_lru_list_stays_whole():
+def test_rows_are_reused_and_the_lru_list_stays_whole(table_path):
     c = Columns()
     rows = [c.add(f"k{i}") for i in range(10)]
     assert rows == list(range(10)) and list(c.rows()) == rows
@@ -213,7 +299,6 @@ def test_many_short_objects_are_bits_that_passes_scan_for(monkeypatch):
     row object each); the count is then an upper bound, planning passes scan the column from
     where the last one stopped, unmark what is not short, and list rows again once none is
     left."""
-    from kvplane.store.master import columns
 
     monkeypatch.setattr(columns, "SHORT_LISTED", 8)
     st = _state(60, segs=("s0", "s1", "s2"), replica_num=2)

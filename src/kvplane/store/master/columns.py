@@ -31,27 +31,20 @@ must not outlive the scan (an array with a view cannot grow).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-try:  # ``native``: the optional C accelerator (pyproject's ext-modules); else the Python code
-    from kvplane.store.master import _table as native
-except ImportError:  # pragma: no cover - depends on the build
-    native = None  # type: ignore[assignment]  # not built: callers test for None
+from kvplane.store.master import keys as keymod
+from kvplane.store.master.keys import KeyIndex, KeyList
 
-NONE = -1
+NONE = -1  # (no row, no segment)
 COMPLETE = 1  # ``flags`` bits
 HARD_PIN = 2
 SHORT = 4  # it may hold fewer replicas than asked for (re-replication looks at it)
 SHORT_LISTED = 2048  # up to this many short rows are also kept in a set (``short_rows``)
-_SHARD_BITS = 10
-SHARDS = 1 << _SHARD_BITS  # key index shards: one growth rehashes about 1/SHARDS of the keys
-_SHARD_MASK = SHARDS - 1
-_MIN_SLOTS = 8
-_KEY_BITS = 16  # keys are held in numpy object arrays of 2**_KEY_BITS rows each
-_KEY_MASK = (1 << _KEY_BITS) - 1
 _GROW_MIN = 4096  # rows added at least when the columns grow
 _GROW_SHIFT = 5  # ... and at most a 1/32 of the rows they have
 
@@ -116,130 +109,6 @@ class ShardedIntMap(MutableMapping[int, int]):
         return self._n
 
 
-class KeyList:
-    """The keys by row (UTF-8 ``bytes``, None for a free row), in numpy object arrays of
-    2**16 rows each, with the interface of a list (index, assign, append, len).
-
-    Not a list: a full collection of Python's cyclic collector visits every item of a list
-    (one cache miss per key: 0.1-0.4 s at 10M keys, with every thread stopped), and numpy
-    arrays are not tracked by the collector (these hold bytes and None only: no cycle can go
-    through them). In chunks: growing never copies the keys held (and touches none).
-    """
-
-    def __init__(self) -> None:
-        self.chunks: list[np.ndarray] = []
-        self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, row: int) -> bytes | None:
-        key: bytes | None = self.chunks[row >> _KEY_BITS][row & _KEY_MASK]
-        return key
-
-    def __setitem__(self, row: int, key: bytes | None) -> None:
-        self.chunks[row >> _KEY_BITS][row & _KEY_MASK] = key
-
-    def append(self, key: bytes) -> None:
-        """Add ``key`` as row ``len(self)``."""
-        n = self._n
-        if n == len(self.chunks) << _KEY_BITS:
-            self.chunks.append(np.empty(1 << _KEY_BITS, object))  # (every item None)
-        self.chunks[n >> _KEY_BITS][n & _KEY_MASK] = key
-        self._n = n + 1
-
-    def nbytes(self) -> int:
-        """Bytes of the arrays (not of the keys)."""
-        return sum(int(a.nbytes) for a in self.chunks)
-
-
-class KeyIndex:
-    """Key -> row: linear probing over int32 slots (-1 empty), in ``SHARDS`` shards by hash.
-
-    The keys live in the caller's :class:`KeyList` (UTF-8 bytes by row); a slot holds only
-    the row. A shard doubles when two thirds full, rehashing only its own keys; removal shifts the
-    following entries back (no tombstones).
-    """
-
-    def __init__(self, keys: KeyList) -> None:
-        self._keys = keys.chunks
-        self._shards = [array("i", [NONE]) * _MIN_SLOTS for _ in range(SHARDS)]
-        self._used = [0] * SHARDS
-
-    def find(self, key: str) -> int:
-        """The row of ``key``, or -1."""
-        kb = key.encode()
-        h = hash(kb)
-        slots = self._shards[h & _SHARD_MASK]
-        mask = len(slots) - 1
-        i = (h >> _SHARD_BITS) & mask
-        keys = self._keys
-        while True:
-            r = slots[i]
-            if r < 0 or keys[r >> _KEY_BITS][r & _KEY_MASK] == kb:
-                return r
-            i = (i + 1) & mask
-
-    def add(self, key: bytes, row: int) -> None:
-        """Index ``key`` (not indexed yet) at ``row``."""
-        h = hash(key)
-        s = h & _SHARD_MASK
-        slots = self._shards[s]
-        if 3 * (self._used[s] + 1) > 2 * len(slots):
-            slots = self._grow(s)
-        mask = len(slots) - 1
-        i = (h >> _SHARD_BITS) & mask
-        while slots[i] >= 0:
-            i = (i + 1) & mask
-        slots[i] = row
-        self._used[s] += 1
-
-    def remove(self, key: bytes) -> None:
-        """Unindex ``key`` (indexed; ``keys`` still holds it)."""
-        h = hash(key)
-        s = h & _SHARD_MASK
-        slots = self._shards[s]
-        mask = len(slots) - 1
-        i = (h >> _SHARD_BITS) & mask
-        keys = self._keys
-        while True:
-            r = slots[i]
-            if keys[r >> _KEY_BITS][r & _KEY_MASK] == key:
-                break
-            i = (i + 1) & mask
-        j = i
-        while True:  # shift back every entry that may not stay past the hole at i
-            j = (j + 1) & mask
-            r = slots[j]
-            if r < 0:
-                break
-            home = (hash(keys[r >> _KEY_BITS][r & _KEY_MASK]) >> _SHARD_BITS) & mask
-            if (i < home <= j) if i <= j else (home > i or home <= j):
-                continue
-            slots[i] = r
-            i = j
-        slots[i] = NONE
-        self._used[s] -= 1
-
-    def _grow(self, s: int) -> array[int]:
-        old = self._shards[s]
-        new = array("i", [NONE]) * (2 * len(old))
-        mask = len(new) - 1
-        keys = self._keys
-        for r in old:
-            if r >= 0:
-                i = (hash(keys[r >> _KEY_BITS][r & _KEY_MASK]) >> _SHARD_BITS) & mask
-                while new[i] >= 0:
-                    i = (i + 1) & mask
-                new[i] = r
-        self._shards[s] = new
-        return new
-
-    def nbytes(self) -> int:
-        """Bytes of the slots."""
-        return sum(len(a) * a.itemsize for a in self._shards)
-
-
 class Columns:
     """The rows of every object (see the module docstring). The caller (the object table)
     keeps them consistent: it owns what a row means."""
@@ -271,8 +140,10 @@ class Columns:
         self.keys = KeyList()  # by row, UTF-8 (``key``: the str)
         self.index = KeyIndex(self.keys)
         self.count = 0
-        self.head = NONE  # least recently used
-        self.tail = NONE  # most recently used
+        self._ends = array("i", [NONE, NONE])  # the least and the most recently used row
+        native = keymod.native
+        self.touch: Callable[[int], None] = partial(
+            native.touch, self.nxt, self.prv, self._ends) if native is not None else self._touch
         self._free = NONE  # freed rows, threaded through ``nxt``
         self._top = 0  # rows below have been used
         self._rfree = NONE  # freed replica rows, threaded through ``rnext``
@@ -381,30 +252,42 @@ class Columns:
             col.frombytes(bytes(n * col.itemsize))
 
     # -- LRU ----------------------------------------------------------------------------------
+    @property
+    def head(self) -> int:
+        """The least recently used row (-1: none)."""
+        return self._ends[0]
+
+    @property
+    def tail(self) -> int:
+        """The most recently used row (-1: none)."""
+        return self._ends[1]
+
     def _link(self, row: int) -> None:
-        tail = self.tail
+        ends = self._ends
+        tail = ends[1]
         self.prv[row] = tail
         self.nxt[row] = NONE
         if tail >= 0:
             self.nxt[tail] = row
         else:
-            self.head = row
-        self.tail = row
+            ends[0] = row
+        ends[1] = row
 
     def _unlink(self, row: int) -> None:
         p, n = self.prv[row], self.nxt[row]
         if p >= 0:
             self.nxt[p] = n
         else:
-            self.head = n
+            self._ends[0] = n
         if n >= 0:
             self.prv[n] = p
         else:
-            self.tail = p
+            self._ends[1] = p
 
-    def touch(self, row: int) -> None:
-        """Make ``row`` the most recently used."""
-        tail = self.tail
+    def _touch(self, row: int) -> None:
+        """Make ``row`` the most recently used (``touch`` without the C accelerator)."""
+        ends = self._ends
+        tail = ends[1]
         if row == tail:
             return
         nxt, prv = self.nxt, self.prv
@@ -412,12 +295,12 @@ class Columns:
         if p >= 0:
             nxt[p] = n
         else:
-            self.head = n
+            ends[0] = n
         prv[n] = p
         prv[row] = tail
         nxt[row] = NONE
         nxt[tail] = row
-        self.tail = row
+        ends[1] = row
 
     def rows(self) -> Iterator[int]:
         """Live rows, least recently used first (do not add or drop rows meanwhile)."""
