@@ -14,6 +14,7 @@ import sys
 COMMANDS = {  # subcommand -> module with main(argv) -> int
     "memory": "kvplane.bench.store_scale_memory",  # master RSS per object, kvplane vs Mooncake
     "pauses": "kvplane.bench.store_scale_pauses",  # longest lock hold / RPC wait during long passes
+    "table": "kvplane.bench.store_scale_table",  # per-key cost of the object table, C vs Python
     "shards": "kvplane.bench.store_scale_shards",  # exists/lookup ops/s: N shards vs one master
 }
 

@@ -44,3 +44,16 @@ def test_unknown_subcommand_is_refused():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks/store_scale.py"), "nope"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "memory" in out.stderr
+
+
+def test_table_smoke():
+    """The per-key microbenchmark of the object table: both paths where the accelerator is
+    built (the Python path alone otherwise)."""
+    from kvplane.testing.needs import available
+
+    rows = _run("table", "--objects", "3000", "--calls", "600", "--repeat", "1")
+    assert [r["op"] for r in rows] == ["get", "exist", "put"]
+    for r in rows:
+        assert r["python_us_per_key"] > 0 and "load1" in r and "steal_pct" in r
+        if available("store_accel"):
+            assert r["native_us_per_key"] > 0 and r["python_over_native"] > 0
