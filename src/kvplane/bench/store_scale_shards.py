@@ -102,8 +102,10 @@ def run_clients(addr: str, a: argparse.Namespace, op: str, pids: list[int]) -> d
         cpu0 = [proc_cpu(p) for p in pids]
         host0 = host_cpu()
         for w in workers:
-            w.popen.stdin.write("go\n")  # type: ignore[union-attr]  # a PIPE
-            w.popen.stdin.flush()  # type: ignore[union-attr]
+            stdin = w.popen.stdin
+            assert stdin is not None  # (Proc opens a PIPE)
+            stdin.write("go\n")
+            stdin.flush()
         got = [w.ask("", a.seconds + 60) for w in workers]  # (empty line: read the result)
         cpu = sum(proc_cpu(p) for p in pids) - sum(cpu0)
         host1 = host_cpu()
