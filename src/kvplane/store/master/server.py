@@ -139,6 +139,7 @@ class MasterServer:
         self.clock = clock
         self.lock = threading.Lock()
         self.rpc_calls: dict[str, int] = {}  # RPCs served, by method
+        self._published: dict[str, int] = {}  # of those, what the Prometheus counter has
         self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
         self.history = status.History()
         self.started = (clock(), time.time())
@@ -235,22 +236,33 @@ class MasterServer:
         self.rpc.add(name, self._counted(name, self.access.guard(name, fn)), request_type)
 
     def _counted(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        counter = RPCS.labels(name)
+        """``fn`` under the lock, counted in ``rpc_calls`` and ``key_ops`` (plain ints: the
+        Prometheus counter takes them on the timer's pass, ``_publish_calls``)."""
+        calls, key_ops, lock = self.rpc_calls, self.key_ops, self.lock
 
         def handler(req: Any) -> Any:
-            counter.inc()
-            with self.lock:
+            with lock:
                 if self.election is not None and not self.leading():
                     raise NotLeader(f"not the leader; etcd names {self.election.leader or 'none'}")
-                self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
+                calls[name] = calls.get(name, 0) + 1
                 keys = getattr(req, "keys", None)
-                self.key_ops[name] = self.key_ops.get(name, 0) + (
+                key_ops[name] = key_ops.get(name, 0) + (
                     len(keys) if isinstance(keys, list) else 1)
                 try:
                     return fn(req)
                 finally:
-                    self._flush_changes()
+                    if self.state.changes:
+                        self._flush_changes()
         return handler
+
+    def _publish_calls(self) -> None:
+        """Add the RPCs served since the last pass to ``master_rpc_requests_total`` (under the
+        lock): one counter update per method and pass, not one per call."""
+        for name, n in self.rpc_calls.items():
+            done = self._published.get(name, 0)
+            if n > done:
+                RPCS.labels(name).inc(n - done)
+                self._published[name] = n
 
     def _flush_changes(self) -> None:
         """Publish (or, with events off, drop) what the last call changed. Under the lock."""
@@ -466,6 +478,8 @@ class MasterServer:
         """One liveness + reclaim + eviction pass, and a metrics refresh (while leading)."""
         leading = self.leading()
         LEADER.set(1 if leading else 0)
+        with self.lock:
+            self._publish_calls()
         if not leading:
             return
         with self.lock:
