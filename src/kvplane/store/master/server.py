@@ -433,8 +433,13 @@ class MasterServer:
 
     def _exist(self, req: KeysReq) -> CodesRep:
         now = self.clock()
-        self.state.suspect(req.suspects, now)
-        codes = [self.state.exist(k, now) for k in req.keys]
+        st = self.state
+        st.suspect(req.suspects, now)
+        if req.columns and is_service():  # the places too, under the lease exist grants
+            cols = st.columns_many(req.keys, now)  # (None: a key missing, or not plain)
+            if cols is not None:
+                return CodesRep([1] * len(req.keys), columns=cols, ttl=st.config.lease_ttl)
+        codes = [st.exist(k, now) for k in req.keys]
         self._gate(now, 0 in codes)
         return CodesRep(codes)
 
