@@ -55,6 +55,7 @@ class Options:
     extra_segment_mb: int = 64  # each segment process past the first
     mooncake_python: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # extra env for kvplane's processes
+    before: str = ""  # the src/ of another kvplane tree: side "before" runs it (an A/B)
 
 
 def host_sample() -> tuple[float, int, int]:
@@ -181,6 +182,8 @@ def start_side(svc: Services, name: str, opt: Options, mc_python: str | None,
         return Side(name, mc_python, "mooncake", master, url, svc.procs[0].pid, {})
     env = {"KVPLANE_STORE_HELD_READS": "1" if held else "0", "KVPLANE_STORE_CHECKSUM": "0",
            **opt.env}
+    if name == "before":  # another kvplane tree (``--before``): its master, segments, clients
+        env["PYTHONPATH"] = os.pathsep.join([opt.before, os.getcwd()])
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the master and segment processes inherit it
     try:
@@ -275,7 +278,8 @@ def ratios(kind: str, rows: list[dict]) -> list[dict]:
         mc = by.get(("mooncake", *cell[1:]))
         if r["side"] == "mooncake" or mc is None or not mc["median"] or not r["median"]:
             continue
-        row = dict(zip(key[1:], cell[1:]), kvplane=r["median"], mooncake=mc["median"])
+        row = dict(zip(key[1:], cell[1:]), side=r["side"], kvplane=r["median"],
+                   mooncake=mc["median"])
         if kind == "cpu":
             row.update(kvplane_us_per_op=r["median"] * 10, mooncake_us_per_op=mc["median"] * 10,
                        ratio=r["median"] / mc["median"], target="<= 2.0")
@@ -393,6 +397,8 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-mb", type=int, default=2048)
     ap.add_argument("--mooncake-python", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--before", default="", metavar="SRC",
+                    help="the src/ of another kvplane tree: adds side 'before', run with it")
     if kind == "cpu":
         ap.add_argument("--ops", default="exists,get,put,bget32,bput32")
         ap.add_argument("--clients", type=int, default=d["clients"])
@@ -407,8 +413,10 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
         ap.add_argument("--working-set", default="512MiB",
                         help="bytes of keys the gets cycle over (keep it past the CPU caches)")
     a = ap.parse_args(argv)
-    opt = Options(sides=a.sides.split(","), repeat=a.repeat, duration=a.duration,
-                  size=_size(a.size), segment_mb=a.segment_mb, mooncake_python=a.mooncake_python)
+    opt = Options(sides=a.sides.split(",") + (["before"] if a.before else []), repeat=a.repeat,
+                  duration=a.duration, size=_size(a.size), segment_mb=a.segment_mb,
+                  mooncake_python=a.mooncake_python, before=os.path.abspath(a.before)
+                  if a.before else "")
     if kind == "cpu":
         opt.ops, opt.clients, opt.rate, opt.keys = a.ops.split(","), a.clients, a.rate, a.keys
     elif kind == "cold":
@@ -432,7 +440,7 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
               f"{r['steal_pct']:.1f} %")
     for r in rat:
         cell = " ".join(f"{k}={r[k]}" for k in key[1:])
-        print(f"ratio {cell}: {r['ratio']:.2f} (target {r['target'] or '-'})")
+        print(f"ratio {r['side']}/mooncake {cell}: {r['ratio']:.2f} (target {r['target'] or '-'})")
     return 0
 
 
