@@ -1,5 +1,5 @@
-"""Metadata at scale (issue 32): the master's RPC cost, cold reads, puts and bytes-returning
-gets, side by side with Mooncake.
+"""Metadata at scale (issue 32): the master's memory, pauses and RPC cost, cold reads, puts and
+bytes-returning gets, side by side with Mooncake.
 
 Usage: python benchmarks/store_scale.py SUBCOMMAND [options]   (SUBCOMMAND --help for its options)
 
@@ -12,6 +12,8 @@ import importlib
 import sys
 
 COMMANDS = {  # subcommand -> module with main(argv) -> int
+    "memory": "kvplane.bench.store_scale_memory",  # master RSS per object, kvplane vs Mooncake
+    "pauses": "kvplane.bench.store_scale_pauses",  # longest lock hold / RPC wait during long passes
     "cpu": "kvplane.bench.store_scale_cpu",  # master CPU per 100k ops, kvplane vs Mooncake
     "cold": "kvplane.bench.store_scale_cold",  # cold single gets and single puts (1..N segments)
     "bytes": "kvplane.bench.store_scale_bytes",  # get() returning bytes over a large working set

@@ -83,7 +83,7 @@ class Requirement:
 
 REQUIREMENTS: dict[str, Requirement] = {
     "etcd": Requirement("etcd", _binary("etcd"), "apt-get install etcd-server"),
-    "redis": Requirement("redis-server", _binary("redis-server"), "apt-get install redis-server"),
+    "redis": Requirement("Redis", _binary("redis-server"), "apt-get install redis-server"),
     "chromium": Requirement("chromium",
                             _binary("chromium", "chromium-browser", "google-chrome", "chrome"),
                             "apt-get install chromium"),

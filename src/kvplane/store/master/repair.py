@@ -23,13 +23,18 @@ its space freed (``surplus`` counts them).
 
 from __future__ import annotations
 
+from collections.abc import MutableSet
 from dataclasses import dataclass
+from itertools import islice
 
 from kvplane.store import inventory
+from kvplane.store.master.columns import ShardedSet
 from kvplane.store.master.table import ObjectTable
 from kvplane.store.types import RepairTask
 
 SCAN = 4096  # short keys looked at per planning pass
+TASK_COST = 16  # a task made costs about as much as looking at this many short objects
+COUNT = 2048  # short keys looked at to count the under-replicated ones (every tick)
 
 
 @dataclass
@@ -40,22 +45,32 @@ class _Pending:
     deadline: float
     delivered: bool = False
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the target allocation (header and value)."""
+        return self.task.size + len(self.task.header)
+
 
 class Repairs:
     """Objects short of replicas and the repair tasks in flight."""
 
     def __init__(self, table: ObjectTable) -> None:
         self._st = table
-        self.short: set[str] = set()  # keys that may have fewer replicas than asked for
+        # keys that may have fewer replicas than asked for (millions after an unmount)
+        self.short: MutableSet[str] = ShardedSet()
         self.pending: dict[str, _Pending] = {}
         self.done_count = 0
         self.surplus = 0  # completed copies dropped: the object had its replicas already
 
     def under_replicated(self) -> int:
-        """Complete objects holding fewer replicas than asked for, now."""
-        objs = self._st.objects
-        return sum(1 for k in self.short
-                   if k in objs and objs[k].complete and 0 < len(objs[k].replicas) < objs[k].want)
+        """Complete objects holding fewer replicas than asked for, now: exact while at most
+        ``COUNT`` objects may be short, else an upper bound (every key that may be short;
+        counting more would hold the lock too long)."""
+        if len(self.short) > COUNT:
+            return len(self.short)
+        get = self._st.row_of
+        return sum(1 for k in self.short if (o := get(k)) is not None and o.complete
+                   and 0 < o.replica_count() < o.want)
 
     def settled(self, now: float) -> bool:
         """Whether replica counts can be trusted: no recovery under way, no segment still
@@ -63,15 +78,28 @@ class Repairs:
         st = self._st
         return not st.recovering(now) and not any(s.adopting for s in st.segments.values())
 
-    def plan(self, now: float) -> int:
-        """Allocate targets for short objects (no eviction); returns tasks created. Nothing
-        while replicas may still be coming back (``settled``)."""
-        st, made = self._st, 0
+    def plan(self, now: float, scan: int = SCAN) -> int:
+        """Allocate targets for short objects (no eviction), looking at up to ``scan`` of them;
+        returns tasks created. Nothing while replicas may still be coming back (``settled``)."""
+        return self._plan(now, scan, 0, 0)[0]
+
+    def plan_step(self, now: float, budget: int, skip: int) -> int:
+        """One step of a planning pass in steps: go on after the first ``skip`` short objects,
+        looking at objects until ``budget`` is spent (one unit an object, ``TASK_COST`` a task
+        made); returns how many it looked at (0: nothing to plan)."""
+        return self._plan(now, budget, skip, TASK_COST)[1]
+
+    def _plan(self, now: float, scan: int, skip: int, task_cost: int) -> tuple[int, int]:
+        st, made, spent, looked = self._st, 0, 0, 0
         if not self.short or not self.settled(now):
-            return 0
-        for key in list(self.short)[:SCAN]:
-            obj = st.objects.get(key)
-            if obj is None or not obj.complete or not 0 < len(obj.replicas) < obj.want:
+            return 0, 0
+        for key in list(islice(self.short, skip, skip + scan)):
+            if spent >= scan:
+                break
+            spent += 1
+            looked += 1
+            obj = st.row_of(key)
+            if obj is None or not obj.complete or not 0 < obj.replica_count() < obj.want:
                 self.short.discard(key)
                 continue
             if key in self.pending:
@@ -89,7 +117,8 @@ class Repairs:
                               obj.checksum, obj.replicas_of(st.segments, sources), header)
             self.pending[key] = _Pending(name, off, task, now + st.config.repair_timeout)
             made += 1
-        return made
+            spent += task_cost
+        return made, looked
 
     def _target(self, size: int, holders: set[str]) -> tuple[str, int] | None:
         st = self._st
@@ -141,7 +170,7 @@ class Repairs:
                 self.short.discard(key)
             return True
         st.adoption.forget(seg, p.offset, gen)  # its header, if the target wrote one
-        seg.alloc.free(p.offset)  # the target's copy is over (it reported): nothing can land
+        seg.alloc.free(p.offset, p.nbytes)  # the target's copy is over (it reported): nothing can land
         return False
 
     def expire(self, now: float) -> int:
@@ -164,10 +193,9 @@ class Repairs:
             return
         if p.delivered:  # the target may be copying: fence before reuse
             st.adoption.forget(st.segments[p.segment], p.offset, p.task.gen)
-            st.graveyard.hold(p.segment, p.offset, p.task.size + len(p.task.header), now,
-                              p.task.gen)
+            st.graveyard.hold(p.segment, p.offset, p.nbytes, now, p.task.gen)
         else:
-            st.segments[p.segment].alloc.free(p.offset)
+            st.segments[p.segment].alloc.free(p.offset, p.nbytes)
 
     def drop_segment(self, name: str) -> None:
         """``name`` was unmounted: tasks targeting it go (their space went with it)."""
