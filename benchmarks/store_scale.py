@@ -17,6 +17,7 @@ COMMANDS = {  # subcommand -> module with main(argv) -> int
     "cpu": "kvplane.bench.store_scale_cpu",  # master CPU per 100k ops, kvplane vs Mooncake
     "cold": "kvplane.bench.store_scale_cold",  # cold single gets and single puts (1..N segments)
     "bytes": "kvplane.bench.store_scale_bytes",  # get() returning bytes over a large working set
+    "table": "kvplane.bench.store_scale_table",  # per-key cost of the object table, C vs Python
 }
 
 

@@ -1,7 +1,7 @@
 """Smoke-run benchmarks/store_scale.py with tiny sizes: ``memory`` (kvplane, and real Mooncake
 where an interpreter with it is found), ``pauses``, ``cpu|cold|bytes`` (kvplane's side: Mooncake
 runs in the recorded runs, docs/benchmarks.md), and benchmarks/store.py's bytes API with a
-working set."""
+working set, and ``table``."""
 
 import json
 import pathlib
@@ -80,3 +80,16 @@ def test_store_benchmark_bytes_api_over_a_working_set():
                                                       for k in (1, 4)}
     assert all(r["api"] == "bytes" and r["working_set_mb"] == 1 and r["verified"]
                for r in cells)
+
+
+def test_table_smoke():
+    """The per-key microbenchmark of the object table: both paths where the accelerator is
+    built (the Python path alone otherwise)."""
+    from kvplane.testing.needs import available
+
+    rows = _scale("table", "--objects", "3000", "--calls", "600", "--repeat", "1")
+    assert [r["op"] for r in rows] == ["get", "exist", "put"]
+    for r in rows:
+        assert r["python_us_per_key"] > 0 and "load1" in r and "steal_pct" in r
+        if available("store_accel"):
+            assert r["native_us_per_key"] > 0 and r["python_over_native"] > 0

@@ -8,6 +8,9 @@ Prints one JSON ready line, then answers one JSON line per command on stdin:
                                             "pattern_ok": bool}  (read into offset 0)
     batch H RADDR COUNT SIZE [TIMEOUT]  -> COUNT reads of SIZE, item i from RADDR+(COUNT-1-i)*SIZE
     write H RADDR N BYTE [TIMEOUT] [GEN]-> fills N local bytes with BYTE and writes them
+    oneread H RADDR N [TIMEOUT] [LOFF]  -> as read, by ``transfer_one`` into offset LOFF; also
+                                            "resolved": the routes it resolved so far
+    onewrite H RADDR N BYTE [TIMEOUT]   -> as write, by ``transfer_one``
     lists                               -> {"prepared": P, "local": [[BASE, BLOCK]...],
                                             "remote": [[BASE, BLOCK]...], "base": B}: the nixl
                                             transport's prepared descriptor lists
@@ -72,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         if p[0] in ("lists", "reregister", "cpu"):
             print(json.dumps(_inspect(te, buf, p)), flush=True)
             continue
+        if p[0] in ("oneread", "onewrite"):
+            print(json.dumps(_one(te, buf, p, a.base)), flush=True)
+            continue
         h, raddr = int(p[1]), int(p[2])
         if p[0] == "batch":
             count, size = int(p[3]), int(p[4])
@@ -103,6 +109,23 @@ def main(argv: list[str] | None = None) -> int:
                               for at, k, off in expect)}), flush=True)
     te.close()
     return 0
+
+
+def _one(te: TransferEngine, buf: np.ndarray, p: list[str], tbase: int) -> dict:
+    """``oneread``/``onewrite``: one request through ``TransferEngine.transfer_one``."""
+    h, raddr, n = int(p[1]), int(p[2]), int(p[3])
+    rest = p[4:] if p[0] == "oneread" else p[5:]
+    timeout = float(rest[0]) if rest else 10.0
+    at = int(rest[1]) if len(rest) > 1 else 0
+    if p[0] == "onewrite":
+        buf[:n] = int(p[4])
+    op = OpCode.READ if p[0] == "oneread" else OpCode.WRITE
+    t0 = time.monotonic()
+    st = te.transfer_one(op, int(buf.ctypes.data) + at, h, raddr, n, timeout=timeout)
+    secs = time.monotonic() - t0
+    ok = op == OpCode.READ and np.array_equal(buf[at:at + n], pattern(n, raddr - tbase))
+    return {"status": [st.name], "secs": secs, "pattern_ok": bool(ok),
+            "resolved": te._router.resolved}
 
 
 def _inspect(te: TransferEngine, buf: np.ndarray, p: list[str]) -> dict:

@@ -17,6 +17,11 @@ RPCs back to back; its longest wait is the longest pause another client saw. Sce
   of them short, and the timer plans their repairs (up to ``repair.SCAN`` a tick): the
   sweep and the planning are measured together.
 
+Also reported: the CPU time of one full collection of Python's cyclic collector with the
+objects in (before the probe starts; the collector runs one whenever enough objects survived,
+in whichever thread is running, and every thread waits), and the longest collection during
+the pass.
+
 Imports the master server, the RPC client and the bench kit only.
 """
 
@@ -82,6 +87,24 @@ class HoldTimer:
     def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.release()
+
+
+class GcTimer:
+    """The longest collection of Python's cyclic collector (wall seconds) until ``close``."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.longest = max(self.longest, time.perf_counter() - self._t0)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._seen)
 
 
 class Probe:
@@ -206,16 +229,24 @@ def run_scenario(name: str, n: int, timeout: float = 600.0) -> dict[str, Any]:
             else:
                 st.mount("c0", [_segment(f"s{i}", 2 * n * per, "c0") for i in range(3)], 0.0)
                 fill(st, n, replica_num=2)
+        t0 = time.thread_time()
+        gc.collect()  # a full collection with the objects in: what the table costs it
+        full_gc = time.thread_time() - t0
         probe = Probe(f"127.0.0.1:{srv.port}")
         # what this process held before (a test run's heap) is no master's: keep the cyclic
         # collector from walking it inside a hold
         gc.collect()
         gc.freeze()
+        collections = GcTimer()
         try:
-            return _measure(name, n, srv, timer, probe, timeout)
+            out = _measure(name, n, srv, timer, probe, timeout)
         finally:
+            collections.close()
             gc.unfreeze()
             probe.close()
+        out["full_gc_cpu_ms"] = round(full_gc * 1000, 3)
+        out["longest_gc_ms"] = round(collections.longest * 1000, 3)
+        return out
 
 
 def _measure(name: str, n: int, srv: MasterServer, timer: HoldTimer, probe: Probe,

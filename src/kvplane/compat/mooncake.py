@@ -236,23 +236,41 @@ class TransferEngine:
         self._handle(target, refresh=True)
         return self._requests(target, op, buffers, peers, lengths, hint)
 
+    def _single(self, target: str, op: OpCode, buffer: int, peer: int, length: int,
+                hint: str) -> int:
+        """One sync request: as :meth:`_sync` of it (a FAILED one is retried once with the
+        peer's descriptor fetched again), through the engine's ``transfer_one``."""
+        transport = _transport(hint) if hint else None
+        try:
+            h = self._handles.get(target)
+            if h is None:
+                h = self._handle(target)
+            st = self.engine.transfer_one(op, int(buffer), h, int(peer), int(length), transport)
+            if st == TransferStatus.FAILED:  # the peer may have restarted
+                h = self._handle(target, refresh=True)
+                st = self.engine.transfer_one(op, int(buffer), h, int(peer), int(length), transport)
+        except KVPlaneError as exc:
+            log.warning("transfer to %s failed: %s", target, exc)
+            return -1
+        return 0 if st == TransferStatus.COMPLETED else -1
+
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                             length: int, transport_hint: str = "") -> int:
         """Copy local -> remote; 0 or -1. ``transport_hint`` ("tcp", "shm", ...) pins a
         transport this engine has; other names are ignored (see :func:`_transport`)."""
-        return self._sync(target_hostname, OpCode.WRITE, [buffer], [peer_buffer_address], [length],
-                          transport_hint)
+        return self._single(target_hostname, OpCode.WRITE, buffer, peer_buffer_address, length,
+                            transport_hint)
 
     def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                            length: int, transport_hint: str = "") -> int:
-        return self._sync(target_hostname, OpCode.READ, [buffer], [peer_buffer_address], [length],
-                          transport_hint)
+        return self._single(target_hostname, OpCode.READ, buffer, peer_buffer_address, length,
+                            transport_hint)
 
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                       length: int, opcode: TransferOpcode, notify: TransferNotify | None = None,
                       transport_hint: str = "") -> int:
-        return self._sync(target_hostname, OpCode(int(opcode)), [buffer], [peer_buffer_address],
-                          [length], transport_hint)
+        return self._single(target_hostname, OpCode(int(opcode)), buffer, peer_buffer_address,
+                            length, transport_hint)
 
     def batch_transfer_sync_write(self, target_hostname: str, buffers: Sequence[int],
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from kvplane.common.errors import Conflict, InvalidArgument
+from kvplane.common.errors import Conflict, InvalidArgument, Timeout, Unavailable, from_code
 from kvplane.transfer.types import OpCode, TransferRequest, TransferStatus
 
 
@@ -180,3 +180,15 @@ class Batch:
         """Raise Conflict while requests are in flight (ERR_BATCH_BUSY)."""
         if self.busy:
             raise Conflict(f"batch {self.id} still has requests in flight")
+
+
+def raise_first(tasks: list[Task]) -> None:
+    """Raise the error of the first task that did not complete (``transfer(check=True)``)."""
+    for t in tasks:
+        if t.status == TransferStatus.COMPLETED:
+            continue
+        if t.code:
+            raise from_code(t.code, t.error)
+        if t.status == TransferStatus.TIMEOUT:
+            raise Timeout(t.error or "transfer timed out")
+        raise Unavailable(t.error or f"transfer {t.status.name}")

@@ -27,8 +27,8 @@ from typing import Any
 from kvplane.common import log as klog
 from kvplane.common.config import parse_hostport
 from kvplane.common.deadline import Deadline
-from kvplane.common.errors import InvalidArgument, KVPlaneError, NotFound, Timeout, Unavailable, from_code
-from kvplane.transfer.batch import Batch, Task
+from kvplane.common.errors import InvalidArgument, KVPlaneError, NotFound, Unavailable
+from kvplane.transfer.batch import Batch, raise_first
 from kvplane.transfer.config import EngineConfig
 from kvplane.transfer.engine_items import ItemPaths, count_done
 from kvplane.transfer.engine_route import Router
@@ -350,6 +350,7 @@ class TransferEngine:
             seg = self._segments.pop(handle, None)
             if seg is not None:
                 self._by_name.pop(seg.name, None)
+        self._router.forget(handle)
 
     def segment(self, handle: int) -> OpenSegment:
         """The open segment for ``handle``. Raises NotFound."""
@@ -481,8 +482,18 @@ class TransferEngine:
         self._router.run(self._router.plan(tasks), deadline, inline=True)
         count_done(batch)
         if check:
-            _raise_first(tasks)
+            raise_first(tasks)
         return [t.status for t in tasks]
+
+    def transfer_one(self, op: OpCode, local: int, handle: int, remote: int, length: int,
+                     transport: str | None = None, timeout: float | None = None
+                     ) -> TransferStatus:
+        """One request, ending as :meth:`transfer` of it would (status, counters), with the
+        least Python: a transport with ``RouteOneIO`` (NIXL) runs it along the route cached
+        for the segment's previous one, no batch, task or slice built (``Router.one`` says
+        when the route is resolved again); else it is :meth:`transfer` of that request."""
+        wait = self.config.timeout if timeout is None else timeout
+        return self._items.routed(op, local, handle, remote, length, transport, wait)
 
     def read_many(self, reads: Sequence[ItemLike], timeout: float | None = None
                   ) -> list[TransferStatus]:
@@ -586,13 +597,3 @@ class TransferEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _raise_first(tasks: list[Task]) -> None:
-    for t in tasks:
-        if t.status == TransferStatus.COMPLETED:
-            continue
-        if t.code:
-            raise from_code(t.code, t.error)
-        if t.status == TransferStatus.TIMEOUT:
-            raise Timeout(t.error or "transfer timed out")
-        raise Unavailable(t.error or f"transfer {t.status.name}")

@@ -11,7 +11,9 @@ transports only through the seam and the ``TransportSet``; never imports a trans
 
 from __future__ import annotations
 
+import logging
 import operator
+import time
 from collections.abc import Callable, Sequence
 
 from kvplane.common import metrics
@@ -25,6 +27,7 @@ from kvplane.transfer.seam import Route, Transport
 from kvplane.transfer.segments import OpenSegment
 from kvplane.transfer.types import OpCode, RegionDesc, RegionKind, TransferRequest, TransferStatus
 
+log = logging.getLogger("kvplane.transfer.engine")
 Transfer = Callable[[list[TransferRequest], float], list[TransferStatus]]
 _Counts = dict[tuple[OpCode, TransferStatus], int]
 
@@ -74,6 +77,22 @@ class ItemPaths:
                 count({(op, st): 1}, {op: length if st == TransferStatus.COMPLETED else 0})
                 return st
         return self.many(op, [item], deadline)[0]
+
+    def routed(self, op: OpCode, local: int, handle: int, remote: int, length: int,
+               transport: str | None, wait: float) -> TransferStatus:
+        """``TransferEngine.transfer_one``: by the router's cached route (``Router.one``)
+        where it takes the request, else through ``transfer``; counted as ``transfer``
+        counts it."""
+        out = self.router.one(op, local, handle, remote, length, transport,
+                              time.monotonic() + wait)
+        if out is None:
+            return self.transfer([TransferRequest(op, local, handle, remote, length, transport)],
+                                 wait)[0]
+        status = out[0]
+        count_one(op, status, length)
+        if status != TransferStatus.COMPLETED:
+            log.debug("transfer to segment %d %s: %s", handle, status.name, out[1])
+        return status
 
     def many(self, op: OpCode, items: Sequence[ItemLike], deadline: Deadline
              ) -> list[TransferStatus]:
@@ -251,6 +270,13 @@ def count_done(batch: Batch) -> None:
         if t.transferred:
             moved[t.req.op] = moved.get(t.req.op, 0) + t.transferred
     count(done, moved)
+
+
+def count_one(op: OpCode, status: TransferStatus, length: int) -> None:
+    """Count one finished request (its bytes when it completed)."""
+    _REQ_COUNTERS[(op, status)].inc()
+    if status == TransferStatus.COMPLETED:
+        _BYTE_COUNTERS[op].inc(length)
 
 
 def count(done: _Counts, moved: dict[OpCode, int]) -> None:

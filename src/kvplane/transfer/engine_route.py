@@ -25,11 +25,11 @@ from kvplane.transfer.batch import DeviceSlice, Slice, Task, cut
 from kvplane.transfer.failover import guarded
 from kvplane.transfer.memory import MemoryTable, Region
 from kvplane.transfer.plugins import TransportSet
-from kvplane.transfer.seam import Route, Transport
+from kvplane.transfer.seam import Outcome, Route, RouteOneIO, Transport
 from kvplane.transfer.segments import OpenSegment
 from kvplane.transfer.staged import NO_VIEW, StagedTransport
 from kvplane.transfer.staging import DeviceLanes
-from kvplane.transfer.types import RegionKind, TransferStatus
+from kvplane.transfer.types import OpCode, RegionKind, SegmentDesc, TransferStatus
 
 GroupKey = tuple[int, str, int, bool]
 """What the slices of one group share: target handle, transport name, region (for a same-host
@@ -52,6 +52,20 @@ class Group(NamedTuple):
 class _Choice(NamedTuple):
     route: Route
     transport: Transport
+
+
+class _Hot:
+    """One segment's last resolved single request (:meth:`Router.one`): the descriptor it was
+    resolved against, the peer's region ``[lo, hi)``, the route and transport chosen for it,
+    the local region ``[llo, lhi)`` and the memory table's version then."""
+
+    __slots__ = ("desc", "hint", "lo", "hi", "route", "io", "slices", "llo", "lhi", "mem")
+
+    def __init__(self, desc: SegmentDesc, hint: str | None, route: Route, io: RouteOneIO | None,
+                 slices: metrics.Counter, local: Region, mem: int) -> None:
+        self.desc, self.hint, self.route, self.io, self.slices = desc, hint, route, io, slices
+        self.lo, self.hi = route.region.addr, route.region.addr + route.region.length
+        self.llo, self.lhi, self.mem = local.addr, local.end, mem
 
 
 class Router:
@@ -77,6 +91,8 @@ class Router:
         self.slice_size = slice_size
         self.executor = executor
         self.lanes = lanes
+        self._hot: dict[int, _Hot] = {}  # segment handle -> its last single request's route
+        self.resolved = 0  # routes resolved by :meth:`one` (a counter for tests)
 
     def pick(self, transport: str | None, route: Route) -> Transport:
         """The transport for a request asking for ``transport`` (None: the engine's protocol).
@@ -104,6 +120,69 @@ class Router:
             if t.can_reach(route):
                 return t
         raise Unavailable(f"no transport reaches segment {route.segment.name!r}")
+
+    def one(self, op: OpCode, local: int, handle: int, remote: int, length: int,
+            transport: str | None, at: float) -> Outcome | None:
+        """Run one request from host memory by a transport with :class:`RouteOneIO` along the
+        route resolved for the segment's previous one, when it still holds; None (nothing
+        run) where :meth:`plan` must decide: under protocol "auto" (which transport reaches
+        a target can change: shared-memory mappings), for device or file memory, a transport
+        without the capability, or any error (plan reports it).
+
+        The route is resolved again when the segment's descriptor changed (``open_segment``
+        fetched a new one), the request leaves the peer's region or the local region of the
+        last one, or any region was registered or unregistered here since.
+        """
+        if not self.transports.route_one or (transport or self.protocol) == "auto":
+            return None
+        try:
+            seg = self.segment(handle)
+        except KVPlaneError:
+            return None
+        hot = self._hot.get(handle)
+        if (hot is None or hot.desc is not seg.desc or hot.hint != transport
+                or not (hot.lo <= remote and remote + length <= hot.hi)
+                or not (hot.llo <= local and local + length <= hot.lhi)
+                or hot.mem != self.memory.version or length <= 0):
+            hot = self._resolve(seg, local, remote, length, transport)
+            if hot is None:
+                return None
+            self._hot[handle] = hot
+            self.resolved += 1
+        if hot.io is None:  # the transport chosen for this route runs slices only
+            return None
+        out = hot.io.route_one(op, hot.route, local, remote, length, at)
+        if out is not None:
+            hot.slices.inc()
+        return out
+
+    def _resolve(self, seg: OpenSegment, local: int, remote: int, length: int,
+                 transport: str | None) -> _Hot | None:
+        """The route of a single request to ``seg`` for :meth:`one` (its ``io`` None where
+        the transport picked has no :class:`RouteOneIO`); None, caching nothing, for device
+        or file memory and for any error."""
+        if length <= 0:
+            return None
+        try:
+            mem = self.memory.version
+            mine = self.memory.find(local, length)
+            desc = seg.desc
+            region = seg.region(remote, length)
+            if mine.view is None or region.kind in (RegionKind.DEVICE, RegionKind.FILE):
+                return None
+            route = Route(desc, region, seg.same_host)
+            t = self.pick(transport, route)
+        except KVPlaneError:
+            return None
+        if route.segment is not seg.desc:  # replaced while we looked: resolve it next time
+            return None
+        io = next((x for n, x in self.transports.route_one.items()
+                   if self.transports.by_name[n] is t), None)
+        return _Hot(desc, transport, route, io, _slices_counter(t.name), mine, mem)
+
+    def forget(self, handle: int) -> None:
+        """Drop the cached route of segment ``handle`` (it was closed)."""
+        self._hot.pop(handle, None)
 
     def plan(self, tasks: list[Task]) -> dict[GroupKey, Group]:
         """Group ``tasks`` into slices per target and transport; a task that cannot be

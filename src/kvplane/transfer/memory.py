@@ -224,6 +224,7 @@ class MemoryTable:
         self._regions: list[Region] = []
         self._lock = threading.Lock()
         self._next_file = 0
+        self.version = 0  # bumped by every add and remove (a cache of a lookup checks it)
 
     def add(self, region: Region) -> Region:
         """Insert a region.
@@ -242,6 +243,7 @@ class MemoryTable:
                 raise Conflict(f"region {region.addr:#x}+{region.length} overlaps a registered one")
             self._starts.insert(i, region.addr)
             self._regions.insert(i, region)
+            self.version += 1
         return region
 
     def remove(self, addr: int) -> Region:
@@ -255,6 +257,7 @@ class MemoryTable:
             if i == len(self._starts) or self._starts[i] != addr:
                 raise NotFound(f"no region registered at {addr:#x}")
             del self._starts[i]
+            self.version += 1
             return self._regions.pop(i)
 
     def find(self, addr: int, length: int) -> Region:

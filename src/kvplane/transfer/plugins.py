@@ -22,6 +22,7 @@ from kvplane.transfer.seam import (
     Prunable,
     RegistersMemory,
     Route,
+    RouteOneIO,
     Transport,
     TransportContext,
     VectoredIO,
@@ -77,6 +78,8 @@ class TransportSet:
             n: t for n, t in transports.items() if isinstance(t, VectoredIO)}
         self.one_item: dict[str, OneItemIO] = {
             n: t for n, t in transports.items() if isinstance(t, OneItemIO)}
+        self.route_one: dict[str, RouteOneIO] = {
+            n: t for n, t in transports.items() if isinstance(t, RouteOneIO)}
         self.prunable = [t for t in transports.values() if isinstance(t, Prunable)]
         self.registers_by_name: dict[str, RegistersMemory] = {
             n: t for n, t in transports.items() if isinstance(t, RegistersMemory)}

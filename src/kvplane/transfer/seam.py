@@ -3,7 +3,7 @@
 Owns the required plugin base (:class:`Transport`: ``can_reach``, ``run``, ``close``), the
 declared properties every transport carries (:class:`Capabilities`), the optional
 capabilities a transport may implement (runtime-checkable protocols: :class:`VectoredIO`,
-:class:`OneItemIO`, :class:`ControlChannel`, :class:`Prunable`) and the records passed
+:class:`OneItemIO`, :class:`RouteOneIO`, :class:`ControlChannel`, :class:`Prunable`) and the records passed
 across (:class:`Route`, :class:`TransportContext`). The engine discovers the optional ones
 once per transport (``kvplane.transfer.plugins.TransportSet``) and never names a transport.
 
@@ -20,7 +20,7 @@ from kvplane.common.deadline import Deadline
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.jobs import Peer, PeerJob
 from kvplane.transfer.memory import Region
-from kvplane.transfer.types import RegionDesc, SegmentDesc, TransferStatus
+from kvplane.transfer.types import OpCode, RegionDesc, SegmentDesc, TransferStatus
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,25 @@ class OneItemIO(Protocol):
     def write_one(self, peer: Peer, view: memoryview, remote: int, gen: int,
                   deadline: Deadline) -> TransferStatus:
         """Write ``view`` to ``remote``: COMPLETED, FAILED or TIMEOUT."""
+
+
+Outcome = tuple[TransferStatus, str]
+"""How one request ended: its status and the error ("" when it completed)."""
+
+
+@runtime_checkable
+class RouteOneIO(Protocol):
+    """One READ or WRITE from host memory along a route the engine resolved and cached, with
+    no batch, task or slice (``TransferEngine.transfer_one``)."""
+
+    def route_one(self, op: OpCode, route: Route, local: int, remote: int, length: int,
+                  at: float) -> Outcome | None:
+        """Move ``length`` bytes between the local address ``local`` (inside registered host
+        memory) and ``remote`` (inside ``route.region``) before the monotonic time ``at``:
+        COMPLETED, FAILED or TIMEOUT with the error, as ``run`` of that one slice would end.
+        None, having moved nothing, where this transport would no longer reach ``route``
+        (``can_reach``) or does not take such a request this way: the engine then plans it
+        as usual. Never raises for transfer failures."""
 
 
 @runtime_checkable

@@ -49,6 +49,28 @@ def test_peer_gone_mid_transfer_ends_within_the_deadline(how):
         tgt.stop()  # reaps (and closes the pipes of) a killed or stopped target
 
 
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_one_request_to_a_gone_peer_ends_within_the_deadline(how):
+    # transfer_one's cached route and route_one: the same deadline as a batch
+    tgt, ini, h = _pair("--buf-mb", "64")
+    try:
+        r = ini.ask(f"oneread {h} {tgt.info['addr']} {4 * MB} 10")  # warm: the route is cached
+        assert r["status"] == ["COMPLETED"] and r["pattern_ok"]
+        if how == "kill":
+            tgt.kill()
+        else:
+            tgt.signal(signal.SIGSTOP)
+        for _ in range(3):
+            r = ini.ask(f"oneread {h} {tgt.info['addr']} {64 * MB} 2", timeout=60)
+            assert r["status"][0] in ("FAILED", "TIMEOUT"), r
+            assert r["secs"] < 2 + 3, f"took {r['secs']:.1f}s against a 2 s deadline"
+        ini.stop()
+        assert ini.popen.returncode == 0, "the initiator did not exit cleanly"
+    finally:
+        ini.stop()
+        tgt.stop()
+
+
 def test_unregistered_remote_range_is_refused_not_crashed():
     tgt, ini, h = _pair("--buf-mb", "1")
     try:

@@ -131,3 +131,43 @@ def test_an_idle_engine_with_nixl_does_not_spin_a_core():
     finally:
         ini.stop()
     assert ini.popen.returncode == 0
+
+
+def test_one_request_by_transfer_one_over_nixl():
+    # the engine's cached route (Router.one) and the transport's route_one: bytes right on
+    # the prepared path (aligned) and the fresh one (unaligned), the route resolved again
+    # when the peer's advert changes or our region is registered anew
+    env = nixl_env("")
+    with spawn_target("--buf-mb", "8", env=env) as tgt, \
+            spawn_initiator("--protocol", "nixl", "--base", str(tgt.info["addr"]), env=env) as ini:
+        h = ini.ask(f"open {tgt.info['segment']}")["handle"]
+        base = tgt.info["addr"]
+        for off, n, at in [(0, MB, 0), (3 * MB, MB, MB), (12345, 4096, 100), (MB, 4096, 0)]:
+            r = ini.ask(f"oneread {h} {base + off} {n} 10 {at}")
+            assert r["status"] == ["COMPLETED"] and r["pattern_ok"], (off, n, at, r)
+        assert r["resolved"] == 1  # one route for all of them
+        assert [base, MB] in ini.ask("lists")["remote"]  # the aligned ones went prepared
+        r = ini.ask(f"onewrite {h} {base + 2 * MB} {MB} 7")
+        assert r["status"] == ["COMPLETED"], r
+        assert tgt.ask(f"sum {2 * MB} {MB}")["sum"] == 7 * MB
+        assert tgt.ask(f"sum {3 * MB} {MB}")["sum"] != 7 * MB
+
+        before = ini.ask("lists")
+        tgt.ask("extra 1")  # the target's advert changes; the descriptor is fetched again
+        assert ini.ask(f"open {tgt.info['segment']}")["handle"] == h
+        r = ini.ask(f"oneread {h} {base + MB} {MB}")
+        assert r["status"] == ["COMPLETED"] and r["pattern_ok"] and r["resolved"] == 2, r
+        after = ini.ask("lists")
+        assert after["prepared"] == before["prepared"] + 1  # the peer's list prepared again
+
+        ini.ask("reregister")  # our region unregistered and registered again
+        r = ini.ask(f"oneread {h} {base + MB} {MB}")
+        assert r["status"] == ["COMPLETED"] and r["pattern_ok"] and r["resolved"] == 3, r
+        assert ini.ask("lists")["prepared"] == after["prepared"] + 1  # and our list
+        end = base + (8 << 20)
+        r = ini.ask(f"oneread {h} {end - 100} 4096")  # past the peer's region: refused
+        assert r["status"] == ["FAILED"], r
+        ini.stop()
+        tgt.stop()
+        assert ini.popen.returncode == 0, ini.popen.stderr
+        assert tgt.popen.returncode == 0

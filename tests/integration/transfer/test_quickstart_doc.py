@@ -17,7 +17,9 @@ DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "transfer.md"
 
 
 def _snippet(filename: str) -> str:
-    found = re.search(rf"`{re.escape(filename)}`:\n\n```python\n(.*?)```", DOC.read_text(), re.S)
+    marker = r"(?:<!-- illustrative: [^\n]*-->\n)?"  # the docs test's marker, when there
+    found = re.search(rf"`{re.escape(filename)}`:\n\n{marker}```python\n(.*?)```", DOC.read_text(),
+                      re.S)
     assert found, f"docs/transfer.md has no `{filename}` block"
     return found.group(1)
 

@@ -12,9 +12,10 @@ Layout (docs/store.md, "How the object table is laid out"):
   new rows, so a bigger step would hold memory no object uses).
 * **Replica rows**: an object's second and later replicas, in their own columns (segment id,
   offset, generation, next, owning row), chained from the object's ``more`` column.
-* **Keys**: the keys, UTF-8 ``bytes`` (16 bytes smaller than the same ``str``), in a list by
-  row, and :class:`KeyIndex`, an open-addressing hash table of int32 rows split into shards by
-  hash, so that one shard's growth rehashes a small part of the keys (a short pause) and
+* **Keys**: the keys, UTF-8 ``bytes`` (16 bytes smaller than the same ``str``), by row in
+  :class:`KeyList` (numpy object arrays: the cyclic collector does not walk them), and
+  :class:`KeyIndex`, an open-addressing hash table of int32 rows split into shards by hash,
+  so that one shard's growth rehashes a small part of the keys (a short pause) and
   never the whole table.
 * **Sparse side tables** (rows that need them only): unfinished puts (:class:`OpenPut`),
   soft pins, and SSD copies.
@@ -30,18 +31,20 @@ must not outlive the scan (an array with a view cannot grow).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, MutableMapping, MutableSet
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-NONE = -1
+from kvplane.store.master import keys as keymod
+from kvplane.store.master.keys import KeyIndex, KeyList
+
+NONE = -1  # (no row, no segment)
 COMPLETE = 1  # ``flags`` bits
 HARD_PIN = 2
-_SHARD_BITS = 10
-SHARDS = 1 << _SHARD_BITS  # key index shards: one growth rehashes about 1/SHARDS of the keys
-_SHARD_MASK = SHARDS - 1
-_MIN_SLOTS = 8
+SHORT = 4  # it may hold fewer replicas than asked for (re-replication looks at it)
+SHORT_LISTED = 2048  # up to this many short rows are also kept in a set (``short_rows``)
 _GROW_MIN = 4096  # rows added at least when the columns grow
 _GROW_SHIFT = 5  # ... and at most a 1/32 of the rows they have
 
@@ -78,37 +81,6 @@ class OpenPut:
     soft_pin_ttl: float = 0.0  # seconds of soft pin from the commit
 
 
-class ShardedSet(MutableSet[str]):
-    """A set of keys in ``SHARDS`` Python sets by hash: the same operations, but growing one
-    rehashes about 1/SHARDS of it (a set of millions grows in one step of tens of ms)."""
-
-    def __init__(self) -> None:
-        self._sets: list[set[str]] = [set() for _ in range(SHARDS)]
-        self._n = 0
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._sets[hash(key) & _SHARD_MASK]
-
-    def __iter__(self) -> Iterator[str]:
-        for s in self._sets:
-            yield from s
-
-    def __len__(self) -> int:
-        return self._n
-
-    def add(self, key: str) -> None:
-        s = self._sets[hash(key) & _SHARD_MASK]
-        if key not in s:
-            s.add(key)
-            self._n += 1
-
-    def discard(self, key: str) -> None:
-        s = self._sets[hash(key) & _SHARD_MASK]
-        if key in s:
-            s.remove(key)
-            self._n -= 1
-
-
 class ShardedIntMap(MutableMapping[int, int]):
     """int -> int in 64 dicts by key: growing one rehashes 1/64 of it (a queue of a million
     entries grows without a step of tens of ms)."""
@@ -135,90 +107,6 @@ class ShardedIntMap(MutableMapping[int, int]):
 
     def __len__(self) -> int:
         return self._n
-
-
-class KeyIndex:
-    """Key -> row: linear probing over int32 slots (-1 empty), in ``SHARDS`` shards by hash.
-
-    The keys live in the caller's list (``keys[row]``, UTF-8 bytes); a slot holds only the
-    row. A shard doubles when two thirds full, rehashing only its own keys; removal shifts the
-    following entries back (no tombstones).
-    """
-
-    def __init__(self, keys: list[bytes | None]) -> None:
-        self._keys = keys
-        self._shards = [array("i", [NONE]) * _MIN_SLOTS for _ in range(SHARDS)]
-        self._used = [0] * SHARDS
-
-    def find(self, key: str) -> int:
-        """The row of ``key``, or -1."""
-        kb = key.encode()
-        h = hash(kb)
-        slots = self._shards[h & _SHARD_MASK]
-        mask = len(slots) - 1
-        i = (h >> _SHARD_BITS) & mask
-        keys = self._keys
-        while True:
-            r = slots[i]
-            if r < 0 or keys[r] == kb:
-                return r
-            i = (i + 1) & mask
-
-    def add(self, key: bytes, row: int) -> None:
-        """Index ``key`` (not indexed yet) at ``row``."""
-        h = hash(key)
-        s = h & _SHARD_MASK
-        slots = self._shards[s]
-        if 3 * (self._used[s] + 1) > 2 * len(slots):
-            slots = self._grow(s)
-        mask = len(slots) - 1
-        i = (h >> _SHARD_BITS) & mask
-        while slots[i] >= 0:
-            i = (i + 1) & mask
-        slots[i] = row
-        self._used[s] += 1
-
-    def remove(self, key: bytes) -> None:
-        """Unindex ``key`` (indexed; ``keys`` still holds it)."""
-        h = hash(key)
-        s = h & _SHARD_MASK
-        slots = self._shards[s]
-        mask = len(slots) - 1
-        i = (h >> _SHARD_BITS) & mask
-        keys = self._keys
-        while keys[slots[i]] != key:
-            i = (i + 1) & mask
-        j = i
-        while True:  # shift back every entry that may not stay past the hole at i
-            j = (j + 1) & mask
-            r = slots[j]
-            if r < 0:
-                break
-            home = (hash(keys[r]) >> _SHARD_BITS) & mask
-            if (i < home <= j) if i <= j else (home > i or home <= j):
-                continue
-            slots[i] = r
-            i = j
-        slots[i] = NONE
-        self._used[s] -= 1
-
-    def _grow(self, s: int) -> array[int]:
-        old = self._shards[s]
-        new = array("i", [NONE]) * (2 * len(old))
-        mask = len(new) - 1
-        keys = self._keys
-        for r in old:
-            if r >= 0:
-                i = (hash(keys[r]) >> _SHARD_BITS) & mask
-                while new[i] >= 0:
-                    i = (i + 1) & mask
-                new[i] = r
-        self._shards[s] = new
-        return new
-
-    def nbytes(self) -> int:
-        """Bytes of the slots."""
-        return sum(len(a) * a.itemsize for a in self._shards)
 
 
 class Columns:
@@ -249,11 +137,13 @@ class Columns:
     def __init__(self) -> None:
         for name, code in _OBJECT_COLUMNS + _REPLICA_COLUMNS:
             setattr(self, name, array(code))
-        self.keys: list[bytes | None] = []  # by row, UTF-8 (``key``: the str)
+        self.keys = KeyList()  # by row, UTF-8 (``key``: the str)
         self.index = KeyIndex(self.keys)
         self.count = 0
-        self.head = NONE  # least recently used
-        self.tail = NONE  # most recently used
+        self._ends = array("i", [NONE, NONE])  # the least and the most recently used row
+        native = keymod.native
+        self.touch: Callable[[int], None] = partial(
+            native.touch, self.nxt, self.prv, self._ends) if native is not None else self._touch
         self._free = NONE  # freed rows, threaded through ``nxt``
         self._top = 0  # rows below have been used
         self._rfree = NONE  # freed replica rows, threaded through ``rnext``
@@ -266,6 +156,10 @@ class Columns:
         self.names: list[str] = []  # sid -> segment name (kept until its sweep is over)
         self.live = bytearray()  # sid -> 1 while mounted
         self.sid_of: dict[str, int] = {}  # name -> sid of every mounted segment
+        self.short = 0  # rows with the SHORT bit ...
+        # ... and, while there are at most SHORT_LISTED of them, the same rows (None: more;
+        # then only a scan of the column finds them, ``short_in``)
+        self.short_rows: set[int] | None = set()
 
     # -- segments ---------------------------------------------------------------------------
     def new_sid(self, name: str) -> int:
@@ -327,6 +221,7 @@ class Columns:
         self._free_chain(self.more[row])
         self.more[row] = NONE
         self.seg[row] = NONE
+        self.unmark_short(row)
         self.flags[row] = 0  # (a free row counts as no object in ``census``)
         self.keys[row] = None
         self.puts.pop(row, None)
@@ -357,30 +252,42 @@ class Columns:
             col.frombytes(bytes(n * col.itemsize))
 
     # -- LRU ----------------------------------------------------------------------------------
+    @property
+    def head(self) -> int:
+        """The least recently used row (-1: none)."""
+        return self._ends[0]
+
+    @property
+    def tail(self) -> int:
+        """The most recently used row (-1: none)."""
+        return self._ends[1]
+
     def _link(self, row: int) -> None:
-        tail = self.tail
+        ends = self._ends
+        tail = ends[1]
         self.prv[row] = tail
         self.nxt[row] = NONE
         if tail >= 0:
             self.nxt[tail] = row
         else:
-            self.head = row
-        self.tail = row
+            ends[0] = row
+        ends[1] = row
 
     def _unlink(self, row: int) -> None:
         p, n = self.prv[row], self.nxt[row]
         if p >= 0:
             self.nxt[p] = n
         else:
-            self.head = n
+            self._ends[0] = n
         if n >= 0:
             self.prv[n] = p
         else:
-            self.tail = p
+            self._ends[1] = p
 
-    def touch(self, row: int) -> None:
-        """Make ``row`` the most recently used."""
-        tail = self.tail
+    def _touch(self, row: int) -> None:
+        """Make ``row`` the most recently used (``touch`` without the C accelerator)."""
+        ends = self._ends
+        tail = ends[1]
         if row == tail:
             return
         nxt, prv = self.nxt, self.prv
@@ -388,12 +295,12 @@ class Columns:
         if p >= 0:
             nxt[p] = n
         else:
-            self.head = n
+            ends[0] = n
         prv[n] = p
         prv[row] = tail
         nxt[row] = NONE
         nxt[tail] = row
-        self.tail = row
+        ends[1] = row
 
     def rows(self) -> Iterator[int]:
         """Live rows, least recently used first (do not add or drop rows meanwhile)."""
@@ -490,13 +397,46 @@ class Columns:
         """One past the last row or replica row ever used (the end of a full scan)."""
         return max(self._top, self._rtop)
 
+    # -- objects short of replicas ------------------------------------------------------------
+    def mark_short(self, row: int) -> None:
+        """Set ``row``'s SHORT bit (it may hold fewer replicas than asked for)."""
+        if self.flags[row] & SHORT:
+            return
+        self.flags[row] |= SHORT
+        self.short += 1
+        listed = self.short_rows
+        if listed is not None:
+            if len(listed) < SHORT_LISTED:
+                listed.add(row)
+            else:  # too many to list (an unmount may mark millions): the bits only
+                self.short_rows = None
+
+    def unmark_short(self, row: int) -> None:
+        """Clear ``row``'s SHORT bit."""
+        if not self.flags[row] & SHORT:
+            return
+        self.flags[row] &= ~SHORT & 0xFF
+        self.short -= 1
+        if self.short_rows is not None:
+            self.short_rows.discard(row)
+        elif not self.short:
+            self.short_rows = set()  # none left: list them again
+
+    def short_in(self, start: int, stop: int) -> list[int]:
+        """Rows in ``[start, stop)`` with the SHORT bit (a vectorised scan)."""
+        a, b = min(start, self._top), min(stop, self._top)
+        flags = np.frombuffer(self.flags, np.uint8, b - a, a)
+        found: list[int] = (np.flatnonzero(flags & SHORT) + a).tolist()
+        del flags
+        return found
+
     def census(self) -> Census:
         """Counts over every object, from whole-column scans (no Python loop per object)."""
         n, m = self._top, self._rtop
         flags = np.frombuffer(self.flags, np.uint8, n)
         seg = np.frombuffer(self.seg, np.int16, n)
         live = np.frombuffer(bytes(self.live) + b"\0", np.uint8)  # sid -1 reads the last: 0
-        complete = (flags & COMPLETE) != 0
+        complete = (flags & COMPLETE) != 0  # (any other bit may be set too)
         held = complete & (live[seg] != 0)
         rseg = np.frombuffer(self.rseg, np.int16, m)
         rrow = np.frombuffer(self.rrow, np.int32, m)
@@ -528,4 +468,4 @@ class Columns:
         """Bytes of the arrays, the key list and the key index (not the key strings)."""
         cols: int = sum(len(getattr(self, n)) * getattr(self, n).itemsize
                         for n, _ in _OBJECT_COLUMNS + _REPLICA_COLUMNS)
-        return cols + 8 * len(self.keys) + self.index.nbytes()
+        return cols + self.keys.nbytes() + self.index.nbytes()

@@ -545,13 +545,8 @@ class MasterServer:
             self._in_steps(st, lambda n: st.evict_step(job, self.clock(), n))
             if job.count:
                 klog.event("evicted", count=job.count)
-        planned = [0]
-
-        def plan(n: int) -> bool:
-            looked = st.repairs.plan_step(self.clock(), n, planned[0])
-            planned[0] += looked
-            return not looked or planned[0] >= repair.SCAN
-        self._in_steps(st, plan)
+        plan = repair.PlanPass()
+        self._in_steps(st, lambda n: st.repairs.plan_step(plan, self.clock(), n))
 
     def _in_steps(self, st: MasterState, step: Callable[[int], bool]) -> None:
         """Run ``step(budget)`` under the lock until it returns True (done), the lock free for

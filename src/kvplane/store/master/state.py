@@ -43,7 +43,7 @@ from kvplane.store.errors import (
 )
 from kvplane.store.master.adopt import Adoption
 from kvplane.store.master.allocator import OffsetAllocator
-from kvplane.store.master.columns import COMPLETE, NONE
+from kvplane.store.master.columns import COMPLETE, HARD_PIN, NONE
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.repair import Repairs
 from kvplane.store.master.rows import Row
@@ -229,15 +229,14 @@ class MasterState(ObjectTable):
         c = self.cols
         keep = c.replicas(row)  # the live ones
         c.set_replicas(row, keep)
-        key = c.key(row)
         complete = bool(c.flags[row] & COMPLETE)
         if not keep and row not in c.disk:
             if complete:
-                self.changes.append((REMOVED, key))
+                self.changes.append((REMOVED, c.key(row)))
             c.drop(row)
             return 1
         if complete and keep:
-            self.repairs.short.add(key)
+            c.mark_short(row)  # (``repairs.short``: the bit, no key object per row)
         return 0
 
     def ping(self, client_id: str, now: float, fenced: list[int] | None = None,
@@ -564,7 +563,7 @@ class MasterState(ObjectTable):
             if n >= scan:
                 break
             until = c.lease[row]
-            if until > now and c.flags[row] == COMPLETE and (not first or until < first) \
-                    and Row(c, row).replica_count():
+            if until > now and c.flags[row] & (COMPLETE | HARD_PIN) == COMPLETE \
+                    and (not first or until < first) and Row(c, row).replica_count():
                 first = until
         return first - now if first else 0.0

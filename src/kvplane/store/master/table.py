@@ -126,7 +126,9 @@ class EvictPass:
 class ReplicaRepairs(Protocol):
     """What the table tells re-replication (``repair.Repairs``)."""
 
-    short: MutableSet[str]  # keys that may hold fewer replicas than asked for
+    @property
+    def short(self) -> MutableSet[str]:
+        """Keys that may hold fewer replicas than asked for."""
 
     def forget(self, key: str, now: float) -> None:
         """``key`` was dropped: abandon its repair."""

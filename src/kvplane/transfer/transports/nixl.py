@@ -49,7 +49,7 @@ from kvplane.common.errors import InvalidArgument
 from kvplane.transfer.batch import Slice
 from kvplane.transfer.fence import admits
 from kvplane.transfer.memory import Region
-from kvplane.transfer.seam import Capabilities, Route, Transport, TransportContext
+from kvplane.transfer.seam import Capabilities, Outcome, Route, Transport, TransportContext
 from kvplane.transfer.transports.nixl_lists import LOCAL, Prepped, PreppedLists
 from kvplane.transfer.transports.nixl_setup import INSTALL, avoid_exit_crash, import_nixl, new_agent
 from kvplane.transfer.types import OpCode, RegionDesc, RegionKind, SegmentDesc, TransferStatus
@@ -77,9 +77,6 @@ class _Local(NamedTuple):
     end: int
     mem: str
     dev: int
-
-
-Outcome = tuple[TransferStatus, str]
 
 
 def _mem_type(device: str) -> tuple[str, int] | None:
@@ -271,12 +268,44 @@ class NixlTransport(Transport):
             s.done(TransferStatus.TIMEOUT, "deadline passed")
             return True
         moves = _Moves([_local_addr(s)], [s.remote], [s.length], [r], lt, mt)
-        err = self._post(peer, _OP_NAMES[s.op], moves, deadline)
+        err = self._post(peer, _OP_NAMES[s.op], moves, deadline.at)
         if err is None:
             s.done(TransferStatus.COMPLETED)
         else:
             s.done(*err)
         return True
+
+    def route_one(self, op: OpCode, route: Route, local: int, remote: int, length: int,
+                  at: float) -> Outcome | None:
+        """One unfenced request from registered host memory (``RouteOneIO``, the engine's
+        ``transfer_one``): what :meth:`run` does for one such slice, with the least Python.
+        None once closed, or for memory NIXL does not hold (the engine then plans it)."""
+        r = route.region
+        mt = _mem_type(r.device)
+        loc = self._local(local, length)
+        if self._closed or mt is None or loc is None or loc.mem != "DRAM":
+            return None
+        try:
+            peer = self._remote(route.segment)
+        except Exception as exc:
+            return TransferStatus.FAILED, f"NIXL could not load the peer's agent: {exc}"
+        if time.monotonic() >= at:
+            return TransferStatus.TIMEOUT, "deadline passed"
+        name = _OP_NAMES[op]
+        lo, ro = local - loc.addr, remote - r.addr
+        if not lo % length and not ro % length:  # block lo // length of the prepared lists
+            pair = self.lists.acquire_pair((LOCAL, loc.addr, loc.end - loc.addr, length, "DRAM", 0),
+                                           (peer, r.addr, r.length, length, *mt))
+            if pair is not None:
+                try:
+                    handle = self._agent.make_prepped_xfer(name, pair[0].handle, [lo // length],
+                                                           pair[1].handle, [ro // length])
+                except Exception as exc:
+                    self.lists.release(pair)
+                    return TransferStatus.FAILED, f"NIXL refused the request: {exc}"
+                return self._finish(handle, pair, at) or _DONE
+        moves = _Moves([local], [remote], [length], [r], ("DRAM", 0), mt)
+        return self._post(peer, name, moves, at) or _DONE
 
     def _where(self, route: Route, slices: list[Slice], out: dict[int, Outcome]
                ) -> list[RegionDesc]:
@@ -316,7 +345,7 @@ class NixlTransport(Transport):
             moves = _Moves([_local_addr(slices[i]) for i in part],
                            [slices[i].remote for i in part], [slices[i].length for i in part],
                            [where[i] for i in part], lt, mt)
-            err = self._post(peer, name, moves, deadline)
+            err = self._post(peer, name, moves, deadline.at)
             if err is not None:
                 for i in part:
                     out[i] = err
@@ -349,17 +378,22 @@ class NixlTransport(Transport):
         return ag.initialize_xfer(op, ag.get_xfer_descs(local, m.lt[0]),
                                   ag.get_xfer_descs(remote, m.mt[0]), peer), ()
 
-    def _post(self, peer: str, op: str, m: _Moves, deadline: Deadline) -> Outcome | None:
-        """Post one request for ``m`` and wait for it within ``deadline``; None when it
-        completed."""
+    def _post(self, peer: str, op: str, m: _Moves, at: float) -> Outcome | None:
+        """Post one request for ``m`` and wait for it until the monotonic time ``at``; None
+        when it completed."""
         try:
             handle, held = self._request(peer, op, m)
         except Exception as exc:
             return TransferStatus.FAILED, f"NIXL refused the request: {exc}"
+        return self._finish(handle, held, at)
+
+    def _finish(self, handle: Any, held: tuple[Prepped, ...], at: float) -> Outcome | None:
+        """Post the request ``handle`` and wait for it until ``at``; then release it and the
+        prepared lists it ``held``. None when it completed."""
         try:
             state = self._agent.transfer(handle)
             if state == "PROC":
-                state = self._wait(handle, deadline)
+                state = self._wait(handle, at)
             if state is None:
                 return TransferStatus.TIMEOUT, "NIXL transfer did not finish by the deadline"
             if state != "DONE":
@@ -372,15 +406,16 @@ class NixlTransport(Transport):
             if held:
                 self.lists.release(held)
 
-    def _wait(self, handle: Any, deadline: Deadline) -> str | None:
-        """Poll ``handle`` until it leaves "PROC" (its state) or ``deadline`` passes (None).
+    def _wait(self, handle: Any, at: float) -> str | None:
+        """Poll ``handle`` until it leaves "PROC" (its state) or the monotonic time ``at``
+        passes (None).
 
         Spins first: a transfer up to a few MiB completes within the spin, and a sleep (at
         least ~60 us in practice) would cost more than the move itself. Then naps, each a
         32nd of the time waited so far (within :data:`_POLL_NAP_S`), so a long transfer's end
         is seen at most ~3 % late.
         """
-        check, now, at = self._agent.check_xfer_state, time.monotonic, deadline.at
+        check, now = self._agent.check_xfer_state, time.monotonic
         start = now()
         spin_until, (least, most) = start + _POLL_SPIN_S, _POLL_NAP_S
         while True:
@@ -425,7 +460,7 @@ class NixlTransport(Transport):
             assert mt is not None
             floor = _Moves([int(self._scratch.ctypes.data) + off], [region.addr], [8], [region],
                            ("DRAM", 0), mt)
-            if self._post(peer, "READ", floor, deadline) is not None:
+            if self._post(peer, "READ", floor, deadline.at) is not None:
                 return None
             return int.from_bytes(self._scratch[off:off + 8].tobytes(), "little")
         finally:
@@ -473,6 +508,7 @@ class _Moves:
 
 
 _NO_REGION = RegionDesc(0, 0)
+_DONE: Outcome = (TransferStatus.COMPLETED, "")
 
 
 class _RegionIndex:
