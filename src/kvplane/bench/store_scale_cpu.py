@@ -430,7 +430,7 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
         for r in rows:
             print(json.dumps({"kind": kind, **r}))
         for r in rat:
-            print(json.dumps({"kind": kind, "ratio_of": "kvplane/mooncake", **r}))
+            print(json.dumps({"kind": kind, "ratio_of": f"{r['side']}/mooncake", **r}))
         return 0
     key, figure = FIGURES[kind]
     for r in rows:
