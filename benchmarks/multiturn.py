@@ -5,8 +5,9 @@ Two ways to run it:
 * ``--url URL`` (repeatable, with ``--label``): drive OpenAI-compatible servers that are already
   running, one row each (vLLM needs ``--enable-prompt-tokens-details`` for the cached tokens).
 * ``--rows L1,L2,kvplane,mooncake,kvplane-ssd`` (the default): start every row's engines on this
-  host with real vLLM CPU (the venv at KVPLANE_VLLM_PYTHON), one row after the other, the same
-  workload each time (tests/support/multiturn_stack.py says what each row runs).
+  host with real vLLM CPU (the venv at KVPLANE_VLLM_PYTHON), one row after the other (a row's
+  engines stop before the next row's start), the same workload each time
+  (tests/support/multiturn_stack.py says what each row runs).
   ``--sweep 2,4,...`` adds the crossover sweep (conversation count grown past the L2 capacity)
   and ``--simulate`` puts ``kvplane simulate``'s prediction on the benchmark's own trace beside
   the measurement.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import pathlib
 import sys
 import time
 from collections.abc import Iterator
@@ -32,7 +32,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvplane.bench import multiturn_report as report
-from kvplane.bench.multiturn import Endpoint, MultiturnConfig, RequestRecord, run
+from kvplane.bench.multiturn import Endpoint, MultiturnConfig, RequestRecord, run_interleaved
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -55,12 +55,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--vocab", type=int, default=1000, help="token ids are drawn below this")
     w.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     t = ap.add_argument_group("targets")
-    t.add_argument("--url", action="append", default=[], help="a running server (one row each)")
+    t.add_argument("--url", action="append", default=[],
+                   help="a running server (one row each; several are interleaved round by round)")
     t.add_argument("--label", action="append", default=[], help="row name for each --url")
     t.add_argument("--model", default="", help="served model name ('' asks /v1/models)")
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))
     t.add_argument("--rows", default="L1,L2,kvplane,mooncake,kvplane-ssd",
-                   help="live rows to start when no --url is given (comma separated)")
+                   help="live rows to start when no --url is given, run one after the other "
+                   "(each row's engines stop before the next row's start)")
     t.add_argument("--sweep", default="", help="crossover sweep: conversation counts, e.g. 2,3,4,8,10,12")
     t.add_argument("--sweep-rows", default="L2,kvplane", help="rows of the crossover sweep")
     t.add_argument("--sweep-rounds", type=int, default=4, help="rounds per sweep run")
@@ -71,10 +73,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def config(args: argparse.Namespace, clients: int | None = None,
-           rounds: int | None = None) -> MultiturnConfig:
+def config(args: argparse.Namespace) -> MultiturnConfig:
     return MultiturnConfig(
-        clients=clients or args.clients, rounds=rounds or args.rounds,
+        clients=args.clients, rounds=args.rounds,
         request_length=args.request_length, sub_question_length=args.sub_question_length,
         output_length=args.output_length, shared_prefix=args.shared_prefix,
         max_parallel=args.max_parallel, request_rate=args.request_rate,
@@ -83,53 +84,36 @@ def config(args: argparse.Namespace, clients: int | None = None,
 
 
 @contextmanager
-def progress_bar(label: str, total: int) -> Iterator[Any]:
-    """A rich progress bar on stderr for one row; yields the callback the driver reports to."""
+def progress_bars(labels: list[str], total: int) -> Iterator[dict[str, Any]]:
+    """A rich progress bar per row on stderr; yields each row's callback."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
+    with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=Console(stderr=True)) as prog:
-        task = prog.add_task(label, total=total)
-        yield lambda done, _total: prog.update(task, completed=done)
+        tasks = {lb: prog.add_task(lb, total=total) for lb in labels}
+        yield {lb: (lambda done, _t, task=task: prog.update(task, completed=done))
+               for lb, task in tasks.items()}
 
 
-def drive(label: str, url: str, cfg: MultiturnConfig, args: argparse.Namespace,
-          headers: dict[str, str] | None = None) -> list[RequestRecord]:
-    hdrs = dict(headers or {})
-    if args.api_key and "Authorization" not in hdrs:
-        hdrs["Authorization"] = f"Bearer {args.api_key}"
-    with progress_bar(label, cfg.clients * cfg.rounds) as cb:
-        return run(cfg, Endpoint(url, args.model, hdrs), cb)
-
-
-def machine() -> dict[str, Any]:
-    """Load average and host CPU steal share since boot (/proc/stat), recorded with the numbers."""
-    out: dict[str, Any] = {"loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        fields = [int(x) for x in pathlib.Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        out["steal_pct_since_boot"] = round(100 * fields[7] / sum(fields), 2)
-    except (OSError, IndexError, ValueError):
-        pass
-    return out
+def drive(rows: dict[str, tuple[str, dict[str, str]]], cfg: MultiturnConfig,
+          args: argparse.Namespace) -> dict[str, list[RequestRecord]]:
+    """Run the workload on every row (label -> (url, headers)), interleaved round by round."""
+    eps = {}
+    for label, (url, headers) in rows.items():
+        hdrs = dict(headers)
+        if args.api_key and "Authorization" not in hdrs:
+            hdrs["Authorization"] = f"Bearer {args.api_key}"
+        eps[label] = Endpoint(url, args.model, hdrs)
+    with progress_bars(list(rows), cfg.clients * cfg.rounds) as bars:
+        return run_interleaved(cfg, eps, bars)
 
 
 def emit(args: argparse.Namespace, rows: dict[str, list[RequestRecord]], meta: dict[str, Any],
          predicted: dict[str, dict[int, float]] | None = None) -> None:
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stats = {name: report.by_round(recs) for name, recs in rows.items()}
-    print(report.table(stats))
-    print()
-    print(report.compact_table(stats))
-    report.write_json(rows, out / "multiturn.json", {**meta, "predicted": predicted or {}})
-    report.write_csv(rows, out / "multiturn.csv")
-    if not args.no_plots:
-        c = meta["config"]
-        title = (f"{c['clients']} conversations x {c['rounds']} rounds, {c['request_length']}-token "
-                 f"questions, {c['output_length']}-token answers; {meta.get('model', '')}")
-        report.plot_rounds(stats, out / "multiturn_rounds.png", title, predicted)
-    print(f"wrote {out}/multiturn.json, multiturn.csv" + ("" if args.no_plots else ", multiturn_rounds.png"))
+    print(report.tables(rows), flush=True)
+    paths = report.emit(rows, args.out, meta, predicted, plots=not args.no_plots)
+    print("wrote " + ", ".join(str(p) for p in paths))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         labels = args.label + [f"row{i}" for i in range(len(args.label), len(args.url))]
         t0 = time.monotonic()
-        rows = {lb: drive(lb, url, cfg, args) for lb, url in zip(labels, args.url)}
-        emit(args, rows, {**meta, "machine": machine(), "wall_s": time.monotonic() - t0})
+        rows = drive({lb: (url, {}) for lb, url in zip(labels, args.url)}, cfg, args)
+        emit(args, rows, {**meta, "machine": report.host_load(), "wall_s": time.monotonic() - t0})
         return 0
     from tests.support.multiturn_stack import live  # the live rows start real engines
 
-    return live(args, cfg, meta)
+    return live(args, cfg, meta, lambda rows, c: drive(rows, c, args),
+                lambda rows, m, pred: emit(args, rows, m, pred))
 
 
 if __name__ == "__main__":

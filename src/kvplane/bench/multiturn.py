@@ -21,6 +21,7 @@ plots and exports. Imports only ``kvplane.common`` and httpx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
@@ -241,12 +242,19 @@ class _Run:
         self.total = cfg.clients * cfg.rounds
         self.t0 = 0.0
 
-    async def run(self, client: httpx.AsyncClient) -> list[RequestRecord]:
-        for c in range(self.cfg.clients):
-            self.queue.push(c)
-        self.t0 = time.perf_counter()
+    async def run(self, client: httpx.AsyncClient, until_round: int | None = None) -> list[RequestRecord]:
+        """Send requests until every client has finished ``until_round`` (None: the last round).
+
+        A later call goes on from there (with the round barrier, no request of the next round
+        has been sent when this returns). Returns the records so far.
+        """
+        if not self.t0:
+            for c in range(self.cfg.clients):
+                self.queue.push(c)
+            self.t0 = time.perf_counter()
+        target = self.cfg.clients * (until_round or self.cfg.rounds)
         tasks: set[asyncio.Task[None]] = set()
-        while len(self.records) < self.total:
+        while len(self.records) < target:
             nxt = self.queue.pop() if self.inflight < self.cfg.max_parallel else None
             if nxt is None:
                 self.changed.clear()
@@ -357,6 +365,14 @@ async def _model_name(client: httpx.AsyncClient) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
+def _client(cfg: MultiturnConfig, ep: Endpoint,
+            transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=ep.url, headers=dict(ep.headers),
+                             limits=httpx.Limits(max_connections=cfg.max_parallel + 2),
+                             timeout=httpx.Timeout(cfg.timeout_s, connect=10.0), trust_env=False,
+                             transport=transport)
+
+
 async def run_async(cfg: MultiturnConfig, ep: Endpoint, progress: Progress | None = None,
                     transport: httpx.AsyncBaseTransport | None = None) -> list[RequestRecord]:
     """Run the workload once against ``ep``.
@@ -371,15 +387,46 @@ async def run_async(cfg: MultiturnConfig, ep: Endpoint, progress: Progress | Non
         One record per request, by round then send time. A failed request is a record with
         ``error`` set; its conversation goes on with a generated answer.
     """
-    limits = httpx.Limits(max_connections=cfg.max_parallel + 2)
-    async with httpx.AsyncClient(base_url=ep.url, headers=dict(ep.headers), limits=limits,
-                                 timeout=httpx.Timeout(cfg.timeout_s, connect=10.0),
-                                 trust_env=False, transport=transport) as client:
-        if not ep.model:
-            ep = Endpoint(ep.url, await _model_name(client), ep.headers, ep.vllm_extras)
-        return await _Run(cfg, ep, progress).run(client)
+    return (await run_interleaved_async(cfg, {"": ep}, {"": progress} if progress else None,
+                                        {"": transport} if transport else None))[""]
+
+
+async def run_interleaved_async(
+        cfg: MultiturnConfig, endpoints: Mapping[str, Endpoint],
+        progress: Mapping[str, Progress] | None = None,
+        transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
+) -> dict[str, list[RequestRecord]]:
+    """Run the same workload on every endpoint, round by round in turn (one round of the first
+    endpoint, the same round of the second, ...), so slow drifts of the machine's load hit every
+    endpoint alike. With a single endpoint this is a plain run.
+
+    Raises:
+        InvalidArgument: several endpoints without the round barrier (rounds would not exist).
+    """
+    if len(endpoints) > 1 and not cfg.round_barrier:
+        raise InvalidArgument("interleaving endpoints needs the round barrier")
+    async with contextlib.AsyncExitStack() as stack:
+        runs: dict[str, tuple[_Run, httpx.AsyncClient]] = {}
+        for label, ep in endpoints.items():
+            client = await stack.enter_async_context(
+                _client(cfg, ep, (transports or {}).get(label)))
+            if not ep.model:
+                ep = Endpoint(ep.url, await _model_name(client), ep.headers, ep.vllm_extras)
+            runs[label] = (_Run(cfg, ep, (progress or {}).get(label)), client)
+        out: dict[str, list[RequestRecord]] = {}
+        rounds = range(1, cfg.rounds + 1) if len(runs) > 1 else [cfg.rounds]
+        for rnd in rounds:
+            for label, (run_, client) in runs.items():
+                out[label] = await run_.run(client, rnd)
+        return out
 
 
 def run(cfg: MultiturnConfig, ep: Endpoint, progress: Progress | None = None) -> list[RequestRecord]:
     """Blocking :func:`run_async` (its own event loop)."""
     return asyncio.run(run_async(cfg, ep, progress))
+
+
+def run_interleaved(cfg: MultiturnConfig, endpoints: Mapping[str, Endpoint],
+                    progress: Mapping[str, Progress] | None = None) -> dict[str, list[RequestRecord]]:
+    """Blocking :func:`run_interleaved_async` (its own event loop)."""
+    return asyncio.run(run_interleaved_async(cfg, endpoints, progress))

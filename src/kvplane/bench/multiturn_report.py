@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -247,3 +249,39 @@ def _save(fig: Any, plt: Any, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def host_load() -> dict[str, Any]:
+    """Date, load average and host CPU steal share since boot (/proc/stat), kept with numbers."""
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        out["steal_pct_since_boot"] = round(100 * fields[7] / sum(fields), 2)
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def tables(rows: Mapping[str, Sequence[RequestRecord]]) -> str:
+    """The per-round table of every row, then the compact rows x rounds table (markdown)."""
+    stats = {name: by_round(recs) for name, recs in rows.items()}
+    return table(stats) + "\n\n" + compact_table(stats)
+
+
+def emit(rows: Mapping[str, Sequence[RequestRecord]], out: str | Path, meta: Mapping[str, Any],
+         predicted: Mapping[str, Mapping[int, float]] | None = None, plots: bool = True) -> list[Path]:
+    """Write ``multiturn.json``, ``multiturn.csv`` and ``multiturn_rounds.png`` into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stats = {name: by_round(recs) for name, recs in rows.items()}
+    paths = [write_json(rows, out / "multiturn.json", {**meta, "predicted": predicted or {}}),
+             write_csv(rows, out / "multiturn.csv")]
+    if plots and stats:
+        c = meta.get("config", {})
+        title = (f"{c.get('clients')} conversations x {c.get('rounds')} rounds, "
+                 f"{c.get('request_length')}-token questions, {c.get('output_length')}-token answers"
+                 + (f"; {meta['model']}" if meta.get("model") else ""))
+        paths.append(plot_rounds(stats, out / "multiturn_rounds.png", title, predicted))
+    return paths

@@ -223,3 +223,32 @@ def test_plots_and_files(tmp_path):
     pts = [report.crossover_point("L2", n, n * 1.0, recs) for n in (1, 2, 3)]
     assert pts[0].hit_rate is not None and pts[0].hit_rate > 0
     assert report.plot_crossover(pts, 2.0, tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_interleaved_rows_alternate_round_by_round():
+    from kvplane.bench.multiturn import run_interleaved_async
+
+    cfg = small(clients=2, rounds=3)
+    log: list[tuple[str, int]] = []
+
+    class Logged(FakeServer):
+        def __init__(self, name):
+            super().__init__(lambda p: 0.002)
+            self.name = name
+
+        async def __call__(self, request):
+            resp = await super().__call__(request)
+            if request.url.path == "/v1/completions":
+                prompt = json.loads(request.content)["prompt"]
+                log.append((self.name, [cfg.prompt_tokens(r) for r in (1, 2, 3)].index(len(prompt)) + 1))
+            return resp
+
+    servers = {"a": Logged("a"), "b": Logged("b")}
+    eps = {k: Endpoint("http://fake") for k in servers}
+    out = asyncio.run(run_interleaved_async(cfg, eps, transports={
+        k: httpx.MockTransport(s) for k, s in servers.items()}))
+    assert {k: len(v) for k, v in out.items()} == {"a": 6, "b": 6}
+    assert [row for row, _r in log] == ["a", "a", "b", "b"] * 3
+    assert [r for _row, r in log] == [1] * 4 + [2] * 4 + [3] * 4
+    with pytest.raises(InvalidArgument):
+        asyncio.run(run_interleaved_async(small(round_barrier=False), eps))
