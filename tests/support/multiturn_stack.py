@@ -205,7 +205,7 @@ def row_stack(row: str, sizes: Sizes, model: str, max_len: int,
         for s in servers:
             wait_until(s.ready, 900, f"vLLM server {s.url} ({row})")
         for s in servers:
-            warm_up(s)
+            warm_up(s, max_len)
         argv = [sys.executable, "-m", "kvplane.cli.router", "--policy", sizes.policy, "--port", "0",
                 "--token", ROUTER_TOKEN, "--block-size", str(BS)]
         for i, s in enumerate(servers):
@@ -231,13 +231,14 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [(i * 7919 + seed * 104729) % 990 + 5 for i in range(n)]
 
 
-def warm_up(server: OpenAIServer) -> None:
+def warm_up(server: OpenAIServer, max_len: int) -> None:
     """First-call costs out of the way: a prompt, the same prompt grown (the prefix-hit path),
     the prompt again after a prefix-cache reset (the row's load path, if it has a tier); then an
-    empty prefix cache."""
-    base = _tokens(512, 512)
+    empty prefix cache. Prompts fit ``max_len``."""
+    n = min(512, max_len // 2)
+    base = _tokens(n, n)
     _complete(server.url, base, 2)
-    _complete(server.url, base + _tokens(64, 64), 2)
+    _complete(server.url, base + _tokens(64, n // 4), 2)
     server.reset_prefix_cache()
     _complete(server.url, base, 2)
     server.reset_prefix_cache()

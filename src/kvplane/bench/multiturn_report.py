@@ -161,15 +161,15 @@ def plot_rounds(rows: Mapping[str, Sequence[RoundStats]], path: str | Path, titl
     ``predicted``: simulator hit rate by round per label, drawn dotted on the first panel.
     """
     plt = _pyplot()
-    fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (hit_ax, ttft_ax) = plt.subplots(1, 2, figsize=(13, 5))
     for i, (name, stats) in enumerate(rows.items()):
         color = f"C{i}"
         rnds = [s.round for s in stats]
         hit_ax.plot(rnds, [100 * (s.hit_rate or 0) for s in stats], "o-", color=color, label=name)
         ttft_ax.plot(rnds, [s.ttft_p50_s or float("nan") for s in stats], "o-", color=color,
-                     label=f"{name} p50")
+                     label=name)
         ttft_ax.plot(rnds, [s.ttft_p90_s or float("nan") for s in stats], "--", color=color,
-                     alpha=0.6, label=f"{name} p90")
+                     alpha=0.5)
     for j, (name, series) in enumerate((predicted or {}).items()):
         rnds = sorted(series)
         hit_ax.plot(rnds, [100 * series[r] for r in rnds], ":", color=f"C{len(rows) + j}",
@@ -179,9 +179,10 @@ def plot_rounds(rows: Mapping[str, Sequence[RoundStats]], path: str | Path, titl
     ttft_ax.set(xlabel="round", ylabel="TTFT (s)", title="TTFT by round (p50 solid, p90 dashed)")
     ttft_ax.set_ylim(bottom=0)
     hit_ax.legend(fontsize=7)
-    ttft_ax.legend(fontsize=6, ncol=2)
+    ttft_ax.legend(fontsize=7)
     for ax in (hit_ax, ttft_ax):
         ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
     if title:
         fig.suptitle(title, fontsize=10)
     return _save(fig, plt, path)

@@ -14,13 +14,14 @@ OffloadingConnector's own keys (``spec_name``, ``block_size``, ...) are left to 
 
 Scheduler side (:class:`KVPlaneOffloadingManager`): a lookup the manager cannot answer yet
 returns RETRY and joins the request's pending batch; at the end of the scheduler step the batch
-goes to the store as one ``batch_exists`` on a background thread, and the next step answers
-HIT or MISS from it (answers older than ``ANSWER_TTL_S`` are asked again). The pool evicts on its
+goes to the store as one ``batch_exists``, and the next step answers HIT or MISS from it
+(answers older than ``ANSWER_TTL_S`` are asked again). The pool evicts on its
 own, so the manager keeps no capacity book: stores always "succeed" from its point of view (a
 lost store is a later miss).
 Worker side (:class:`KVPlaneOffloadingWorker`, in :mod:`.offload_worker`): one object per chunk
-and layer, ``batch_put_from`` / ``batch_get_into`` straight from and into the paged KV cache on
-a worker thread.
+and layer, ``batch_put_from`` / ``batch_get_into`` straight from and into the paged KV cache;
+loads on the engine's step (before the forward, like ``KVPlaneStoreConnector``), stores on a
+background thread.
 
 Limits (vLLM 0.32): one KV-cache group, chunks of one vLLM block (no ``block_size`` above the
 engine's), tensor parallel 1. vLLM's OffloadingConnector asserts that every transfer succeeded:
@@ -33,10 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import (
@@ -76,17 +75,15 @@ class KVPlaneLoadStoreSpec(LoadStoreSpec):
 
 @dataclass
 class _Lookups:
-    """One request's lookup state: answers, keys waiting to be asked, the batch in flight."""
+    """One request's lookup state: per key (present, when asked), and keys waiting to be asked."""
 
-    answers: dict[OffloadKey, bool] = field(default_factory=dict)
-    asked_at: float = 0.0
+    answers: dict[OffloadKey, tuple[bool, float]] = field(default_factory=dict)
     want: list[OffloadKey] = field(default_factory=list)
-    flight: Future[list[bool]] | None = None
-    flight_keys: list[OffloadKey] = field(default_factory=list)
 
 
 class KVPlaneOffloadingManager(OffloadingManager):
-    """Scheduler-side view of the pool: asynchronous batched lookups, no local capacity book.
+    """Scheduler-side view of the pool: batched lookups at the end of each step, no local
+    capacity book.
 
     Args:
         client: store client (no segment of its own).
@@ -95,21 +92,20 @@ class KVPlaneOffloadingManager(OffloadingManager):
 
     def __init__(self, client: StoreClient, names: ObjectNames) -> None:
         self.client, self.names = client, names
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvplane-offload-lookup")
         self._states: dict[str, _Lookups] = {}
-        self._lock = threading.Lock()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Every request offloads its newly computed chunks (vLLM's CHUNK_LEVEL policy)."""
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT or MISS from this request's last answer; RETRY while it is being asked."""
+        """HIT or MISS from this request's answer for ``key`` (if younger than ``ANSWER_TTL_S``);
+        else RETRY, and the key is asked at the end of this step."""
         st = self._state(req_context)
-        self._collect(st)
-        if key in st.answers and time.monotonic() - st.asked_at < ANSWER_TTL_S:
-            return LookupResult.HIT if st.answers[key] else LookupResult.MISS
-        if key not in st.want and key not in st.flight_keys:
+        got = st.answers.get(key)
+        if got is not None and time.monotonic() - got[1] < ANSWER_TTL_S:
+            return LookupResult.HIT if got[0] else LookupResult.MISS
+        if key not in st.want:
             st.want.append(key)
         return LookupResult.RETRY
 
@@ -118,41 +114,28 @@ class KVPlaneOffloadingManager(OffloadingManager):
         if st is None:
             st = _Lookups()
             ctx.set_state(st)
-            with self._lock:
-                self._states[ctx.req_id] = st
+            self._states[ctx.req_id] = st
         return st
 
-    def _collect(self, st: _Lookups) -> None:
-        """Take a finished batch's answers (a failed batch answers MISS: a failed read is a miss)."""
-        if st.flight is None or not st.flight.done():
-            return
-        try:
-            found = st.flight.result()
-        except KVPlaneError as exc:
-            log.warning("kvplane offload lookup failed, treating as a miss: %s", exc)
-            found = [False] * len(st.flight_keys)
-        st.answers = dict(zip(st.flight_keys, found))
-        st.asked_at = time.monotonic()
-        st.flight, st.flight_keys = None, []
-
     def on_schedule_end(self, context: object) -> None:
-        """Send every request's waiting keys to the store (one ``batch_exists`` per request)."""
-        with self._lock:
-            states = list(self._states.values())
-        for st in states:
-            self._collect(st)
-            if st.want and st.flight is None:
-                keys, st.want = st.want, []
-                st.flight_keys = keys
-                st.flight = self._pool.submit(self._ask, keys)
-
-    def _ask(self, keys: list[OffloadKey]) -> list[bool]:
-        return self.names.per_chunk(self.client.batch_exists(self.names.of(keys)))
+        """Ask the store about every request's waiting keys (one ``batch_exists`` per request,
+        on the scheduler's thread: one round trip, where a helper thread would wait for the
+        GIL behind the busy engine loop). A failed ask answers MISS: a failed read is a miss."""
+        for st in self._states.values():
+            if not st.want:
+                continue
+            keys, st.want = st.want, []
+            try:
+                found = self.names.per_chunk(self.client.batch_exists(self.names.of(keys)))
+            except KVPlaneError as exc:
+                log.warning("kvplane offload lookup failed, treating as a miss: %s", exc)
+                found = [False] * len(keys)
+            now = time.monotonic()
+            st.answers.update((k, (f, now)) for k, f in zip(keys, found))
 
     def has_pending_work(self) -> bool:
-        """True while a lookup is waiting to be sent or answered (the engine keeps stepping)."""
-        with self._lock:
-            return any(st.want or st.flight is not None for st in self._states.values())
+        """True while a lookup waits for the end of the step."""
+        return any(st.want for st in self._states.values())
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """The chunks to read, in the order vLLM pairs them with its blocks."""
@@ -165,17 +148,14 @@ class KVPlaneOffloadingManager(OffloadingManager):
                                   evicted_keys=[])
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        with self._lock:
-            self._states.pop(req_context.req_id, None)
+        self._states.pop(req_context.req_id, None)
 
     def reset_cache(self) -> None:
         """Forget every answer (the pool itself is shared and is not emptied)."""
-        with self._lock:
-            for st in self._states.values():
-                st.answers.clear()
+        for st in self._states.values():
+            st.answers.clear()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
         self.client.close()
 
 
