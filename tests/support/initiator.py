@@ -8,6 +8,11 @@ Prints one JSON ready line, then answers one JSON line per command on stdin:
                                             "pattern_ok": bool}  (read into offset 0)
     batch H RADDR COUNT SIZE [TIMEOUT]  -> COUNT reads of SIZE, item i from RADDR+(COUNT-1-i)*SIZE
     write H RADDR N BYTE [TIMEOUT] [GEN]-> fills N local bytes with BYTE and writes them
+    lists                               -> {"prepared": P, "local": [[BASE, BLOCK]...],
+                                            "remote": [[BASE, BLOCK]...], "base": B}: the nixl
+                                            transport's prepared descriptor lists
+    reregister                          -> unregisters the local buffer and registers it again
+    cpu SECONDS                         -> {"cpu": S}: this process's CPU seconds while idle
 
     python -m tests.support.initiator [--protocol P] [--buf-mb M]
 
@@ -64,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         if p[0] == "open":
             print(json.dumps({"handle": te.open_segment(p[1])}), flush=True)
             continue
+        if p[0] in ("lists", "reregister", "cpu"):
+            print(json.dumps(_inspect(te, buf, p)), flush=True)
+            continue
         h, raddr = int(p[1]), int(p[2])
         if p[0] == "batch":
             count, size = int(p[3]), int(p[4])
@@ -95,6 +103,24 @@ def main(argv: list[str] | None = None) -> int:
                               for at, k, off in expect)}), flush=True)
     te.close()
     return 0
+
+
+def _inspect(te: TransferEngine, buf: np.ndarray, p: list[str]) -> dict:
+    """The commands that look at (or re-register) this engine rather than move bytes."""
+    if p[0] == "reregister":
+        te.unregister_memory(int(buf.ctypes.data))
+        te.register_memory(buf)
+        return {"ok": True}
+    if p[0] == "cpu":
+        t0 = os.times()
+        time.sleep(float(p[1]))
+        t1 = os.times()
+        return {"cpu": t1.user - t0.user + t1.system - t0.system}
+    lists = te.transports["nixl"].lists  # type: ignore[attr-defined]
+    held = lists.held()
+    return {"prepared": lists.prepared, "base": int(buf.ctypes.data),
+            "local": [[k[1], k[2]] for k in held if k[0] == "NIXL_INIT_AGENT"],
+            "remote": [[k[1], k[2]] for k in held if k[0] != "NIXL_INIT_AGENT"]}
 
 
 if __name__ == "__main__":

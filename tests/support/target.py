@@ -6,7 +6,8 @@ with everything a peer needs, then serves until stdin closes (the parent died or
     python -m tests.support.target --buf-mb 16 [--managed|--fenced] [--metadata URL] [--name N]
 
 Commands on stdin: ``sum OFFSET N`` (a checksum of our own memory), ``epoch E`` (serve store
-epoch E: the fence floor moves up).
+epoch E: the fence floor moves up), ``extra M`` (register another M MiB buffer: the published
+regions, and a one-sided fabric's advert, change).
 
 With ``--standin-mb M`` it also registers M MiB of stand-in device memory
 (``tests.support.standin_device``, raw ``(addr, length)`` with ``device="standin:0"``) holding
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         te.register_memory(cuda)
         info["cuda_addr"] = int(cuda.data_ptr())
     print(json.dumps(info), flush=True)
+    extra: list[np.ndarray] = []
     for line in sys.stdin:  # commands: "sum OFFSET N" prints a checksum of our own memory
         parts = line.split()
         if parts and parts[0] == "dsum" and dev is not None:
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         elif parts and parts[0] == "sum":
             off, cnt = int(parts[1]), int(parts[2])
             print(json.dumps({"sum": int(arr[off:off + cnt].sum(dtype=np.uint64))}), flush=True)
+        elif parts and parts[0] == "extra":
+            extra.append(np.zeros(int(parts[1]) << 20, np.uint8))
+            te.register_memory(extra[-1])
+            print(json.dumps({"addr": int(extra[-1].ctypes.data)}), flush=True)
         elif parts and parts[0] == "epoch":
             te.fence.set_epoch(int(parts[1]))
             print(json.dumps({"floor": te.fence.floor}), flush=True)

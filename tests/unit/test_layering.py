@@ -203,6 +203,7 @@ MASTER = "kvplane.store.master"
 MASTER_LAYERS = [
     ("primitives", ("config", "allocator", "fences")),
     ("policies", ("eviction",)),
+    ("storage", ("keys", "columns", "rows")),
     ("table", ("table",)),
     ("services", ("adopt", "repair", "tiers", "tasks", "spares", "grants")),
     ("state", ("state",)),
@@ -213,8 +214,8 @@ MASTER_LAYERS = [
 MASTER_LAYER = {f"{MASTER}.{mod}": (rank, name)
                 for rank, (name, mods) in enumerate(MASTER_LAYERS) for mod in mods}
 # pure master modules (no sockets, threads or clocks), beside the PURE list above
-MASTER_PURE = ["config", "allocator", "fences", "eviction", "table", "adopt", "repair", "tiers",
-               "tasks", "spares", "state", "serving"]
+MASTER_PURE = ["config", "allocator", "fences", "eviction", "keys", "columns", "rows", "table", "adopt",
+               "repair", "tiers", "tasks", "spares", "state", "serving"]
 
 
 def master_up_imports(importer: str, imported: set[str]) -> list[str]:

@@ -9,9 +9,12 @@ descriptors), ``transfer``, a busy poll of ``check_xfer_state`` until DONE, and
 ``release_xfer_handle``. :class:`RawNixl` gives that Mooncake's four sync calls, so the cells
 run in exactly the loop of the other sides (``te_worker.run_cells``).
 
-NIXL is imported through :func:`kvplane.transfer.transports.nixl.import_nixl` in both
-processes: it applies ``avoid_exit_crash`` (``UCX_MODULES=^efa`` where the wheel's EFA module
-would load the system's libibverbs) before ``nixl_cu12`` loads. Without it a process that
+Both agents are built as kvplane's are (:func:`kvplane.transfer.transports.nixl.new_agent`: the
+same progress-thread setting, ``KVPLANE_NIXL_PROGRESS_US``), so the two NIXL sides differ only
+by kvplane's engine. NIXL is imported through
+:func:`kvplane.transfer.transports.nixl.import_nixl` in both processes: it applies
+``avoid_exit_crash`` (``UCX_MODULES=^efa`` where the wheel's EFA module would load the system's
+libibverbs) before ``nixl_cu12`` loads. Without it a process that
 created a UCX agent dies at exit with SIGSEGV (rc 139). UCX's transports come from the
 environment (``UCX_TLS``; unset: UCX's own choice).
 
@@ -32,10 +35,9 @@ from kvplane.bench.te_worker import options, run_cells
 
 
 def _agent(name: str) -> Any:
-    from kvplane.transfer.transports.nixl import import_nixl
+    from kvplane.transfer.transports.nixl import import_nixl, new_agent
 
-    nixl = import_nixl()
-    agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+    agent = new_agent(import_nixl(), name)
     if "UCX" not in agent.backends:
         raise RuntimeError("NIXL has no UCX backend here (check UCX_TLS and the plugins)")
     return agent

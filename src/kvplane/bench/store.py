@@ -25,10 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplane.bench.transfer import best_of, find_mooncake_python, numbered
+from kvplane.bench.report import Rows, skip
+from kvplane.bench.transfer import MOONCAKE_MISSING, best_of, find_mooncake_python, numbered
 from kvplane.common.extras import pyplot
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py")
+KEY = ("impl", "topology", "clients", "op", "size", "batch")  # one cell of the results
 
 
 @dataclass
@@ -144,7 +146,9 @@ def _wait_leader(admin: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"no HA leader within {timeout}s")
 
 
-def _mooncake(svc: Services, py: str, remote: bool, seg_mb: int) -> tuple[str, str]:
+def start_mooncake(svc: Services, py: str, remote: bool, seg_mb: int) -> tuple[str, str]:
+    """A Mooncake master (with its HTTP metadata server) and, when ``remote``, a store server of
+    ``seg_mb`` MB; (master address, metadata URL)."""
     pkg = subprocess.run([py, "-c", "import mooncake,os;print(os.path.dirname(mooncake.__file__))"],
                          capture_output=True, text=True, check=True).stdout.strip()
     port, meta, metrics, srv = _free_port(), _free_port(), _free_port(), _free_port()
@@ -188,20 +192,49 @@ def _worker(py: str, impl: str, label: str, master: str, opt: Options, clients: 
     return rows
 
 
-def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """Measure everything ``opt.repeat`` times (interleaved); best row per cell."""
-    runs = [run_once(opt, numbered(progress, i, opt.repeat))
+def run(opt: Options, progress: Callable[[str], None] = lambda s: None,
+        sink: list[dict] | None = None) -> list[dict]:
+    """Measure everything ``opt.repeat`` times (interleaved); best row per cell. ``sink`` gets
+    every row as it is measured (what a Ctrl-C leaves: ``best_of([sink], KEY)``)."""
+    runs = [run_once(opt, numbered(progress, i, opt.repeat), sink)
             for i in range(max(1, opt.repeat))]
-    return best_of(runs, ("impl", "topology", "clients", "op", "size", "batch"))
+    return best_of(runs, KEY)
 
 
-def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+def steps(opt: Options) -> int:
+    """How many times ``run`` calls ``progress`` with a step (skip lines not counted)."""
+    one = (len(opt.sizes) if "local" in opt.topologies else 0) \
+        + (len(opt.sizes) * (1 + len(opt.batches)) if "remote" in opt.topologies else 0) \
+        + len(_cells(opt, find_mooncake_python(opt.mooncake_python)))
+    return one * max(1, opt.repeat)
+
+
+def skipped(opt: Options, mooncake_python: str | None) -> dict[str, str]:
+    """The sides asked for that cannot run here, with why."""
+    from kvplane.transfer.fabric import INSTALL_HINT, nixl_package
+
+    out = {}
+    for side in opt.sides:
+        if side == "mooncake" and mooncake_python is None:
+            out[side] = MOONCAKE_MISSING
+        elif side == "redis" and shutil.which("redis-server") is None:
+            out[side] = "redis-server is not installed (apt-get install redis-server)"
+        elif side.endswith("-ha") and shutil.which("etcd") is None:
+            out[side] = "etcd is not installed (apt-get install etcd-server)"
+        elif side.startswith("kvplane-nixl") and nixl_package() is None:
+            out[side] = f"NIXL is not installed ({INSTALL_HINT})"
+        elif side == "redis" and "remote" not in opt.topologies:
+            out[side] = "Redis runs in the remote topology only"
+    return out
+
+
+def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None,
+             sink: list[dict] | None = None) -> list[dict]:
     """Measure every (side, topology, clients) once; rows carry ``topology``."""
-    rows: list[dict] = []
+    rows: list[dict] = Rows(sink)
     mc = find_mooncake_python(opt.mooncake_python) if "mooncake" in opt.sides else None
-    if "mooncake" in opt.sides and mc is None:
-        progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv and "
-                 "set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
+    for side, why in skipped(opt, mc).items():
+        progress(skip(side, why))
     if "local" in opt.topologies:
         rows += _memcpy_rows(opt, progress)
     if "remote" in opt.topologies:
@@ -209,7 +242,7 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     for cell in _cells(opt, mc):
         progress(f"{cell.side} {cell.topology} x{cell.clients}")
         rows += _measure(cell, opt, mc)
-    return rows
+    return list(rows)
 
 
 @dataclass(frozen=True)
@@ -224,13 +257,13 @@ class _Cell:
 def _cells(opt: Options, mooncake_python: str | None) -> list[_Cell]:
     """Every combination to measure, in run order. Several clients only in the remote topology
     (a local client contributes its own segment); Redis only remote (it has no local mode);
-    Mooncake only when installed."""
+    no side that cannot run here (``skipped``)."""
     cells = []
+    left_out = skipped(opt, mooncake_python)
     for topology in opt.topologies:
         for clients in opt.clients if topology == "remote" else [1]:
             cells += [_Cell(side, topology, clients) for side in opt.sides
-                      if not (side == "redis" and topology != "remote")
-                      and not (side == "mooncake" and mooncake_python is None)]
+                      if not (side == "redis" and topology != "remote") and side not in left_out]
     return cells
 
 
@@ -292,7 +325,7 @@ def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | N
                        segment_mb=segment_mb, extra_env=env)
     if cell.side == "mooncake":
         assert mooncake_python is not None  # _cells skips Mooncake when it is not installed
-        master, url = _mooncake(svc, mooncake_python, remote, opt.segment_mb)
+        master, url = start_mooncake(svc, mooncake_python, remote, opt.segment_mb)
         return _worker(mooncake_python, "mooncake", cell.side, master, opt, cell.clients, "tcp", url,
                        segment_mb)
     return _worker(sys.executable, "redis", cell.side, _redis(svc), opt, cell.clients)
@@ -326,9 +359,13 @@ def plot(rows: list[dict], path: str) -> None:
     """GB/s vs value size per side, one panel per (op, batch), remote topology, 1 client."""
     plt = pyplot()
 
-    panels = [("put", 1), ("get", 1), ("put", 32), ("get", 32)]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 4), sharey=False)
-    for ax, (op, b) in zip(axes, panels):
+    cells = {(r["op"], r["batch"]) for r in rows if r["topology"] == "remote" and r["clients"] == 1
+             and r["impl"] not in ("floor", "memcpy")}
+    panels = [p for p in [(op, b) for b in sorted({b for _, b in cells}) for op in ("put", "get")]
+              if p in cells] or [("get", 1)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), sharey=False,
+                             squeeze=False)
+    for ax, (op, b) in zip(axes[0], panels):
         for side in sorted({r["impl"] for r in rows}):
             pts = sorted((r["size"], r["gb_s"]) for r in rows if r["impl"] == side and r["op"] == op
                          and r["batch"] == b and r["topology"] == "remote" and r["clients"] == 1)
@@ -338,8 +375,9 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_title(f"{op} batch={b} (remote, 1 client)")
         ax.set_xlabel("value size (bytes)")
         ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[0].legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("GB/s")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -11,6 +11,8 @@ measured when an interpreter with ``mooncake`` is found (``--mooncake-python`` o
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import re
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvplane.bench import limits
+from kvplane.bench.report import Rows, skip
 from kvplane.common.extras import pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,6 +34,10 @@ DEFAULT_MC_PYTHON = "/tmp/mc-venv/bin/python"
 # the NIXL sides' suffixes: "" runs under UCX's own choice of transports (UCX_TLS unset)
 UCX_VARIANTS = {"": "", "-shmtcp": "shm,tcp", "-tcp": "tcp"}
 NIXL_SIDE = re.compile(r"^(kvplane-nixl|nixl-raw)(|-shmtcp|-tcp)$")
+KEY = ("impl", "op", "size", "batch")  # one cell of the results
+MOONCAKE_MISSING = ("no interpreter here imports mooncake (this one, --mooncake-python, "
+                    "KVPLANE_MOONCAKE_PYTHON, /tmp/mc-venv/bin/python): pip install "
+                    "mooncake-transfer-engine-non-cuda (docs/benchmarks.md)")
 
 
 @dataclass
@@ -50,14 +57,38 @@ class Options:
 
 
 def find_mooncake_python(hint: str | None) -> str | None:
-    """An interpreter that can import mooncake.engine, or None."""
-    for cand in (hint, os.environ.get("KVPLANE_MOONCAKE_PYTHON"), DEFAULT_MC_PYTHON):
-        if cand and (shutil.which(cand) or os.path.exists(cand)):
-            rc = subprocess.run([cand, "-c", "import mooncake.engine"], capture_output=True,
-                                timeout=60).returncode
-            if rc == 0:
-                return cand
-    return None
+    """An interpreter that can import real Mooncake (``mooncake.engine``), or None: ``hint``,
+    ``KVPLANE_MOONCAKE_PYTHON``, this interpreter, then /tmp/mc-venv/bin/python."""
+    return _find_mooncake(hint, os.environ.get("KVPLANE_MOONCAKE_PYTHON"))
+
+
+@functools.lru_cache(maxsize=8)
+def _find_mooncake(hint: str | None, env: str | None) -> str | None:
+    for cand in (hint, env):
+        if cand and (shutil.which(cand) or os.path.exists(cand)) and _imports_mooncake(cand):
+            return cand
+    if _here_has_mooncake():
+        return sys.executable
+    return DEFAULT_MC_PYTHON if os.path.exists(DEFAULT_MC_PYTHON) and \
+        _imports_mooncake(DEFAULT_MC_PYTHON) else None
+
+
+def _imports_mooncake(python: str) -> bool:
+    return subprocess.run([python, "-c", "import mooncake.engine"], capture_output=True,
+                          timeout=60).returncode == 0
+
+
+def _here_has_mooncake() -> bool:
+    """Real Mooncake is installed for this interpreter (kvplane's own ``mooncake`` import shim,
+    which maps Mooncake's names onto kvplane, does not count)."""
+    spec = importlib.util.find_spec("mooncake")
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the kvplane package
+    for where in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.abspath(where).startswith(ours) or not os.path.isdir(where):
+            continue  # the shim, or nothing there
+        if any(name.startswith("engine") for name in os.listdir(where)):
+            return True
+    return False
 
 
 def _worker(python: str, impl: str, protocol: str, label: str, opt: Options,
@@ -113,20 +144,34 @@ def numbered(progress: Callable[[str], None], i: int, n: int) -> Callable[[str],
     return lambda s: progress(f"[{i + 1}/{n}] {s}")
 
 
-def run(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+def run(opt: Options, progress: Callable[[str], None] = lambda s: None,
+        sink: list[dict] | None = None) -> list[dict]:
     """Measure every side ``opt.repeat`` times (interleaved: round i runs every side before
-    round i+1 starts); per cell the best or the median row (``opt.stat``)."""
+    round i+1 starts); per cell the best or the median row (``opt.stat``). ``sink`` gets
+    every row as it is measured (what a Ctrl-C leaves: ``merged([sink], KEY, opt.stat)``)."""
     if opt.stat not in ("best", "median"):
         raise ValueError(f"stat {opt.stat!r}: choose best or median")
     runs = []
     for i in range(max(1, opt.repeat)):
-        runs.append(run_once(opt, numbered(progress, i, opt.repeat)))
-    return merged(runs, ("impl", "op", "size", "batch"), opt.stat)
+        runs.append(run_once(opt, numbered(progress, i, opt.repeat), sink))
+    return merged(runs, KEY, opt.stat)
 
 
-def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+def steps(opt: Options) -> int:
+    """How many times ``run`` calls ``progress`` with a step (skip lines not counted)."""
+    from kvplane.transfer.fabric import nixl_package
+
+    one = (len(opt.sizes) if "limits" in opt.impls else 0) \
+        + sum(side in opt.impls for side in ("kvplane-tcp", "kvplane-shm")) \
+        + ("mooncake-tcp" in opt.impls and find_mooncake_python(opt.mooncake_python) is not None) \
+        + (sum(_variant(i) is not None for i in opt.impls) if nixl_package() is not None else 0)
+    return one * max(1, opt.repeat)
+
+
+def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None,
+             sink: list[dict] | None = None) -> list[dict]:
     """Measure every side once; returns one row per (impl, op, size, batch)."""
-    rows: list[dict] = []
+    rows: list[dict] = Rows(sink)
     if "limits" in opt.impls:
         for size in opt.sizes:
             progress(f"limits {size}")
@@ -144,15 +189,15 @@ def run_once(opt: Options, progress: Callable[[str], None] = lambda s: None) -> 
     if "mooncake-tcp" in opt.impls:
         mc = find_mooncake_python(opt.mooncake_python)
         if mc is None:
-            progress("mooncake not installed: skipped (install mooncake-transfer-engine-non-cuda in a venv "
-                     "and set KVPLANE_MOONCAKE_PYTHON; see docs/benchmarks.md)")
+            progress(skip("mooncake-tcp", MOONCAKE_MISSING))
         else:
             progress("mooncake tcp")
             rows += _worker(mc, "mooncake", "tcp", "mooncake-tcp", opt)
     nixl = [i for i in opt.impls if _variant(i) is not None]
     if nixl:
         rows += _nixl_sides(nixl, opt, progress)
-    return rows
+    return list(rows)
+
 
 
 def _variant(impl: str) -> str | None:
@@ -166,7 +211,8 @@ def _nixl_sides(impls: list[str], opt: Options, progress: Callable[[str], None])
     from kvplane.transfer.fabric import INSTALL_HINT, nixl_package
 
     if nixl_package() is None:
-        progress(f"nixl not installed: {', '.join(impls)} skipped ({INSTALL_HINT})")
+        for impl in impls:
+            progress(skip(impl, f"NIXL is not installed ({INSTALL_HINT})"))
         return []
     rows: list[dict] = []
     for impl in impls:

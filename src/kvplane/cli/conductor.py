@@ -26,7 +26,13 @@ HELP = """Run the conductor: a global KV cache index fed by vLLM KV events,
 answering Mooncake's tiered prefix queries (POST /query, /query_by_hash) on
 http://HOST:PORT (OpenAPI at /docs). Every endpoint but /health needs the
 token (X-KVPlane-Token or Authorization: Bearer): --token, KVPLANE_TOKEN or
-the token file, where one is generated if none exists (TOKEN below).
+the token file, where one is generated if none exists; `kvplane token`
+prints it for curl.
+
+\b
+Try it without vLLM: a stand-in engine publishes KV events and queries:
+  kvplane conductor &
+  kvplane conductor demo
 
 \b
 Point vLLM at it, way 1 - engines connect to the conductor (one port):
@@ -36,7 +42,7 @@ Point vLLM at it, way 1 - engines connect to the conductor (one port):
     --prefix-caching-hash-algo sha256 --kv-events-config \\
     '{"enable_kv_cache_events": true, "publisher": "zmq",
       "endpoint": "tcp://127.0.0.1:5557", "topic": "kv@e0"}'
-  curl -XPOST localhost:13333/register -H "X-KVPlane-Token: $TOKEN" \\
+  curl -XPOST localhost:13333/register -H "X-KVPlane-Token: $(kvplane token)" \\
     -H 'content-type: application/json' -d '{"instance_id": "e0",
     "modelname": "MODEL", "block_size": 16, "topic": "kv@e0"}'
 (vLLM connects instead of binding when its endpoint has no '*';
@@ -85,6 +91,7 @@ def _read_registrations(path: Path) -> list[dict[str, object]]:
 
 
 def run(
+    ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="HTTP bind address."),
     port: int = typer.Option(13333, help="HTTP port (Mooncake's default 13333; 0 = any free port).",
                              min=0, max=65535),
@@ -103,6 +110,8 @@ def run(
     replay_timeout: float = typer.Option(2.0, help="Seconds a gap replay may take.", min=0.001),
 ) -> None:
     """Run the conductor (see `kvplane conductor --help`)."""
+    if ctx.invoked_subcommand is not None:
+        return  # `kvplane conductor demo`: the subcommand runs, not the server
     from kvplane.conductor.api import to_registration
     from kvplane.conductor.config import ConductorConfig
     from kvplane.conductor.hashing import HashProfile
@@ -139,5 +148,10 @@ def _ready(server: Any, hash_algo: str, hash_seed: str) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``conductor`` command to the kvplane CLI."""
-    app.command("conductor", help=HELP, no_args_is_help=False)(run)
+    """Add ``conductor`` (the server) and ``conductor demo`` to the kvplane CLI."""
+    from kvplane.cli.conductor_demo import demo
+
+    group = typer.Typer(help=HELP, invoke_without_command=True, no_args_is_help=False)
+    group.callback()(run)
+    group.command("demo")(demo)
+    app.add_typer(group, name="conductor")

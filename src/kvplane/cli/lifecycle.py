@@ -175,7 +175,35 @@ def resolve_token(token: str | None, no_auth: bool, admin: bool = False) -> str:
     return found.token
 
 
-def _sizes(minimum: int) -> Any:
+def human(n: float) -> str:
+    """``n`` bytes for a person: ``512 B``, ``1.5 KiB`` ... ``23.4 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def memory_room() -> tuple[int, str] | None:
+    """The most a new shared-memory segment can take on this host now, and what limits it:
+    MemAvailable, or the free space of /dev/shm when that is smaller (None: neither known)."""
+    room: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next((int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:")), None)
+        if kib is not None:
+            room.append((kib * 1024, "of memory available (MemAvailable)"))
+    except (OSError, ValueError):
+        pass
+    try:
+        st = os.statvfs("/dev/shm")
+        room.append((st.f_bavail * st.f_frsize, "free in /dev/shm (in Docker: --shm-size)"))
+    except OSError:
+        pass
+    return min(room) if room else None
+
+
+def _sizes(minimum: int, memory: bool) -> Any:
     def parse(value: Any) -> int:
         from kvplane.common.config import parse_size
 
@@ -188,15 +216,22 @@ def _sizes(minimum: int) -> Any:
                 raise typer.BadParameter(str(exc)) from exc
         if size < minimum:
             raise typer.BadParameter(f"{value!r} is {size} bytes; it must be at least {minimum}")
+        room = memory_room() if memory else None
+        if room is not None and size > room[0]:
+            raise typer.BadParameter(f"{value} ({human(size)}) is more than this host can give a "
+                                     f"segment now: {human(room[0])} {room[1]}; pass a smaller size")
         return size
 
     return parse
 
 
-def size_option(default: str, *names: str, help: str, minimum: int = 1) -> Any:
+def size_option(default: str, *names: str, help: str, minimum: int = 1,
+                memory: bool = False) -> Any:
     """A size option (``4GiB``, ``512MB``, ``4096``) parsed to bytes while options are parsed;
-    below ``minimum`` bytes (default 1) it is a usage error."""
-    return typer.Option(default, *names, help=help, parser=_sizes(minimum))
+    below ``minimum`` bytes (default 1) it is a usage error, and so is a ``memory`` size (a
+    shared-memory segment) larger than the host can give now (:func:`memory_room`)."""
+    return typer.Option(default, *names, help=help, parser=_sizes(minimum, memory),
+                        metavar="SIZE")
 
 
 @contextlib.contextmanager
@@ -215,6 +250,7 @@ def store_client(config: Any, master_option: str = "--master") -> Any:
     """
     from kvplane.cli.errors import StartFailed
     from kvplane.common.errors import Timeout, Unauthorized, Unavailable
+    from kvplane.common.rpc import NotRpcPeer
     from kvplane.store.client.client import StoreClient
 
     try:
@@ -222,9 +258,34 @@ def store_client(config: Any, master_option: str = "--master") -> Any:
     except Unauthorized as exc:
         raise StartFailed(f"the master at {config.master} refused this token ({exc}); pass its "
                           "token with --token or KVPLANE_TOKEN (on its host: the token file)") from exc
+    except NotRpcPeer as exc:
+        raise StartFailed(f"{master_option} {config.master} is not a master: {exc}"
+                          f"{_listener(config.master)}; pass the master's RPC address with "
+                          f"{master_option}") from exc
     except (Unavailable, Timeout) as exc:
         if "rpc " not in str(exc):
             raise
         raise StartFailed(f"cannot reach the master at {config.master} "
-                          f"({str(exc).rsplit(': ', 1)[-1]}); start it (kvplane master or "
+                          f"({_unreached(config.master, exc)}); start it (kvplane master or "
                           f"kvplane serve) or pass its address with {master_option}") from exc
+
+
+def _listener(address: str) -> str:
+    """``" (pid 1234 listens there: kvplane serve)"`` for a local ``HOST:PORT``, else ""."""
+    from kvplane.cli.errors import port_holder
+    from kvplane.common.config import parse_hostport
+
+    try:
+        _, port = parse_hostport(address)
+    except InvalidArgument:
+        return ""
+    holder = port_holder(port)
+    return f" (pid {holder[0]} listens there: {holder[1]})" if holder else ""
+
+
+def _unreached(address: str, exc: Exception) -> str:
+    """Why a master at ``address`` did not answer, naming what listens on its port."""
+    text = str(exc)
+    if "Connection refused" in text:
+        return "nothing listens on that port: connection refused"
+    return text.rsplit(": ", 1)[-1] + _listener(address)

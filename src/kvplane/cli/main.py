@@ -10,6 +10,7 @@ import importlib
 import sys
 
 import typer
+import typer.core
 
 from kvplane.cli import errors
 from kvplane.common import envs, log
@@ -25,6 +26,7 @@ COMMAND_MODULES = [
     "kvplane.cli.bench",
     "kvplane.cli.p2p",
     "kvplane.cli.status",
+    "kvplane.cli.tokens",
 ]
 
 app = typer.Typer(
@@ -41,6 +43,16 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _flag_type(self: typer.core.TyperOption, ctx: typer.Context) -> str | None:
+    """The type column of an option's help row: none for a flag (typer would print ``<bool>``
+    for every on/off switch); size options name theirs (``SIZE``, ``lifecycle.size_option``)."""
+    return None if self.is_flag else _OPTION_TYPE(self, ctx)
+
+
+_OPTION_TYPE = typer.core.TyperOption.display_type_rich
+setattr(typer.core.TyperOption, "display_type_rich", _flag_type)  # noqa: B010  # one help-format fix for every command; tests/integration/cli/test_cli_mistakes.py pins it
 
 
 @app.callback()

@@ -1,6 +1,7 @@
 """``kvplane pd-proxy``: an alias of ``kvplane router --prefill URL --decode URL`` (one proxy, not two).
 
-Kept so existing scripts run unchanged: same flags, same ready line ``{"proxy": URL, ...}``. The
+Kept so existing scripts run unchanged: its own flags (a subset of the router's; ``--timeout`` is
+the router's ``--read-timeout``), its ready line ``{"proxy": URL, ...}``. The
 proxying, routing (the prefill instance by Mooncake's Algorithm 1, the decode instance by
 predicted load), retries and health checks are the router's (``kvplane.conductor.gateway``).
 """
@@ -27,7 +28,8 @@ def pd_proxy(
 ) -> None:
     """Serve X prefill + Y decode vLLM instances (KVPlanePDConnector) behind one endpoint.
 
-    Same as `kvplane router --prefill ... --decode ...`; prints one JSON line {"proxy": URL, ...}.
+    Same as `kvplane router --prefill ... --decode ...` with fewer flags (--timeout is the router's
+    --read-timeout; the router takes the rest); prints one JSON line {"proxy": URL, ...}.
     """
     from kvplane.cli.router import serve
     from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig

@@ -74,11 +74,13 @@ def simulate(
     rejections, hit ratio per tier and, over the given loads, effective request capacity.
     Writes ttft_cdf.png, capacity.png and hit_by_turn.png (with --plot-prefix) into --plots.
     """
+    from kvplane.cli import plots as optional
     from kvplane.conductor.scheduling import report
 
     names = [p.strip() for p in policy.split(",") if p.strip()]
     load_list = _floats(loads)
-    with_tiers = bool(tiers and plots)
+    no_plots = optional.missing() if plots else None
+    with_tiers = bool(tiers and plots and (no_plots is None or as_json))
     cfg, requests = _setup(trace, names + ([tier_policy] if with_tiers else []), settings, limit, seed,
                            prefill=prefill, decode=decode, gpu_blocks=gpu_blocks,
                            cpu_blocks=cpu_blocks, pool_blocks=pool_blocks, pool_gbps=pool_gbps)
@@ -91,16 +93,18 @@ def simulate(
         if with_tiers:
             pool = tier_pool_blocks or cfg.cluster.prefill_instances * cfg.cluster.cpu_cache_blocks
             series = report.tier_series(requests, cfg, tier_policy, pool, progress)
-    if plots:
-        _plots(reports, series, load_list, f"{plots}/{plot_prefix}", f"{prefill}P+{decode}D", tier_policy)
     if as_json:
         for r in reports:
             print(json.dumps(r.row()))
         if series:
             print(json.dumps({"hit_ratio_by_turn": {k: {str(t): v for t, v in s.items()}
                                                     for k, s in series.items()}, "policy": tier_policy}))
-        return
-    _table(reports, load_list)
+    else:
+        _table(reports, load_list)
+    if no_plots is not None:
+        optional.skipped("kvplane simulate", no_plots)
+    elif plots:
+        _plots(reports, series, load_list, f"{plots}/{plot_prefix}", f"{prefill}P+{decode}D", tier_policy)
 
 
 def _setup(trace: str, specs: list[str], settings: list[str], limit: int | None, seed: int,

@@ -15,6 +15,8 @@ from typing import Any
 
 import typer
 
+from kvplane.cli.lifecycle import human
+
 # --sort columns of the segment table: (status-document field, numbers sort largest first)
 SORTS = {"name": ("name", False), "status": ("status", False), "used": ("used_bytes", True),
          "capacity": ("capacity_bytes", True), "usage": ("usage_percent", True),
@@ -25,14 +27,14 @@ class Unreachable(Exception):
     """A service did not answer (message: what and how to fix it)."""
 
 
-def _get(client: Any, url: str, what: str) -> Any:
+def _get(client: Any, url: str, what: str, option: str) -> Any:
     import httpx
 
     try:
         r = client.get(url)
     except httpx.HTTPError as exc:
         raise Unreachable(f"{what} at {url} is unreachable ({type(exc).__name__}: {exc}); is it "
-                          "running? pass its address") from exc
+                          f"running? pass its address with {option}") from exc
     if r.status_code in (401, 403):
         raise Unreachable(f"{what} at {url} refused the token ({r.status_code}); pass --token "
                           "or set KVPLANE_TOKEN to the service token")
@@ -47,21 +49,15 @@ def collect(admin: str, conductor: str | None, token: str, timeout: float) -> di
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(headers=headers, timeout=timeout, trust_env=False) as client:
-        out: dict[str, Any] = _get(client, f"{admin.rstrip('/')}/status", "the master's admin port")
+        out: dict[str, Any] = _get(client, f"{admin.rstrip('/')}/status",
+                                   "the master's admin port", "--admin")
         if conductor:
             base = conductor.rstrip("/")
             out["conductor"] = {"url": base,
-                                "health": _get(client, f"{base}/health", "the conductor"),
-                                "instances": _get(client, f"{base}/instances", "the conductor")}
+                                "health": _get(client, f"{base}/health", "the conductor", "--conductor"),
+                                "instances": _get(client, f"{base}/instances", "the conductor",
+                                                  "--conductor")}
     return out
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def sort_segments(rows: list[dict[str, Any]], sort: str, reverse: bool = False) -> list[dict[str, Any]]:
@@ -72,7 +68,7 @@ def sort_segments(rows: list[dict[str, Any]], sort: str, reverse: bool = False) 
                   reverse=numeric != reverse)
 
 
-def view(doc: dict[str, Any], sort: str = "name", reverse: bool = False) -> Any:
+def view(doc: dict[str, Any], sort: str = "usage", reverse: bool = False) -> Any:
     """The report as one rich renderable."""
     from rich.console import Group
     from rich.table import Table
@@ -85,10 +81,10 @@ def view(doc: dict[str, Any], sort: str = "name", reverse: bool = False) -> Any:
     for other in doc.get("masters", []):
         if other.get("address") != m["address"]:
             head.add_row("", f"{other['address']} ({other.get('role', '?')})")
-    head.add_row("pool", f"{_bytes(used)} of {_bytes(cap)} used "
+    head.add_row("pool", f"{human(used)} of {human(cap)} used "
                  f"({100 * used / cap if cap else 0:.1f} %), {len(doc['segments'])} segments, "
                  f"{doc['clients']} clients")
-    head.add_row("objects", f"{o['objects']} objects, {o['replicas']} replicas, {_bytes(o['bytes'])}, "
+    head.add_row("objects", f"{o['objects']} objects, {o['replicas']} replicas, {human(o['bytes'])}, "
                  f"{o['pending_puts']} puts in flight, {o['under_replicated']} under-replicated")
     head.add_row("evictions", f"{doc['evictions']['total']} ({per['evictions']:.1f}/s), "
                  f"{doc['evictions']['alloc_failures']} allocation failures")
@@ -111,7 +107,7 @@ def _segment_table(rows: list[dict[str, Any]], sort: str, reverse: bool) -> Any:
     for s in sort_segments(rows, sort, reverse):
         age = s["heartbeat_age_s"]
         table.add_row(s["name"], f"[{style.get(s['status'], '')}]{s['status']}", s["endpoint"],
-                      _bytes(s["used_bytes"]), _bytes(s["capacity_bytes"]),
+                      human(s["used_bytes"]), human(s["capacity_bytes"]),
                       f"{s['usage_percent']:.1f} %", str(s["replicas"]),
                       "-" if age is None else f"{age:.1f} s ago")
     return table
@@ -151,16 +147,22 @@ ConductorOpt = typer.Option(None, help="Also show this conductor's instances (e.
 TokenOpt = typer.Option(None, help="Service or admin token (default: KVPLANE_TOKEN, else the local token "
                                    "file).")
 TimeoutOpt = typer.Option(5.0, help="Seconds to wait for each answer.")
+SortOpt = typer.Option("usage", help=f"Segment column to sort by: {', '.join(SORTS)} (numbers "
+                       "largest first).")
+ReverseOpt = typer.Option(False, "--reverse", help="Reverse the sort order.")
+
+
+def _check_sort(sort: str) -> None:
+    if sort not in SORTS:
+        raise typer.BadParameter(f"unknown column {sort!r}; one of {', '.join(SORTS)}", param_hint="--sort")
 
 
 def status(admin: str = AdminOpt, conductor: str = ConductorOpt, token: str = TokenOpt,
            as_json: bool = typer.Option(False, "--json", help="Print the raw status document (JSON)."),
-           sort: str = typer.Option("name", help=f"Segment column to sort by: {', '.join(SORTS)}."),
-           timeout: float = TimeoutOpt) -> None:
+           sort: str = SortOpt, reverse: bool = ReverseOpt, timeout: float = TimeoutOpt) -> None:
     """One report of the pool: master, segments (capacity, usage, liveness), objects and
     replicas, evictions, ops/s, and with --conductor its instances and the events each ingested."""
-    if sort not in SORTS:
-        raise typer.BadParameter(f"unknown column {sort!r}; one of {', '.join(SORTS)}", param_hint="--sort")
+    _check_sort(sort)
     try:
         doc = collect(admin, conductor, _token(token), timeout)
     except Unreachable as exc:
@@ -169,37 +171,43 @@ def status(admin: str = AdminOpt, conductor: str = ConductorOpt, token: str = To
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
         return
-    _console().print(view(doc, sort))
+    _console().print(view(doc, sort, reverse))
 
 
 def top(admin: str = AdminOpt, conductor: str = ConductorOpt, token: str = TokenOpt,
         interval: float = typer.Option(2.0, min=0.1, help="Seconds between refreshes."),
-        sort: str = typer.Option("usage", help=f"Segment column to sort by: {', '.join(SORTS)}."),
-        reverse: bool = typer.Option(False, help="Reverse the sort order."),
+        sort: str = SortOpt, reverse: bool = ReverseOpt,
         iterations: int = typer.Option(0, min=0, help="Stop after this many refreshes (0: until Ctrl-C)."),
         timeout: float = TimeoutOpt) -> None:
     """`kvplane status`, refreshed every --interval seconds until Ctrl-C. On a terminal it
-    redraws in place; piped, it prints one report per refresh."""
-    if sort not in SORTS:
-        raise typer.BadParameter(f"unknown column {sort!r}; one of {', '.join(SORTS)}", param_hint="--sort")
+    redraws in place; piped, it prints one report per refresh. Like status, it exits 1 when
+    its last refresh could not read the master (or the conductor)."""
+    _check_sort(sort)
     console = _console()
     tok = _token(token)
+    failed: list[str] = []  # the last refresh's error, if it had one
     try:
-        _loop(console, lambda n: _frame(admin, conductor, tok, timeout, sort, reverse, n),
+        _loop(console, lambda n: _frame(admin, conductor, tok, timeout, sort, reverse, n, failed),
               interval, iterations)
     except KeyboardInterrupt:
         pass  # Ctrl-C is how top ends
+    if failed:
+        typer.echo(f"kvplane top: {failed[-1]}", err=True)
+        raise typer.Exit(1)
 
 
 def _frame(admin: str, conductor: str | None, token: str, timeout: float, sort: str,
-           reverse: bool, n: int) -> Any:
+           reverse: bool, n: int, failed: list[str]) -> Any:
+    """Refresh ``n``; ``failed`` holds the error of the latest refresh (empty when it worked)."""
     from rich.console import Group
     from rich.text import Text
 
     stamp = Text(f"kvplane top · refresh {n} · {time.strftime('%H:%M:%S')} · {admin}", style="bold")
+    failed.clear()
     try:
         return Group(stamp, view(collect(admin, conductor, token, timeout), sort, reverse))
     except Unreachable as exc:
+        failed.append(str(exc))
         return Group(stamp, Text(str(exc), style="red"))
 
 

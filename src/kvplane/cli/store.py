@@ -134,7 +134,8 @@ def _run_master(cfg: Any, host: str, port: int, admin_port: int, metadata_port: 
 
 
 def segment(
-    size: int = size_option("4GiB", help="DRAM this process contributes to the pool."),
+    size: int = size_option("4GiB", help="DRAM this process contributes to the pool.",
+                            memory=True),
     master_addr: str = typer.Option("127.0.0.1:50051", "--master",
                                     help="Master RPC address: HOST:PORT, or etcd://h1:2379;h2:2379/CLUSTER "
                                          "for HA masters (the /CLUSTER part is optional)."),
@@ -201,7 +202,7 @@ def client_server(
                              **PORT),
     host: str = typer.Option("127.0.0.1", help="Bind address; dummies must run on this host."),
     segment_size: int = size_option("4GiB", "--global-segment-size", "--size",
-                                    help="DRAM this process contributes to the pool."),
+                                    help="DRAM this process contributes to the pool.", memory=True),
     local_buffer_size: int = size_option("64MiB", help="Staging for this process's own copies.",
                                          minimum=0),
     master_addr: str = typer.Option("127.0.0.1:50051", "--master", "--master-server-address",

@@ -53,6 +53,32 @@ _LEN = struct.Struct("<I")
 _CHUNK = 1 << 20
 
 
+class OversizedFrame(ProtocolError):
+    """A frame's length prefix is over the limit; ``head`` is those four bytes as received."""
+
+    def __init__(self, message: str, head: bytes) -> None:
+        super().__init__(message)
+        self.head = head
+
+
+class NotRpcPeer(ProtocolError):
+    """The peer answered, but not as a kvplane RPC server (an HTTP or ZMQ port, say): never
+    retried, since asking again cannot change what listens there."""
+
+
+def _what_answered(endpoint: str, head: bytes) -> NotRpcPeer | None:
+    """The error for a reply that begins with ``head`` (text, where an RPC frame's length was
+    expected), or None when the four bytes could be a length."""
+    if head.startswith(b"HTTP"):
+        what = ("HTTP: an admin, metadata, conductor or router port? The master's RPC port is "
+                "its --port (50051 by default; \"master\" in its ready line)")
+    elif all(32 <= b < 127 for b in head):
+        what = f"{head.decode()!r}...: another protocol"
+    else:
+        return None
+    return NotRpcPeer(f"{endpoint} is not a kvplane RPC port: it answered {what}")
+
+
 def _recv_frame(sock: socket.socket, limit: int, spin: float = SPIN_SECONDS,
                 spinner: threading.Lock | None = None) -> bytearray:
     """One length-prefixed frame. Its head is first busy-polled for ``spin`` seconds (with
@@ -71,7 +97,7 @@ def _recv_frame(sock: socket.socket, limit: int, spin: float = SPIN_SECONDS,
     recv_exact(sock, head[got:])
     (n,) = _LEN.unpack(head)
     if n > limit:
-        raise ProtocolError(f"frame of {n} bytes exceeds {limit}")
+        raise OversizedFrame(f"frame of {n} bytes exceeds {limit}", bytes(head))
     if n <= _CHUNK:
         body = bytearray(n)
         recv_exact(sock, memoryview(body))
@@ -383,7 +409,14 @@ class RpcClient:
         _send_frame(sock, wire.encode(env))
         if meanwhile is not None:
             meanwhile()
-        rep = wire.decode(memoryview(_recv_frame(sock, self._max)), wire.Reply)
+        try:
+            frame = _recv_frame(sock, self._max)
+        except OversizedFrame as exc:
+            peer = _what_answered(self.endpoint, exc.head)
+            if peer is None:
+                raise
+            raise peer from exc
+        rep = wire.decode(memoryview(frame), wire.Reply)
         if rep.id != rid:
             raise ProtocolError(f"reply id {rep.id} != request id {rid}")
         if rep.code and method == HELLO:
@@ -401,6 +434,7 @@ class RpcClient:
         Raises:
             Timeout: no reply within ``timeout`` (default: the client's).
             Unavailable: the server cannot be reached or dropped the connection.
+            NotRpcPeer: something else listens there (an HTTP port, say); not retried.
             KVPlaneError: the server's error, re-raised by code.
         """
         t = self._timeout if timeout is None else timeout
@@ -414,6 +448,9 @@ class RpcClient:
             except TimeoutError as exc:
                 self._reset()
                 raise Timeout(f"rpc {method} to {self.endpoint} timed out after {t}s") from exc
+            except NotRpcPeer:
+                self._reset()
+                raise
             except (OSError, Unavailable, ProtocolError) as exc:
                 self._reset()
                 raise Unavailable(f"rpc {method} to {self.endpoint} failed: {exc}") from exc

@@ -106,8 +106,8 @@ class ValueTooLarge(NoAvailableHandle):
 
     @staticmethod
     def message(key: str, size: int, largest: int) -> str:
-        return (f"key {key!r}: a value of {size} bytes can never fit: the largest segment is "
-                f"{largest} bytes")
+        return (f"key {quoted(key)}: a value of {size} bytes can never fit: the largest segment "
+                f"is {largest} bytes")
 
 
 @register_code
@@ -167,5 +167,16 @@ def key_error(code: int, key: str) -> KVPlaneError:
     exc = from_code(code, "")
     doc = (f"error code {code}" if type(exc) is KVPlaneError
            else (type(exc).__doc__ or type(exc).__name__).strip().splitlines()[0].rstrip("."))
-    exc.args = (f"key {key!r}: {doc}",)
+    exc.args = (f"key {quoted(key)}: {doc}",)
     return exc
+
+
+QUOTED_KEY = 64  # characters of a key an error message shows
+
+
+def quoted(key: str) -> str:
+    """``key`` as an error message shows it: whole up to :data:`QUOTED_KEY` characters, else
+    its start and its length (a 5,000-character key must not fill a terminal)."""
+    if len(key) <= QUOTED_KEY:
+        return repr(key)
+    return f"{key[:QUOTED_KEY]!r}... ({len(key.encode(errors='replace'))} bytes)"

@@ -83,7 +83,7 @@ class Requirement:
 
 REQUIREMENTS: dict[str, Requirement] = {
     "etcd": Requirement("etcd", _binary("etcd"), "apt-get install etcd-server"),
-    "redis": Requirement("redis-server", _binary("redis-server"), "apt-get install redis-server"),
+    "redis": Requirement("Redis", _binary("redis-server"), "apt-get install redis-server"),
     "chromium": Requirement("chromium",
                             _binary("chromium", "chromium-browser", "google-chrome", "chrome"),
                             "apt-get install chromium"),
@@ -94,6 +94,9 @@ REQUIREMENTS: dict[str, Requirement] = {
     "accel": Requirement("the conductor's C accelerator (kvplane.conductor._accel)",
                          _module("kvplane.conductor._accel"),
                          "install a C compiler and OpenSSL headers, then pip install -e ."),
+    "store_accel": Requirement("the object table's C accelerator (kvplane.store.master._table)",
+                               _module("kvplane.store.master._table"),
+                               "install a C compiler, then pip install -e ."),
     "vllm": Requirement("the vLLM venv (KVPLANE_VLLM_PYTHON)",
                         _executable("KVPLANE_VLLM_PYTHON", "/opt/kvplane-vllm-venv/bin/python"),
                         "bash .ci/setup-10-vllm-venv.sh && bash .ci/setup-20-vllm-kvplane.sh"),

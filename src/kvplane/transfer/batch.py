@@ -53,7 +53,9 @@ class Slice:
 
     def done(self, status: TransferStatus, error: str = "") -> None:
         """Report this slice finished with ``status``."""
-        self.task.finish_slice(status, self.length if status == TransferStatus.COMPLETED else 0, error)
+        task = self.task
+        task.batch.finish_slice(task, status, self.length if status == TransferStatus.COMPLETED else 0,
+                                error)
 
 
 class DeviceSlice(Slice):

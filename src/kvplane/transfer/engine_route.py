@@ -171,9 +171,14 @@ class Router:
         ``inline``); returns when all have finished."""
         if not groups:
             return
+        if inline and len(groups) == 1:  # one target, one transport: no executor, no lists
+            for g in groups.values():
+                _slices_counter(g.transport.name).inc(len(g.slices))
+                guarded(g.transport, g.route, g.slices, deadline, self._fallback(g))
+            return
         items = [(g, self._fallback(g)) for g in groups.values()]
         for g, _ in items:
-            metrics.TRANSFER_SLICES.labels(g.transport.name).inc(len(g.slices))
+            _slices_counter(g.transport.name).inc(len(g.slices))
         first = 0 if inline else None
         futs = [self.executor.submit(guarded, g.transport, g.route, g.slices, deadline, fb)
                 for i, (g, fb) in enumerate(items) if i != first]
@@ -192,6 +197,17 @@ class Router:
         if fb is None or not group.device or _moves_device(fb, group.device):
             return fb
         return StagedTransport(fb, None, self.lanes, group.device) if self.lanes else None
+
+
+_SLICES: dict[str, metrics.Counter] = {}
+
+
+def _slices_counter(transport: str) -> metrics.Counter:
+    """The slices counter of ``transport`` (its labelled child, looked up once)."""
+    c = _SLICES.get(transport)
+    if c is None:
+        c = _SLICES[transport] = metrics.TRANSFER_SLICES.labels(transport)
+    return c
 
 
 def _moves_device(t: Transport, device: str) -> bool:

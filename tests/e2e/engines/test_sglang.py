@@ -13,9 +13,9 @@ from __future__ import annotations
 import signal
 
 import pytest
-from conftest import PAGE, corrupt, pool_hit_tokens, pool_keys, prompt, same_kv
 
 from kvplane.store import MasterServer, StoreClient
+from tests.support.engine_checks import PAGE, corrupt, pool_hit_tokens, pool_keys, prompt, same_kv
 from tests.support.store_procs import spawn_segment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]

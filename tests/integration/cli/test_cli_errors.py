@@ -10,57 +10,13 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
+from tests.support.cli_run import CLI, one_line, run, shm_files
 from tests.support.services import free_port
 
 pytestmark = pytest.mark.timeout(120)
-CLI = [sys.executable, "-m", "kvplane.cli.main"]
-
-
-def run(args: list[str], timeout: float = 60.0, **env: str) -> subprocess.CompletedProcess:
-    """Run ``kvplane ARGS`` in its own session; check that it left no process or shm file."""
-    with subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True, env={**os.environ, **env}) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait(10)
-    assert _group(proc.pid) == [], f"processes left behind: {_group(proc.pid)}"
-    assert _shm(proc.pid) == [], f"/dev/shm files left behind: {_shm(proc.pid)}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _group(pgid: int) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(pid))
-    return pids
-
-
-def _shm(pid: int) -> list[str]:
-    return [f for f in os.listdir("/dev/shm") if f.startswith(f"kvplane-{pid}-")]
-
-
-def one_line(res: subprocess.CompletedProcess, code: int, *words: str) -> str:
-    """The single stderr line of a failed command, checked for its exit code and words."""
-    lines = res.stderr.splitlines()
-    assert res.returncode == code, (res.returncode, res.stderr)
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 @pytest.mark.parametrize("size", ["abc", "0", "-1"])
@@ -152,7 +108,7 @@ def test_the_right_token_starts_the_segment(master):
         finally:
             proc.terminate()
         assert proc.wait(20) == 0, proc.stderr.read()
-    assert _shm(proc.pid) == []
+    assert shm_files(proc.pid) == []
 
 
 def test_missing_files_are_usage_errors(tmp_path):

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TOKEN
 
 from kvplane.common.procs import Proc
+from tests.support.p2p_nodes import TOKEN
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 CLI = [sys.executable, "-m", "kvplane.cli.main", "p2p"]

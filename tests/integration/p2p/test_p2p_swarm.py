@@ -3,9 +3,9 @@ version isolation and collection of old versions."""
 
 
 import pytest
-from conftest import ask_all, recv, send
 
 from kvplane.common.procs import wait_until
+from tests.support.p2p_nodes import ask_all, recv, send
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MIB = 1 << 20

@@ -8,7 +8,7 @@ from kvplane.testing.needs import need_module
 
 torch = need_module("torch", "pip install torch==2.13.0")
 
-from conftest import TOKEN  # noqa: E402,I001
+from tests.support.p2p_nodes import TOKEN  # noqa: E402,I001
 from kvplane.common.errors import InvalidArgument  # noqa: E402
 from kvplane.p2p import P2PNode  # noqa: E402
 from kvplane.p2p.torch import broadcast_state_dict  # noqa: E402

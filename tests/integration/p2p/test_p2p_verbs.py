@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from conftest import TOKEN
 
 from kvplane.common.errors import InvalidArgument, NotFound
 from kvplane.p2p import MooncakeP2PStore
+from tests.support.p2p_nodes import TOKEN
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

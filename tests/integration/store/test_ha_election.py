@@ -15,6 +15,7 @@ from kvplane.store.client.client import StoreClient
 from kvplane.store.config import StoreConfig
 from kvplane.store.errors import NotLeader, Recovering
 from kvplane.store.etcd import HaAddress
+from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.server import MasterServer
 from kvplane.store.types import KeysReq, ResultsRep
 from kvplane.testing.needs import requires
@@ -31,8 +32,8 @@ def etcd(tmp_path_factory):
     svc.stop()
 
 
-def pair(etcd, cluster):
-    masters = [MasterServer(admin_port=None, ha=etcd.url, cluster=cluster, lease_ttl=2)
+def pair(etcd, cluster, config=None):
+    masters = [MasterServer(config, admin_port=None, ha=etcd.url, cluster=cluster, lease_ttl=2)
                for _ in range(2)]
     wait_until(lambda: sum(m.leading() for m in masters) == 1, 15, "one leader")
     return sorted(masters, key=lambda m: not m.leading())  # leader first
@@ -45,7 +46,8 @@ def test_address_parsing():
 
 
 def test_standby_refuses_and_takes_over_with_a_higher_term(etcd):
-    leader, standby = pair(etcd, "elect")
+    # a grace long enough that a loaded machine still asks within it (3 s was not, under load)
+    leader, standby = pair(etcd, "elect", MasterConfig(recovery_grace=8.0))
     try:
         rpc = RpcClient(f"127.0.0.1:{standby.port}", "", 2.0)
         with pytest.raises(NotLeader):

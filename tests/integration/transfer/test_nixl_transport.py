@@ -72,3 +72,62 @@ def test_an_engine_with_a_nixl_agent_exits_with_0(ucx_modules):
     assert "nixl" in ini.info["transports"]
     ini.stop()
     assert ini.popen.returncode == 0
+
+
+def test_prepared_lists_follow_a_peer_whose_advert_changed():
+    # a list prepared against the peer's old metadata names keys the reloaded agent no longer
+    # has: it must go, and the next read of the same region and block size prepare afresh
+    env = nixl_env("")
+    with spawn_target("--buf-mb", "4", env=env) as tgt, \
+            spawn_initiator("--protocol", "nixl", "--base", str(tgt.info["addr"]), env=env) as ini:
+        h = ini.ask(f"open {tgt.info['segment']}")["handle"]
+        base = tgt.info["addr"]
+        r = ini.ask(f"read {h} {base + 8192} 4096")
+        assert r["status"] == ["COMPLETED"] and r["pattern_ok"], r
+        before = ini.ask("lists")
+        assert [base, 4096] in before["remote"], before  # the read went through a prepared list
+        tgt.ask("extra 1")  # a new region: the target's agent metadata (its advert) changes
+        assert ini.ask(f"open {tgt.info['segment']}")["handle"] == h  # refreshed descriptor
+        r = ini.ask(f"read {h} {base + 8192} 4096")
+        assert r["status"] == ["COMPLETED"] and r["pattern_ok"], r
+        after = ini.ask("lists")
+        assert after["prepared"] == before["prepared"] + 1, (before, after)  # remote re-prepared
+        assert after["remote"].count([base, 4096]) == 1
+        ini.stop()
+        tgt.stop()
+        assert ini.popen.returncode == 0, ini.popen.stderr
+        assert tgt.popen.returncode == 0
+
+
+def test_prepared_lists_go_with_an_unregistered_region():
+    env = nixl_env("")
+    with spawn_target("--buf-mb", "4", env=env) as tgt, \
+            spawn_initiator("--protocol", "nixl", "--base", str(tgt.info["addr"]), env=env) as ini:
+        h = ini.ask(f"open {tgt.info['segment']}")["handle"]
+        base = tgt.info["addr"]
+        r = ini.ask(f"batch {h} {base} 8 {64 << 10}")
+        assert r["status"] == ["COMPLETED"] * 8 and r["pattern_ok"], r
+        lists = ini.ask("lists")
+        mine = lists["base"]
+        assert [mine, 64 << 10] in lists["local"], lists
+        ini.ask("reregister")  # the same buffer, unregistered and registered again
+        gone = ini.ask("lists")
+        assert not [k for k in gone["local"] if k[0] == mine], gone  # released with its region
+        r = ini.ask(f"batch {h} {base} 8 {64 << 10}")
+        assert r["status"] == ["COMPLETED"] * 8 and r["pattern_ok"], r
+        assert ini.ask("lists")["prepared"] == gone["prepared"] + 1  # prepared on the new one
+        ini.stop()
+        tgt.stop()
+        assert ini.popen.returncode == 0, ini.popen.stderr
+
+
+def test_an_idle_engine_with_nixl_does_not_spin_a_core():
+    # NIXL's Python API starts UCX's progress thread with no poll timeout (a busy loop that
+    # takes a whole core for the agent's life); kvplane's agents wait on UCX's event fd
+    ini = spawn_initiator("--protocol", "nixl", env=nixl_env(""))
+    try:
+        cpu = ini.ask("cpu 1")["cpu"]
+        assert cpu < 0.3, f"an idle engine used {cpu:.2f} CPU seconds in 1 s"
+    finally:
+        ini.stop()
+    assert ini.popen.returncode == 0

@@ -48,7 +48,7 @@ def bare_table(n_segs=2):
     table.clients["c"] = Client(0.0)
     for i in range(n_segs):
         info = SegmentInfo(f"s{i}", i * 10 * MB, MB, "c", f"h:{i}", "host")
-        table.segments[info.name] = Segment(info, OffsetAllocator(info.size))
+        table.add_segment(Segment(info, OffsetAllocator(info.size)))
         table.clients["c"].segments.add(info.name)
     return table, hooks
 
@@ -60,7 +60,7 @@ def test_the_object_table_works_alone_and_tells_its_services():
     reps = table.place(1000, cfg, 0.0, frozenset())
     assert sorted(s for s, _, _ in reps) == ["s0", "s1"] and len({g for _, _, g in reps}) == 1
     assert reps[0][2] == table.floor() - 1  # one generation for the put, the last issued
-    table.objects["k"] = Obj(1000, tuple(reps), False, 0.0, version=reps[0][2], want=3)
+    table.insert("k", Obj(1000, tuple(reps), False, 0.0, version=reps[0][2], want=3))
     assert table.put_end("k", 1.0, reps[0][2]) == 0
     assert (STORED, "k") in table.changes and "k" in hooks.short  # 2 of 3 replicas
     assert ("stored", "k") in hooks.calls

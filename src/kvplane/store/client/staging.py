@@ -36,7 +36,7 @@ class Staging:
 
             def give_back() -> None:
                 with self._lock:
-                    alloc.free(off)
+                    alloc.free(off, n)
             return self._buf.addr + off, self._buf.array[off:off + n], _once(give_back)
         if not spill:
             return None
@@ -59,7 +59,7 @@ class Staging:
                 yield self._buf.addr + off, self._buf.array[off:off + n]
             finally:
                 with self._lock:
-                    alloc.free(off)
+                    alloc.free(off, n)
             return
         tmp = np.empty(max(n, 1), np.uint8)
         region = self._te.register_memory(tmp, publish=False)  # local-only: no metadata write

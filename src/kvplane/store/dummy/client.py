@@ -289,7 +289,7 @@ class _Staging:
         def release() -> None:
             if done.acquire(blocking=False):
                 with self._d._lock:
-                    alloc.free(at)
+                    alloc.free(at, n)
         return pool.buf.addr + at, pool.buf.array[at:at + n], release
 
     @contextmanager

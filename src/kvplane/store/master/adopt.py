@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import graphlib
 from collections.abc import Iterable
+from itertools import islice
 
 from kvplane.common.errors import KVPlaneError
 from kvplane.store.inventory import FLAG_HARD_PIN, Record
+from kvplane.store.master.columns import ShardedIntMap
+from kvplane.store.master.rows import Row
 from kvplane.store.master.table import Obj, ObjectTable, Segment
 from kvplane.transfer.fence import COUNTER_MASK, epoch_of
 
@@ -87,7 +90,8 @@ class Adoption:
     def __init__(self, table: ObjectTable) -> None:
         self._st = table
         self.order = EpochOrder(table.epoch)
-        self._forgets: dict[str, dict[int, int]] = {}  # segment -> gen -> header address
+        # segment -> gen -> header address (a mass eviction queues millions)
+        self._forgets: dict[str, ShardedIntMap] = {}
         self.adopted = 0
         self.refused = 0
 
@@ -95,14 +99,18 @@ class Adoption:
     def forget(self, seg: Segment, off: int, gen: int) -> None:
         """The allocation at ``off`` (generation ``gen``) was freed: its header must go."""
         if gen:
-            self._forgets.setdefault(seg.info.name, {})[gen] = seg.info.base + off
+            pending = self._forgets.get(seg.info.name)
+            if pending is None:
+                pending = self._forgets[seg.info.name] = ShardedIntMap()
+            pending[gen] = seg.info.base + off
 
     def forgets_for(self, names: Iterable[str]) -> list[tuple[int, int]]:
         """(generation, header address) pairs the owner of ``names`` must clear."""
         out: list[tuple[int, int]] = []
         for name in sorted(names):
-            out.extend((g, a) for g, a in list(self._forgets.get(name, {}).items())[
-                :FORGETS_PER_PING - len(out)])
+            pending = self._forgets.get(name)
+            if pending:
+                out.extend(islice(pending.items(), FORGETS_PER_PING - len(out)))
         return out
 
     def forgot(self, names: Iterable[str], gens: list[int]) -> None:
@@ -147,7 +155,7 @@ class Adoption:
         if rec.want < 1 or not seg.alloc.allocate_at(rec.offset, rec.hdr + rec.size):
             return 0
         if obj is not None and not self._better(rec, obj, seg.info.name):
-            seg.alloc.free(rec.offset)
+            seg.alloc.free(rec.offset, rec.hdr + rec.size)
             return 0
         gen = st.new_generation()
         if obj is not None and obj.complete and obj.version == rec.version:
@@ -161,7 +169,7 @@ class Adoption:
             checksum=rec.checksum, want=rec.want, hdr=rec.hdr, flags=rec.flags))
         return gen
 
-    def _better(self, rec: Record, obj: Obj, segment: str) -> bool:
+    def _better(self, rec: Record, obj: Row, segment: str) -> bool:
         """Whether ``rec`` may join or replace the known object ``obj``."""
         if not obj.complete:  # a put of this master is under way: it is newer
             return False

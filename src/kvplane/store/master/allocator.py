@@ -4,6 +4,11 @@ Offsets are aligned to ``ALIGN`` bytes. Two sorted lists index the free blocks, 
 coalescing neighbours on free) and by (size, offset) (for best fit), so allocation and free are
 O(log n) searches plus list shifts. Best fit keeps fragmentation low for the mixed-size objects
 of a KV pool while exact-size reuse is immediate for the uniform KV block sizes.
+
+The allocator keeps nothing per live allocation: whoever frees a block says its size (the
+master's object table and task records hold it anyway), so a pool of millions of objects costs
+no memory here beyond its free blocks. A free that overlaps free space (a double free, or a
+wrong size) is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ class OffsetAllocator:
         self.used = 0
         self._by_off: list[tuple[int, int]] = [(0, capacity)]
         self._by_size: list[tuple[int, int]] = [(capacity, 0)]
-        self._live: dict[int, int] = {}
 
     def _remove_free(self, off: int, size: int) -> None:
         del self._by_off[bisect.bisect_left(self._by_off, (off, size))]
@@ -52,7 +56,6 @@ class OffsetAllocator:
         self._remove_free(off, size)
         if size > need:
             self._add_free(off + need, size - need)
-        self._live[off] = need
         self.used += need
         return off
 
@@ -73,32 +76,32 @@ class OffsetAllocator:
             self._add_free(boff, off - boff)
         if boff + bsize > off + need:
             self._add_free(off + need, boff + bsize - off - need)
-        self._live[off] = need
         self.used += need
         return True
 
-    def free(self, off: int) -> None:
-        """Return a block; coalesces with free neighbours.
+    def free(self, off: int, n: int) -> None:
+        """Return the block of ``n`` bytes (as allocated) at ``off``; coalesces with free
+        neighbours.
 
         Raises:
-            InvalidArgument: ``off`` is not a live allocation (double free).
+            InvalidArgument: the block overlaps free space or the segment's end (a double
+                free, or not the size it was allocated with).
         """
-        size = self._live.pop(off, None)
-        if size is None:
-            raise InvalidArgument(f"offset {off} is not allocated")
-        self.used -= size
+        size = aligned(n)
         i = bisect.bisect_left(self._by_off, (off, 0))
-        if i > 0:
-            poff, psize = self._by_off[i - 1]
-            if poff + psize == off:
-                self._remove_free(poff, psize)
-                off, size = poff, psize + size
-                i -= 1
-        if i < len(self._by_off):
-            noff, nsize = self._by_off[i]
-            if off + size == noff:
-                self._remove_free(noff, nsize)
-                size += nsize
+        prev = self._by_off[i - 1] if i > 0 else None
+        after = self._by_off[i] if i < len(self._by_off) else None
+        if n <= 0 or off < 0 or off + size > self.capacity or off % ALIGN or \
+                (prev is not None and prev[0] + prev[1] > off) or \
+                (after is not None and after[0] < off + size):
+            raise InvalidArgument(f"[{off}, {off + size}) is not an allocated block")
+        self.used -= size
+        if prev is not None and prev[0] + prev[1] == off:
+            self._remove_free(*prev)
+            off, size = prev[0], prev[1] + size
+        if after is not None and off + size == after[0]:
+            self._remove_free(*after)
+            size += after[1]
         self._add_free(off, size)
 
     @property

@@ -72,15 +72,18 @@ class Quarantine:
             del self._fencing[segment]
         return done
 
-    def due(self, now: float) -> list[tuple[str, int]]:
-        """Remove and return the allocations free to reuse at ``now``."""
+    def due(self, now: float) -> list[tuple[str, int, int]]:
+        """Remove and return the allocations free to reuse at ``now``: (segment, offset,
+        size)."""
         out = [k for k, h in self._held.items()
                if (not h.gen or h.readers_only) and h.free_after <= now]
+        sizes = []
         for k in out:
             h = self._held.pop(k)
+            sizes.append(h.size)
             if h.gen:  # held for readers whose leases are all over: its fence is moot
                 self._unfence(h.segment, h.gen)
-        return out
+        return [(seg, off, size) for (seg, off), size in zip(out, sizes, strict=True)]
 
     def _unfence(self, segment: str, gen: int) -> None:
         pending = self._fencing.get(segment)
@@ -89,13 +92,12 @@ class Quarantine:
             if not pending:
                 del self._fencing[segment]
 
-    def release_leased(self) -> list[tuple[str, int]]:
+    def release_leased(self) -> list[tuple[str, int, int]]:
         """Remove and return every entry held only for readers whose segment has fenced its
-        generation (never write windows, nor entries whose fence is pending)."""
+        generation (never write windows, nor entries whose fence is pending): (segment,
+        offset, size)."""
         out = [k for k, h in self._held.items() if h.readers_only and not h.gen]
-        for k in out:
-            del self._held[k]
-        return out
+        return [(seg, off, self._held.pop((seg, off)).size) for seg, off in out]
 
     def drop_segment(self, segment: str) -> None:
         """Forget everything on an unmounted segment (its memory went with it)."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 
 from kvplane.store.errors import ObjectNotFound
+from kvplane.store.master.rows import Row
 from kvplane.store.master.serving import Handlers, Serving
-from kvplane.store.master.table import Obj
 from kvplane.store.replica_types import (
     LOCAL_DISK,
     MEMORY,
@@ -65,7 +65,7 @@ class ReplicaRpc:
         self.serving = serving
 
     # -- descriptors -------------------------------------------------------------------------------
-    def _replica_infos(self, obj: Obj) -> list[ReplicaInfo]:
+    def _replica_infos(self, obj: Row) -> list[ReplicaInfo]:
         status = "COMPLETE" if obj.complete else "PROCESSING"
         segs = self.serving.state.segments
         return [ReplicaInfo(MEMORY, status, obj.size, rep) for rep in

@@ -21,6 +21,7 @@ never the server; a leader change swaps ``serving.state``. The top of the master
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -44,7 +45,7 @@ from kvplane.store.errors import (
     ObjectNotFound,
     Recovering,
 )
-from kvplane.store.master import admin, replica_rpc, spares, status, tier_rpc
+from kvplane.store.master import admin, repair, replica_rpc, spares, status, tier_rpc
 from kvplane.store.master.access import Access, is_service, require_service
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.grants import MasterGrants
@@ -95,6 +96,10 @@ ADOPTED = metrics.Gauge("master_adopted_replicas", "Replicas re-registered from 
 FORGETS = metrics.Gauge("master_pending_forgets", "Freed headers the segments have not cleared yet")
 
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
+STEP = 0.002  # seconds a step of a long pass (eviction, an unmount's sweep, repair planning)
+# aims to hold the lock; between steps the lock is free for the RPCs
+STEP_GAP = 0.0005  # seconds the timer leaves the lock free between two steps, at least ...
+YIELD_MAX = 0.02  # ... and at most, while RPCs wait for the lock
 LEASE_POLL = 0.5  # seconds at most between a put's asks while read leases keep memory full
 RETRY_AFTER = 0.05  # seconds a put that found memory full of objects being offloaded waits
 
@@ -138,6 +143,8 @@ class MasterServer:
             self.events = PoolEvents(host, kv_events_port, auth=self.auth)
         self.clock = clock
         self.lock = threading.Lock()
+        self._waiting = 0  # RPCs blocked on the lock (a step of a long pass lets them in first)
+        self._waiting_lock = threading.Lock()
         self.rpc_calls: dict[str, int] = {}  # RPCs served, by method
         self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
         self.history = status.History()
@@ -239,7 +246,13 @@ class MasterServer:
 
         def handler(req: Any) -> Any:
             counter.inc()
-            with self.lock:
+            if not self.lock.acquire(blocking=False):  # held: say so (the timer's steps yield)
+                with self._waiting_lock:
+                    self._waiting += 1
+                self.lock.acquire()
+                with self._waiting_lock:
+                    self._waiting -= 1
+            try:
                 if self.election is not None and not self.leading():
                     raise NotLeader(f"not the leader; etcd names {self.election.leader or 'none'}")
                 self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
@@ -250,6 +263,8 @@ class MasterServer:
                     return fn(req)
                 finally:
                     self._flush_changes()
+            finally:
+                self.lock.release()
         return handler
 
     def _flush_changes(self) -> None:
@@ -281,8 +296,8 @@ class MasterServer:
                                 self.clock())
 
     def _unmount(self, req: MountReq) -> int:
-        for s in req.segments:
-            self.state.unmount(s.name)  # its copy/move task allocations go with it
+        for s in req.segments:  # the timer sweeps its replicas out of their objects in steps
+            self.state.unmount_start(s.name)  # its copy/move task allocations go with it
         return 0
 
     def _ping(self, req: PingReq) -> PingRep:
@@ -471,19 +486,20 @@ class MasterServer:
         with self.lock:
             now = self.clock()
             st = self.state
-            for cid in st.expire_clients(now):
+            for cid in st.expire_clients(now, sweep=False):
                 EXPIRED.inc()
                 klog.event("client_expired", client_id=cid)
             st.reclaim(now)
             replica_rpc.tick(self.serving)
-            n = st.evict(now)
-            if n:
-                klog.event("evicted", count=n)
+            st.repairs.expire(now)
+        self._long_passes(st)
+        with self.lock:
+            if self.state is not st:
+                return
+            now = self.clock()
             # every eviction counts, also those a failed allocation triggered inside put_start
             EVICTED.inc(st.evicted - self._evicted_seen)
             self._evicted_seen = st.evicted
-            st.repairs.expire(now)
-            st.repairs.plan(now)
             st.tiers.expire(now)
             st.tiers.plan(now)
             tier_rpc.gauges(st)
@@ -497,6 +513,49 @@ class MasterServer:
                 self.election.publish_segments(names)
             except KVPlaneError as exc:
                 log.debug("publishing the segment list failed: %s", exc)
+
+    def _long_passes(self, st: MasterState) -> None:
+        """The passes that may touch millions of objects, each in steps that hold the lock for
+        about ``STEP`` seconds: unmounted segments' sweeps, an eviction pass, repair planning
+        (up to ``repair.SCAN`` short objects)."""
+        for sweep in list(st.sweeps):
+            self._in_steps(st, functools.partial(st.sweep_step, sweep))
+        with self.lock:
+            job = st.evict_start() if self.state is st else None
+        if job is not None:
+            self._in_steps(st, lambda n: st.evict_step(job, self.clock(), n))
+            if job.count:
+                klog.event("evicted", count=job.count)
+        plan = repair.PlanPass()
+        self._in_steps(st, lambda n: st.repairs.plan_step(plan, self.clock(), n))
+
+    def _in_steps(self, st: MasterState, step: Callable[[int], bool]) -> None:
+        """Run ``step(budget)`` under the lock until it returns True (done), the lock free for
+        ``STEP_GAP`` between steps; ``budget`` (objects a step may handle) adapts so that a
+        step holds the lock for about ``STEP``. Stops when the state is replaced (a new
+        term) or the server closes."""
+        budget = 32  # (small: the first step learns what one object costs)
+        while not self._stop.is_set():
+            with self.lock:
+                if self.state is not st:
+                    return
+                t0 = time.perf_counter()
+                done = step(budget)
+                took = time.perf_counter() - t0
+            if done:
+                return
+            # at most twice the last (a run of cheap objects must not make the next step long)
+            budget = max(16, min(1 << 16, 2 * budget, int(budget * STEP / max(took, 1e-5))))
+            self._let_waiters_in()
+
+    def _let_waiters_in(self) -> None:
+        """Between two steps: leave the lock free until the RPCs that wait for it had it
+        (at most ``YIELD_MAX``). A plain sleep is not enough on a busy machine: the lock is not
+        fair, and a waiter that is not scheduled in time loses it to the next step again."""
+        deadline = time.perf_counter() + YIELD_MAX
+        time.sleep(STEP_GAP)
+        while self._waiting and time.perf_counter() < deadline:
+            time.sleep(STEP_GAP)
 
     def _gauges(self, now: float) -> None:
         st = self.state

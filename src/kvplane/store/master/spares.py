@@ -22,6 +22,7 @@ from __future__ import annotations
 from kvplane.common.errors import KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import InvalidParams, ObjectExists, ObjectNotFound
+from kvplane.store.master.rows import Row
 from kvplane.store.master.table import Obj, ObjectTable
 from kvplane.store.types import KeyResult, SpareAsk
 
@@ -62,12 +63,11 @@ def grant(state: ObjectTable, client_id: str, ask: SpareAsk, now: float,
               window_until=now + state.write_window(window), hdr=ask.hdr,
               flags=inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0, soft_pin_ttl=pin)
     name = name_of(client_id, version)
-    state.objects[name] = obj
-    state.open_puts[name] = obj
+    state.insert(name, obj)
     return name, KeyResult(0, obj.replicas_of(state.segments), ask.size, version)
 
 
-def _mine(state: ObjectTable, client_id: str, name: str, version: int) -> Obj | None:
+def _mine(state: ObjectTable, client_id: str, name: str, version: int) -> Row | None:
     """Spare ``name`` if it is still ``client_id``'s unwritten one of ``version``."""
     obj = state.objects.get(name)
     if (not name.startswith(PREFIX) or obj is None or obj.complete or obj.writer != client_id
@@ -99,10 +99,7 @@ def commit(state: ObjectTable, client_id: str, name: str, key: str, version: int
         obj.window_until = now  # writer's copies over (only frames may be in flight: fenced)
         state.drop_object(name, obj, now)
         return exc.code
-    del state.objects[name]
-    state.open_puts.pop(name, None)
-    state.objects[key] = obj
-    state.open_puts[key] = obj
+    state.cols.rename(obj.row, key)
     return state.put_end(key, now, version, checksum)
 
 
@@ -118,9 +115,7 @@ def give_back(state: ObjectTable, client_id: str, name: str, version: int, writt
         return ObjectNotFound.code
     if written:
         return state.put_revoke(name, now, version)
-    del state.objects[name]
-    state.open_puts.pop(name, None)
-    for seg, off, _gen in obj.replicas:
-        if seg in state.segments:
-            state.segments[seg].alloc.free(off)
+    for seg, off, _gen in obj.replicas:  # (on mounted segments only)
+        state.segments[seg].alloc.free(off, obj.hdr + obj.size)
+    state.cols.drop(obj.row)
     return 0

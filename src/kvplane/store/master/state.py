@@ -26,7 +26,7 @@ re-registered, or its grace ends (``recovering``).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
 from kvplane.store import inventory
@@ -43,9 +43,11 @@ from kvplane.store.errors import (
 )
 from kvplane.store.master.adopt import Adoption
 from kvplane.store.master.allocator import OffsetAllocator
+from kvplane.store.master.columns import COMPLETE, HARD_PIN, NONE
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.repair import Repairs
-from kvplane.store.master.table import REMOVED, Client, Obj, ObjectTable, Rep, Segment
+from kvplane.store.master.rows import Row
+from kvplane.store.master.table import REMOVED, Client, Obj, ObjectTable, Segment
 from kvplane.store.master.tasks import Tasks
 from kvplane.store.master.tiers import DiskTier
 from kvplane.store.types import (
@@ -57,7 +59,22 @@ from kvplane.store.types import (
     SegmentInfo,
 )
 
-__all__ = ["Client", "MasterState", "Obj", "Segment"]  # the records live in ``table``
+__all__ = ["Client", "MasterState", "Obj", "Row", "Segment"]  # the records live in ``table``
+
+SWEEP_SCAN = 1 << 15  # rows an unmount's sweep scans at a time (a vectorised scan) ...
+SCAN_COST = 32  # ... which counts as this many objects of a step's budget
+
+
+@dataclass
+class Sweep:
+    """An unmounted segment's replicas being taken out of their objects, in steps
+    (``MasterState.sweep_step``). Until the sweep reaches a row, readers already skip the
+    replica (its segment id is not live)."""
+
+    sid: int
+    pos: int = 0  # rows below were scanned
+    found: list[int] = field(default_factory=list)  # rows scanned, not processed yet
+    lost: int = 0  # objects that went with it
 
 
 class MasterState(ObjectTable):
@@ -84,6 +101,7 @@ class MasterState(ObjectTable):
         # TASK_NOT_FOUND, and the targets were never joined)
         self.tasks = Tasks(self)
         self.view_version = 1
+        self.sweeps: list[Sweep] = []  # unmounts whose rows are still being swept
 
     # -- clients and segments ----------------------------------------------------------------
     def mount(self, client_id: str, segs: list[SegmentInfo], now: float,
@@ -111,7 +129,7 @@ class MasterState(ObjectTable):
                     raise SegmentExists(f"segment {info.name!r} is mounted by another client")
                 continue
             info.client_id = client_id
-            self.segments[info.name] = Segment(info, OffsetAllocator(info.size), adopting=adopt)
+            self.add_segment(Segment(info, OffsetAllocator(info.size), adopting=adopt))
             client.segments.add(info.name)
             self.largest = max(self.largest, info.size)
         return self.floor()
@@ -138,10 +156,22 @@ class MasterState(ObjectTable):
         return gens
 
     def unmount(self, name: str) -> int:
-        """Drop a segment and every replica on it; returns objects lost entirely."""
+        """Drop a segment and every replica on it; returns objects lost entirely (the whole
+        sweep at once: the server runs it in steps, ``unmount_start``/``sweep_step``)."""
+        sweep = self.unmount_start(name)
+        if sweep is None:
+            return 0
+        while not self.sweep_step(sweep, 1 << 62):
+            pass
+        return sweep.lost
+
+    def unmount_start(self, name: str) -> Sweep | None:
+        """Unmount segment ``name``: from now on no reader sees a replica there (its id is not
+        live); the returned sweep (also in ``sweeps``) takes them out of their objects and
+        drops the objects left with none. None: not mounted."""
         seg = self.segments.pop(name, None)
         if seg is None:
-            return 0
+            return None
         client = self.clients.get(seg.info.client_id)
         if client:
             client.segments.discard(name)
@@ -152,25 +182,62 @@ class MasterState(ObjectTable):
         self.tasks.drop_segment(name)
         if self.awaiting is not None:
             self.awaiting.discard(name)
-        lost = 0
-        for key in self.tiers.drop_segment(name):
-            obj = self.objects.pop(key)
+        sweep = Sweep(self.cols.retire_sid(name))
+        self.seg_by_sid[sweep.sid] = None
+        for key in self.tiers.drop_segment(name):  # objects it held on disk only
+            row = self.cols.index.find(key)
             self.repairs.forget(key, 0.0)
             self.changes.append((REMOVED, key))
-            lost += 1
-        for key in list(self.objects):
-            obj = self.objects[key]
-            keep = [r for r in obj.replicas if r[0] != name]  # r: Rep
-            if len(keep) != len(obj.replicas):
-                obj.replicas = tuple(keep)
-                if not keep and not obj.disk:
-                    del self.objects[key]
-                    if obj.complete:
-                        self.changes.append((REMOVED, key))
-                    lost += 1
-                elif obj.complete and keep:
-                    self.repairs.short.add(key)
-        return lost
+            self.cols.drop(row)
+            sweep.lost += 1
+        self.sweeps.append(sweep)
+        return sweep
+
+    def sweep_step(self, sweep: Sweep, budget: int) -> bool:
+        """Take the swept segment's replicas out of up to ``budget`` objects (scanning at most
+        ``SWEEP_SCAN`` rows); True when the sweep is over (its segment id is free again)."""
+        c = self.cols
+        while budget > 0:
+            if not sweep.found:
+                if sweep.pos >= c.scan_end():
+                    c.release_sid(sweep.sid)
+                    self.sweeps.remove(sweep)
+                    return True
+                sweep.found, sweep.pos = c.rows_on(sweep.sid, sweep.pos, sweep.pos + SWEEP_SCAN)
+                budget -= SCAN_COST
+                continue
+            row = sweep.found.pop()
+            budget -= 1
+            if c.keys[row] is not None and self._holds(row, sweep.sid):
+                sweep.lost += self._lose_replica(row)
+        return False
+
+    def _holds(self, row: int, sid: int) -> bool:
+        c = self.cols
+        if c.seg[row] == sid:
+            return True
+        r = c.more[row]
+        while r >= 0:
+            if c.rseg[r] == sid:
+                return True
+            r = c.rnext[r]
+        return False
+
+    def _lose_replica(self, row: int) -> int:
+        """``row`` had a replica on an unmounted segment: keep the others (then it is short of
+        one), or drop it when none is left (1: an object lost)."""
+        c = self.cols
+        keep = c.replicas(row)  # the live ones
+        c.set_replicas(row, keep)
+        complete = bool(c.flags[row] & COMPLETE)
+        if not keep and row not in c.disk:
+            if complete:
+                self.changes.append((REMOVED, c.key(row)))
+            c.drop(row)
+            return 1
+        if complete and keep:
+            c.mark_short(row)  # (``repairs.short``: the bit, no key object per row)
+        return 0
 
     def ping(self, client_id: str, now: float, fenced: list[int] | None = None,
              forgot: list[int] | None = None) -> str:
@@ -224,18 +291,22 @@ class MasterState(ObjectTable):
             if seg is not None:
                 seg.suspect_since = now
 
-    def expire_clients(self, now: float) -> list[str]:
-        """Unmount the segments of clients silent for longer than the TTL."""
+    def expire_clients(self, now: float, sweep: bool = True) -> list[str]:
+        """Unmount the segments of clients silent for longer than the TTL (``sweep``: their
+        sweeps to the end at once, else left in ``sweeps`` for the caller's steps)."""
         dead = [cid for cid, c in self.clients.items()
                 if now - c.last_seen > self.config.client_ttl]
         for cid in dead:
             for name in list(self.clients[cid].segments):
-                self.unmount(name)
+                if sweep:
+                    self.unmount(name)
+                else:
+                    self.unmount_start(name)
             del self.clients[cid]
         if dead:  # their unfinished puts will never end: fence and free them
             gone = set(dead)
-            for key in [k for k, o in self.objects.items() if not o.complete and o.writer in gone]:
-                self.drop_object(key, self.objects[key], now)
+            for obj in [o for o in self.open_puts.values() if o.writer in gone]:
+                self.drop_object(obj.key, obj, now)
         return dead
 
     # -- writes ----------------------------------------------------------------------------------
@@ -282,57 +353,87 @@ class MasterState(ObjectTable):
             return KeyResult(exc.code)
         flags = inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0
         version = replicas[0][2]  # the put's generation
+        header = inventory.pack(self.secret, key, version, version, size, checksum,
+                                cfg.replica_num, flags)
         obj = Obj(size, tuple(replicas), False, now, hard_pin=cfg.with_hard_pin, version=version,
                   want=cfg.replica_num, writer=client_id, checksum=checksum, nonce=nonce,
                   window_until=now + self.write_window(window), hdr=hdr, flags=flags,
                   soft_pin_ttl=pin,
                   soft_pin_until=kept_pin if cfg.pin_action() == "preserve" else 0.0,
-                  header=inventory.pack(self.secret, key, version, version, size, checksum,
-                                        cfg.replica_num, flags))
-        self.objects[key] = obj
-        self.open_puts[key] = obj
-        return KeyResult(0, obj.replicas_of(self.segments), size, obj.version, checksum, obj.header)
+                  header=header)
+        self.insert(key, obj)
+        return KeyResult(0, obj.replicas_of(self.segments), size, version, checksum, header)
 
-    def _resume(self, key: str, obj: Obj, now: float, window: float) -> KeyResult:
+    def _resume(self, key: str, obj: Row, now: float, window: float) -> KeyResult:
         """The same writer asks again for its unfinished put (its first answer was lost):
         the same allocations, with a fresh write window."""
         obj.window_until = max(obj.window_until, now + self.write_window(window))
         return KeyResult(0, obj.replicas_of(self.segments), obj.size, obj.version, obj.checksum,
                          obj.header)
 
+    def _plain(self, row: int) -> Segment | None:
+        """The segment of ``row``'s only replica when it is a complete object with exactly one
+        replica and no SSD copy (the common case the lookups inline), else None."""
+        c = self.cols
+        sid = c.seg[row]
+        if sid < 0 or not c.flags[row] & COMPLETE or c.more[row] != NONE or row in c.disk:
+            return None
+        return self.seg_by_sid[sid]
+
     def get_replicas(self, key: str, now: float) -> KeyResult:
         """Replicas of a complete object; grants a read lease and refreshes its LRU position."""
-        obj = self.objects.get(key)
-        if obj is None:
+        c = self.cols
+        row = c.index.find(key)
+        if row < 0:
             return KeyResult(ObjectNotFound.code)
+        seg = self._plain(row)
+        if seg is not None:
+            return self._plain_result(row, seg, now + self.config.lease_ttl)
+        obj = Row(c, row)
         if not obj.complete:
             return KeyResult(ReplicaNotReady.code)
+        reps = list(obj.replicas)
+        disk = obj.disk
+        if not reps and not disk:  # its last replica's segment went (being swept)
+            return KeyResult(ObjectNotFound.code)
         obj.lease_until = max(obj.lease_until, now + self.config.lease_ttl)
-        self.objects.move_to_end(key)
-        reps: Sequence[Rep] = obj.replicas
+        self.cols.touch(obj.row)
         if len(reps) > 1 and any(self.segments[s].suspect_since is not None for s, _, _ in reps):
-            reps = sorted(reps, key=lambda r: self.segments[r[0]].suspect_since is not None)
+            reps.sort(key=lambda r: self.segments[r[0]].suspect_since is not None)
         return KeyResult(0, obj.replicas_of(self.segments, reps), obj.size, obj.version,
-                         obj.checksum, disk=self.tiers.disk_replicas(key, obj) if obj.disk else [])
+                         obj.checksum, disk=self.tiers.disk_replicas(key, obj) if disk else [])
+
+    def _plain_result(self, row: int, seg: Segment, until: float) -> KeyResult:
+        """The lookup of a plain object (``_plain``): its lease to ``until``, LRU move, answer."""
+        c = self.cols
+        if c.lease[row] < until:
+            c.lease[row] = until
+        c.touch(row)
+        n = c.size[row]
+        return KeyResult(0, [seg.replica(c.off[row], n, c.gen[row], c.hdr[row])], n,
+                         c.version[row], c.checksum[row])
 
     def get_replicas_many(self, keys: list[str], now: float) -> list[KeyResult]:
-        """:meth:`get_replicas` of each key (the same leases and LRU moves), with the common
-        case inlined: one replica, no SSD copy."""
-        objects, segments = self.objects, self.segments
+        """:meth:`get_replicas` of each key (the same leases and LRU moves)."""
+        c = self.cols
+        find, touch, by_sid = c.index.find, c.touch, self.seg_by_sid
+        flags, more, sids, disk, lease = c.flags, c.more, c.seg, c.disk, c.lease
         until = now + self.config.lease_ttl
-        touch = objects.move_to_end
         out: list[KeyResult] = []
-        for key in keys:
-            obj = objects.get(key)
-            if obj is None or not obj.complete or obj.disk or len(obj.replicas) != 1:
+        for key in keys:  # ``_plain`` and ``_plain_result`` inlined (the hot loop)
+            row = find(key)
+            sid = sids[row] if row >= 0 else NONE
+            s = by_sid[sid] if sid >= 0 and flags[row] & COMPLETE and more[row] == NONE \
+                and row not in disk else None
+            if s is None:
                 out.append(self.get_replicas(key, now))
                 continue
-            if obj.lease_until < until:
-                obj.lease_until = until
-            touch(key)
-            name, off, gen = obj.replicas[0]
-            out.append(KeyResult(0, [segments[name].replica(off, obj.size, gen, obj.hdr)],
-                                 obj.size, obj.version, obj.checksum))
+            if lease[row] < until:
+                lease[row] = until
+            touch(row)
+            n = c.size[row]
+            out.append(KeyResult(0, [s.replica(c.off[row], n, c.gen[row], c.hdr[row])], n,
+                                 c.version[row], c.checksum[row]))
         return out
 
     def columns_many(self, keys: list[str], now: float) -> Columns | None:
@@ -340,29 +441,36 @@ class MasterState(ObjectTable):
         when every key is a complete object with one replica and no copy on disk; else None
         (the leases and moves already given are those :meth:`get_replicas_many` gives
         again)."""
-        objects, segments = self.objects, self.segments
+        c = self.cols
+        find, touch, by_sid = c.index.find, c.touch, self.seg_by_sid
+        flags, more, sids, disk, lease = c.flags, c.more, c.seg, c.disk, c.lease
         until = now + self.config.lease_ttl
-        touch = objects.move_to_end
         names: dict[str, int] = {}
         seg: list[int] = []
         addr: list[int] = []
         size: list[int] = []
         gen: list[int] = []
-        for key in keys:
-            obj = objects.get(key)
-            if obj is None or not obj.complete or obj.disk or len(obj.replicas) != 1:
+        for key in keys:  # ``_plain`` inlined: this is the pool's hottest loop
+            row = find(key)
+            if row < 0:
                 return None
-            if obj.lease_until < until:
-                obj.lease_until = until
-            touch(key)
-            name, off, g = obj.replicas[0]
+            sid = sids[row]
+            if sid < 0 or not flags[row] & COMPLETE or more[row] != NONE or row in disk:
+                return None
+            s = by_sid[sid]
+            if s is None:
+                return None
+            if lease[row] < until:
+                lease[row] = until
+            touch(row)
+            name = s.info.name
             j = names.get(name)
             if j is None:
                 j = names[name] = len(names)
             seg.append(j)
-            addr.append(segments[name].info.base + off + obj.hdr)
-            size.append(obj.size)
-            gen.append(g)
+            addr.append(s.info.base + c.off[row] + c.hdr[row])
+            size.append(c.size[row])
+            gen.append(c.gen[row])
         return Columns(list(names), seg, addr, size, gen)
 
     def confirm_many(self, keys: list[str], expect: list[Location | None], now: float
@@ -371,21 +479,21 @@ class MasterState(ObjectTable):
         a key whose complete object still has a replica at that location (segment, value
         address, generation, size) gets its lease and LRU move and no answer; the others are
         returned as (their indexes, their :meth:`get_replicas`)."""
-        objects, segments = self.objects, self.segments
+        c, segments = self.cols, self.segments
         until = now + self.config.lease_ttl
-        touch = objects.move_to_end
         stale: list[int] = []
         out: list[KeyResult] = []
         for i, (key, loc) in enumerate(zip(keys, expect, strict=True)):
-            obj = objects.get(key)
-            if loc is not None and obj is not None and obj.complete:
+            row = c.index.find(key) if loc is not None else NONE
+            if loc is not None and row >= 0 and c.flags[row] & COMPLETE:
                 where, addr, gen, size = loc
-                if obj.size == size and any(
-                        g == gen and name == where and segments[name].info.base + off + obj.hdr == addr
-                        for name, off, g in obj.replicas):
-                    if obj.lease_until < until:
-                        obj.lease_until = until
-                    touch(key)
+                hdr = c.hdr[row]
+                if c.size[row] == size and any(
+                        g == gen and name == where and segments[name].info.base + off + hdr == addr
+                        for name, off, g in Row(c, row).replicas):
+                    if c.lease[row] < until:
+                        c.lease[row] = until
+                    c.touch(row)
                     continue
             stale.append(i)
             out.append(self.get_replicas(key, now))
@@ -393,10 +501,16 @@ class MasterState(ObjectTable):
 
     def exist(self, key: str, now: float) -> int:
         """1 if a complete object exists (and lease it, as Mooncake's ExistKey does), else 0."""
-        obj = self.objects.get(key)
-        if obj is None or not obj.complete:
+        c = self.cols
+        row = c.index.find(key)
+        if row < 0 or not c.flags[row] & COMPLETE:
             return 0
-        obj.lease_until = max(obj.lease_until, now + self.config.lease_ttl)
+        sid = c.seg[row]
+        if (sid < 0 or not c.live[sid]) and not Row(c, row).replica_count() and row not in c.disk:
+            return 0  # its last replica's segment went (being swept)
+        until = now + self.config.lease_ttl
+        if c.lease[row] < until:
+            c.lease[row] = until
         return 1
 
     # -- removal ---------------------------------------------------------------------------------
@@ -430,17 +544,13 @@ class MasterState(ObjectTable):
         """Free quarantined space that is due and puts abandoned past the release timeout."""
         self.retiring.clear()  # no caller to hand them to (their fences go by heartbeat)
         due = self.graveyard.due(now)
-        for seg, off in due:
+        for seg, off, size in due:
             if seg in self.segments:
-                self.segments[seg].alloc.free(off)
-        stale = []
-        for k, o in list(self.open_puts.items()):
-            if self.objects.get(k) is not o or o.complete:  # ended, revoked or dropped
-                del self.open_puts[k]
-            elif now - o.started > self.config.put_release_timeout:
-                stale.append(k)
-        for k in stale:
-            self.drop_object(k, self.open_puts.pop(k), now)
+                self.segments[seg].alloc.free(off, size)
+        c = self.cols
+        stale = [r for r, p in c.puts.items() if now - p.started > self.config.put_release_timeout]
+        for row in stale:  # (``puts`` entries go with their rows: each is live)
+            self.drop_object(c.key(row), Row(c, row), now)
         return len(due) + len(stale)
 
     def lease_wait(self, now: float, scan: int = 65536) -> float:
@@ -448,11 +558,12 @@ class MasterState(ObjectTable):
         the ``scan`` most recently used objects, where leased ones sit). A put that found no
         room because eviction skips leased objects waits that long instead of failing."""
         first = 0.0
-        for n, obj in enumerate(reversed(self.objects.values())):
+        c = self.cols
+        for n, row in enumerate(c.rows_newest()):
             if n >= scan:
                 break
-            if obj.lease_until > now and obj.replicas and obj.complete and not obj.hard_pin \
-                    and (not first or obj.lease_until < first):
-                first = obj.lease_until
+            until = c.lease[row]
+            if until > now and c.flags[row] & (COMPLETE | HARD_PIN) == COMPLETE \
+                    and (not first or until < first) and Row(c, row).replica_count():
+                first = until
         return first - now if first else 0.0
-

@@ -108,11 +108,7 @@ def liveness(state: MasterState, name: str, now: float) -> tuple[str, float | No
 
 def segments(state: MasterState, now: float, admin: bool) -> list[dict[str, Any]]:
     """One row per mounted segment (``client_id`` only for the admin)."""
-    held: dict[str, int] = {n: 0 for n in state.segments}
-    for obj in state.objects.values():
-        for name, _off, _gen in obj.replicas:
-            if name in held:
-                held[name] += 1
+    held = state.cols.census().per_segment
     rows = []
     for name, seg in state.segments.items():
         status, age = liveness(state, name, now)
@@ -128,13 +124,12 @@ def segments(state: MasterState, now: float, admin: bool) -> list[dict[str, Any]
 
 def objects(state: MasterState) -> dict[str, int]:
     """Object and replica counts."""
-    complete = [o for o in state.objects.values() if o.complete]
-    return {"objects": len(complete), "pending_puts": len(state.objects) - len(complete),
-            "replicas": sum(len(o.replicas) for o in complete),
-            "bytes": sum(o.size for o in complete),
+    counts = state.cols.census()  # whole-column scans, not a loop over the objects
+    return {"objects": counts.objects, "pending_puts": counts.pending,
+            "replicas": counts.replicas, "bytes": counts.bytes,
             "under_replicated": state.repairs.under_replicated(),
             "repairs_pending": len(state.repairs.pending),
-            "hard_pinned": sum(1 for o in complete if o.hard_pin)}
+            "hard_pinned": counts.hard_pinned}
 
 
 def document(state: MasterState, history: History, key_ops: dict[str, int],
@@ -159,7 +154,7 @@ def document(state: MasterState, history: History, key_ops: dict[str, int],
     doc: dict[str, Any] = {
         "master": {**master, "role": "leader", "epoch": state.epoch,
                    "view_version": state.view_version},
-        "masters": [{**master, "role": "leader"}],  # one master until HA lands
+        "masters": [{**master, "role": "leader"}],  # this one (with HA: /ha_status names the leader)
         "config": {"lease_ttl_s": cfg.lease_ttl, "client_ttl_s": cfg.client_ttl,
                    "high_watermark": cfg.high_watermark, "evict_ratio": cfg.evict_ratio},
         "capacity_bytes": current.capacity, "used_bytes": current.used,

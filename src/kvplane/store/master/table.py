@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import MutableSet, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -28,17 +27,13 @@ import msgspec
 from kvplane.store.errors import InvalidKey, InvalidParams, NoAvailableHandle, ObjectNotFound
 from kvplane.store.master import eviction
 from kvplane.store.master.allocator import OffsetAllocator
+from kvplane.store.master.columns import COMPLETE, HARD_PIN, NONE, Columns, OpenPut
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.eviction import Verdict
 from kvplane.store.master.fences import Quarantine
+from kvplane.store.master.rows import ObjectsView, Rep, Row
 from kvplane.store.types import MAX_KEY, Replica, ReplicateConfig, SegmentInfo
 from kvplane.transfer.fence import EPOCH_SHIFT
-
-# One memory replica of an object: (segment, offset of its allocation, generation). A plain
-# tuple, not a NamedTuple, on purpose: every lookup unpacks one per key, and CPython's
-# specialised unpacking and indexing cover exact tuples only (a NamedTuple costs about four
-# times as much per unpack: 44 against 11 ns here). Read it by unpacking: ``seg, off, gen``.
-Rep = tuple[str, int, int]
 
 
 class Change(str, enum.Enum):
@@ -67,6 +62,7 @@ class Segment:
     alloc: OffsetAllocator
     suspect_since: float | None = None  # a client reported a failed transfer to it
     adopting: bool = False  # re-registering what it holds: no new placements yet
+    sid: int = -1  # its id in the object table's replica columns
 
     def replica(self, off: int, size: int, gen: int = 0, hdr: int = 0) -> Replica:
         """The replica whose allocation starts at ``off``: its value follows the header."""
@@ -75,9 +71,9 @@ class Segment:
 
 
 class Obj(msgspec.Struct, gc=False):
-    """One object's metadata. Not tracked by Python's cyclic GC (it holds no cycle, and its
-    replicas are a tuple): a full collection in a master holding millions of objects would
-    otherwise walk every one of them, under the lock every RPC takes."""
+    """One object's metadata as a detached record: what :meth:`ObjectTable.insert` stores in
+    a row (the table keeps no record per object; :class:`~kvplane.store.master.rows.Row`
+    reads and writes a stored one in place)."""
 
     size: int
     replicas: tuple[Rep, ...]
@@ -114,10 +110,25 @@ class Client:
     segments: set[str] = field(default_factory=set)
 
 
+@dataclass
+class EvictPass:
+    """An eviction pass in progress (``ObjectTable.evict_step``): how far it got."""
+
+    target: float  # bytes to free
+    freed: int = 0
+    count: int = 0
+    soft: bool = False  # the second walk: soft-pinned objects may go too
+    next_row: int = NONE  # where the walk goes on (if that row still holds ``next_key``)
+    next_key: bytes | None = None
+    done: bool = False
+
+
 class ReplicaRepairs(Protocol):
     """What the table tells re-replication (``repair.Repairs``)."""
 
-    short: set[str]  # keys that may hold fewer replicas than asked for
+    @property
+    def short(self) -> MutableSet[str]:
+        """Keys that may hold fewer replicas than asked for."""
 
     def forget(self, key: str, now: float) -> None:
         """``key`` was dropped: abandon its repair."""
@@ -134,16 +145,16 @@ class HeaderForgets(Protocol):
 class TierHooks(Protocol):
     """What the table asks and tells the disk tier (``tiers.DiskTier``)."""
 
-    def stored(self, key: str, obj: Obj) -> None:
+    def stored(self, key: str, obj: Row) -> None:
         """``key`` was committed."""
 
-    def dropped(self, key: str, obj: Obj, now: float) -> None:
-        """``obj`` left the store."""
+    def dropped(self, key: str, obj: Row, now: float) -> None:
+        """``obj`` leaves the store (its row is dropped right after)."""
 
-    def verdict(self, key: str, obj: Obj, now: float) -> Verdict:
+    def verdict(self, key: str, obj: Row, now: float) -> Verdict:
         """How eviction treats ``obj``."""
 
-    def demote(self, key: str, obj: Obj, now: float) -> int:
+    def demote(self, key: str, obj: Row, now: float) -> int:
         """Drop ``obj``'s memory replicas (it has a disk copy); bytes freed."""
 
 
@@ -170,11 +181,12 @@ class ObjectTable:
         self.epoch = epoch
         self.secret = b""  # keys the inventory headers' tags (``inventory.secret_of``)
         self._next_gen = epoch << EPOCH_SHIFT
-        self.objects: OrderedDict[str, Obj] = OrderedDict()  # LRU order: oldest first
-        # puts started and not ended (entries of ended or dropped ones are pruned by
-        # ``MasterState.reclaim``): the timer looks at these, never at every object
-        self.open_puts: dict[str, Obj] = {}
+        # every object, one row each (``columns.py``); ``objects`` views them as a mapping
+        # (least recently used first), ``cols.puts`` holds the unfinished puts by row
+        self.cols = Columns()
+        self.objects = ObjectsView(self.cols)
         self.segments: dict[str, Segment] = {}
+        self.seg_by_sid: list[Segment | None] = []  # mounted segments by ``Segment.sid``
         self.clients: dict[str, Client] = {}
         self.graveyard = Quarantine()  # freed space not yet reusable
         self.gate_until = 0.0  # recovering until then ...
@@ -230,14 +242,60 @@ class ObjectTable:
         cap = sum(s.alloc.capacity for s in self.segments.values())
         return sum(s.alloc.used for s in self.segments.values()) / cap if cap else 0.0
 
+    # -- rows ------------------------------------------------------------------------------------
+    def add_segment(self, seg: Segment) -> None:
+        """Mount ``seg`` (its name is free): it gets its id in the replica columns."""
+        seg.sid = self.cols.new_sid(seg.info.name)
+        while len(self.seg_by_sid) <= seg.sid:
+            self.seg_by_sid.append(None)
+        self.seg_by_sid[seg.sid] = seg
+        self.segments[seg.info.name] = seg
+
+    @property
+    def open_puts(self) -> dict[str, Row]:
+        """Unfinished puts: key -> row (the timer looks at these, never at every object)."""
+        cols = self.cols
+        return {cols.key(r): Row(cols, r) for r in cols.puts}
+
+    def insert(self, key: str, obj: Obj) -> Row:
+        """Store ``obj`` as ``key`` (not present) in a new row, the most recently used."""
+        c = self.cols
+        row = c.add(key)
+        c.size[row], c.version[row], c.checksum[row] = obj.size, obj.version, obj.checksum
+        c.lease[row], c.hdr[row], c.want[row] = obj.lease_until, obj.hdr, obj.want
+        c.iflags[row] = obj.flags
+        c.flags[row] = (COMPLETE if obj.complete else 0) | (HARD_PIN if obj.hard_pin else 0)
+        c.owner[row] = c.owner_id(obj.owner) if obj.owner else 0
+        reps = obj.replicas
+        if len(reps) == 1:  # the common case, without a list
+            name, c.off[row], c.gen[row] = reps[0]
+            c.seg[row] = c.sid_of[name]
+        elif reps:
+            sid_of = c.sid_of
+            c.set_replicas(row, [(sid_of[s], o, g) for s, o, g in reps])
+        if obj.soft_pin_until:
+            c.pins[row] = obj.soft_pin_until
+        if obj.disk:
+            c.disk[row] = dict(obj.disk)
+        if not obj.complete:
+            c.puts[row] = OpenPut(obj.started, obj.writer, obj.window_until, obj.header,
+                                  obj.nonce, obj.soft_pin_ttl)
+        return Row(c, row)
+
+    def row_of(self, key: str) -> Row | None:
+        """The stored object ``key``, or None."""
+        row = self.cols.index.find(key)
+        return Row(self.cols, row) if row >= 0 else None
+
     # -- commits and drops ---------------------------------------------------------------------
     def insert_complete(self, key: str, obj: Obj) -> None:
         """Add ``obj`` as the committed object ``key`` (re-registered by a segment or a disk
         node): announced like a put, marked for repair when short of replicas."""
-        self.objects[key] = obj
+        self.insert(key, obj)
         self.changes.append((STORED, key))
         if 0 < len(obj.replicas) < obj.want:
             self.repairs.short.add(key)
+
     def write_window(self, asked: float) -> float:
         """The write window granted for a client's ``asked`` seconds (0: the default)."""
         return min(asked or self.config.write_window, self.config.put_discard_timeout)
@@ -248,71 +306,70 @@ class ObjectTable:
         ``version``: the one PutStart gave (0: not checked). A put that was pre-empted, revoked
         or lost with its segments gets ObjectNotFound: it was not committed.
         """
-        obj = self.objects.get(key)
-        if obj is None or (version and obj.version != version):
+        c = self.cols
+        row = c.index.find(key)
+        if row < 0 or (version and c.version[row] != version):
             return ObjectNotFound.code
-        if not obj.complete:
-            obj.complete = True
+        if not c.flags[row] & COMPLETE:
+            c.flags[row] |= COMPLETE
             self.puts += 1
-            self.open_puts.pop(key, None)
-            obj.checksum = obj.checksum or checksum
-            obj.writer, obj.header = "", b""
+            put = c.puts.pop(row, None)
+            if not c.checksum[row]:
+                c.checksum[row] = checksum
             self.changes.append((STORED, key))
-            if obj.soft_pin_ttl:
-                obj.soft_pin_until = now + obj.soft_pin_ttl
-            self.objects.move_to_end(key)
-            if len(obj.replicas) < obj.want:
+            if put is not None and put.soft_pin_ttl:
+                c.pins[row] = now + put.soft_pin_ttl
+            c.touch(row)
+            obj = Row(c, row)
+            if c.want[row] > 1 and obj.replica_count() < c.want[row]:
                 self.repairs.short.add(key)
             self.tiers.stored(key, obj)
         return 0
 
     def put_revoke(self, key: str, now: float, version: int = 0) -> int:
         """Abandon an unfinished put. Its space is fenced on its segments before reuse."""
-        obj = self.objects.get(key)
+        obj = self.row_of(key)
         if obj is None or obj.complete or (version and obj.version != version):
             return ObjectNotFound.code
         obj.window_until = now  # the writer's own copies are over; only frames may be in flight
         self.drop_object(key, obj, now)
         return 0
 
-
-    def drop_replicas(self, obj: Obj, segments: set[str], now: float) -> int:
+    def drop_replicas(self, obj: Row, segments: set[str], now: float) -> int:
         """Take the replicas on ``segments`` out of ``obj`` (the object stays, even with none
         left: the caller decides). Space under a live lease waits for it. Returns how many."""
-        gone = [r for r in obj.replicas if r[0] in segments]  # r: (segment, offset, gen)
-        obj.replicas = tuple(r for r in obj.replicas if r[0] not in segments)
-        for seg, off, gen in gone:
-            if seg not in self.segments:
-                continue
+        reps = obj.replicas
+        gone = [r for r in reps if r[0] in segments]  # r: (segment, offset, gen)
+        obj.replicas = tuple(r for r in reps if r[0] not in segments)
+        lease = obj.lease_until
+        for seg, off, gen in gone:  # (replicas are on mounted segments only)
             self.adoption.forget(self.segments[seg], off, gen)
-            if obj.lease_until > now:
+            if lease > now:
                 self._hold_for_readers(seg, off, gen, obj)
             else:
-                self.segments[seg].alloc.free(off)
+                self.segments[seg].alloc.free(off, obj.hdr + obj.size)
         return len(gone)
 
-    def drop_object(self, key: str, obj: Obj, now: float) -> None:
+    def drop_object(self, key: str, obj: Row, now: float) -> None:
         """Forget an object. Space under a live lease is freed only once the lease ends; space of
         an unfinished put only once its write window is over and its segment fenced it."""
-        self.objects.pop(key, None)
-        if self.open_puts.get(key) is obj:
-            del self.open_puts[key]
         self.repairs.forget(key, now)
         self.tiers.dropped(key, obj, now)
-        if obj.complete:
+        complete, lease = obj.complete, obj.lease_until
+        if complete:
             self.changes.append((REMOVED, key))
-        for seg, off, gen in obj.replicas:
-            if seg not in self.segments:
-                continue
+        window = obj.window_until
+        for seg, off, gen in obj.replicas:  # (replicas are on mounted segments only)
             self.adoption.forget(self.segments[seg], off, gen)
-            if not obj.complete:
-                self.graveyard.hold(seg, off, obj.hdr + obj.size, max(obj.window_until, now), gen)
-            elif obj.lease_until > now:
+            if not complete:
+                self.graveyard.hold(seg, off, obj.hdr + obj.size, max(window, now), gen)
+            elif lease > now:
                 self._hold_for_readers(seg, off, gen, obj)
             else:
-                self.segments[seg].alloc.free(off)
+                self.segments[seg].alloc.free(off, obj.hdr + obj.size)
+        self.cols.drop(obj.row)
 
-    def _hold_for_readers(self, seg: str, off: int, gen: int, obj: Obj) -> None:
+    def _hold_for_readers(self, seg: str, off: int, gen: int, obj: Row) -> None:
         """Hold the space of a complete object's replica until its read lease ends. Clients
         holding that lease may read there without asking again (held reads), so its
         generation is also fenced at the segment (the heartbeat path: early reuse waits for
@@ -324,38 +381,62 @@ class ObjectTable:
     def evict(self, now: float, need: int = 0) -> int:
         """Approximate-LRU eviction down from the high watermark (or to make room for ``need``),
         by the rules of ``eviction.py``; an object with a disk copy is demoted, not dropped.
+        The whole pass at once (the server runs it in steps: ``evict_start``/``evict_step``).
 
         Returns:
             The number of objects evicted.
         """
+        job = self.evict_start(need)
+        while job is not None and not self.evict_step(job, now, 1 << 62):
+            pass
+        return job.count if job is not None else 0
+
+    def evict_start(self, need: int = 0) -> EvictPass | None:
+        """A pass that frees what :meth:`evict` would (None: nothing must go)."""
         cap = sum(s.alloc.capacity for s in self.segments.values())
         if not cap:
-            return 0
+            return None
         used = sum(s.alloc.used for s in self.segments.values())
         target = eviction.target_bytes(self.config, used, self.graveyard.held_bytes(), cap, need)
-        if target <= 0:
-            return 0
-        freed, count = 0, 0
-        for soft_pass in (False, True):
-            if soft_pass and not self.config.allow_evict_soft_pinned:
-                break
-            for key in list(self.objects):
-                if freed >= target:
+        return EvictPass(target) if target > 0 else None
+
+    def evict_step(self, job: EvictPass, now: float, budget: int) -> bool:
+        """Walk up to ``budget`` objects of ``job``'s pass, oldest first, evicting candidates;
+        True when the pass is over. Between steps the caller may serve others: the walk goes
+        on after the last object it looked at (from the oldest again if that one went)."""
+        c = self.cols
+        row = job.next_row
+        if row < 0 or c.keys[row] is not job.next_key:
+            row = c.head
+        nxt = c.nxt
+        while not job.done and budget > 0:
+            if row < 0 or job.freed >= job.target:
+                if job.soft or job.freed >= job.target or not self.config.allow_evict_soft_pinned:
+                    job.done = True
                     break
-                obj = self.objects[key]
-                if not eviction.evictable(obj, now, soft_pass):
-                    continue
-                verdict = self.tiers.verdict(key, obj, now)
-                if verdict is Verdict.KEEP:
-                    continue
-                if verdict is Verdict.DEMOTE:
-                    freed += self.tiers.demote(key, obj, now)
-                else:
-                    freed += (obj.hdr + obj.size) * len(obj.replicas)
-                    self.drop_object(key, obj, now)
-                count += 1
-        self.evicted += count
-        return count
+                job.soft, row = True, c.head
+                continue
+            budget -= 1
+            following = nxt[row]
+            self._evict_one(job, Row(c, row), now)
+            row = following
+        job.next_row, job.next_key = row, c.keys[row] if row >= 0 else None
+        return job.done
+
+    def _evict_one(self, job: EvictPass, obj: Row, now: float) -> None:
+        if not eviction.evictable(obj, now, job.soft):
+            return
+        key = obj.key
+        verdict = self.tiers.verdict(key, obj, now)
+        if verdict is Verdict.KEEP:
+            return
+        if verdict is Verdict.DEMOTE:
+            job.freed += self.tiers.demote(key, obj, now)
+        else:
+            job.freed += (obj.hdr + obj.size) * obj.replica_count()
+            self.drop_object(key, obj, now)
+        job.count += 1
+        self.evicted += 1
 
     # -- placement -----------------------------------------------------------------------------
     def soft_pin_ttl(self, cfg: ReplicateConfig) -> float:
@@ -429,9 +510,9 @@ class ObjectTable:
                 # have not ended (``force`` accepted that such a reader may see new bytes, and
                 # Mooncake frees it at once; the reader's checksum turns them into a failed
                 # read), before evicting anything still live. Space waiting for a fence never.
-                for seg, off in leased:
+                for seg, off, held in leased:
                     if seg in self.segments:
-                        self.segments[seg].alloc.free(off)
+                        self.segments[seg].alloc.free(off, held)
             elif attempt <= 1:
                 self.evict(now, need=size * cfg.replica_num)
             else:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from kvplane.store import inventory
 from kvplane.store.errors import InvalidParams, ObjectNotFound
-from kvplane.store.master.table import Obj, ObjectTable, Rep
+from kvplane.store.master.rows import Rep, Row
+from kvplane.store.master.table import ObjectTable
 from kvplane.store.replica_types import TaskId, TaskInfo, TaskWork
 
 TASK_NOT_FOUND = -1400
@@ -163,7 +164,7 @@ class Tasks:
         for seg, off, gen in failed:  # the runner reported: nothing of it is in flight
             if seg in st.segments:
                 st.adoption.forget(st.segments[seg], off, gen)  # a header it may have written
-                st.segments[seg].alloc.free(off)
+                st.segments[seg].alloc.free(off, task.size)
         if obj is None or not obj.complete:
             task.allocated = done
             self._free(task)
@@ -184,7 +185,7 @@ class Tasks:
         self._prune()
         return 0
 
-    def _drop_source(self, obj: Obj, source: str, now: float) -> None:
+    def _drop_source(self, obj: Row, source: str, now: float) -> None:
         """Take the source replica out of ``obj``; a reader inside its lease may still be
         copying from it, so its space waits for the lease like a removed object's."""
         self._st.drop_replicas(obj, {source}, now)
@@ -229,7 +230,7 @@ class Tasks:
             if now is not None and task.status is PROCESSING:
                 st.graveyard.hold(seg, off, task.size, now, gen)
             else:
-                st.segments[seg].alloc.free(off)
+                st.segments[seg].alloc.free(off, task.size)
         task.allocated = []
 
     def _fail(self, task: Task, message: str, wall_ms: int) -> None:

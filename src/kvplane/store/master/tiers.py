@@ -38,7 +38,9 @@ from kvplane.common.errors import KVPlaneError
 from kvplane.store import inventory
 from kvplane.store.errors import NoAvailableHandle, ObjectNotFound
 from kvplane.store.master.adopt import EpochOrder
+from kvplane.store.master.columns import NONE
 from kvplane.store.master.eviction import Verdict
+from kvplane.store.master.rows import Row
 from kvplane.store.master.table import Obj, ObjectTable, Segment
 from kvplane.store.tier_types import DiskReplica, OffloadTask, PromoteTask, ticket_of
 from kvplane.transfer.fence import epoch_of
@@ -66,6 +68,7 @@ class _Promotion:
     gen: int
     version: int
     deadline: float
+    nbytes: int  # of the allocation (header and value)
 
 
 class DiskTier:
@@ -91,13 +94,18 @@ class DiskTier:
         seg = self._st.segments.get(name)
         return seg is not None and seg.info.disk_size > 0
 
-    def stored(self, key: str, obj: Obj) -> None:
+    def stored(self, key: str, obj: Row) -> None:
         """``key`` was committed: a write-through segment copies it to disk at once."""
-        if any(self._st.segments[s].info.write_through for s, _, _ in obj.replicas
-               if s in self._st.segments):
+        st = self._st
+        if obj.more_replicas():
+            through = any(st.segments[s].info.write_through for s, _, _ in obj.replicas)
+        else:  # the common case: one replica at most, read from the columns
+            seg = st.seg_by_sid[obj.first_sid()] if obj.first_sid() >= 0 else None
+            through = seg is not None and seg.info.write_through
+        if through:
             self.unsaved.add(key)
 
-    def verdict(self, key: str, obj: Obj, now: float) -> Verdict:
+    def verdict(self, key: str, obj: Row, now: float) -> Verdict:
         """How eviction treats ``obj``: DEMOTE (drop memory, keep disk), KEEP (its disk copy
         is being made, or will be: an offload is queued now if none is), or DROP (no disk
         tier for it)."""
@@ -113,7 +121,7 @@ class DiskTier:
             return Verdict.KEEP if key in self.offloads else Verdict.DROP
         return Verdict.KEEP
 
-    def dropped(self, key: str, obj: Obj, now: float) -> None:
+    def dropped(self, key: str, obj: Row, now: float) -> None:
         """``obj`` left the store: its disk copies are deleted, its tasks forgotten."""
         for seg, _path in obj.disk.items():
             self._forgets.setdefault(seg, {})[key] = obj.version
@@ -129,11 +137,13 @@ class DiskTier:
         """``name`` was unmounted: its disk copies go (the node re-adopts them when it comes
         back). Returns keys left with no replica at all (the caller drops them)."""
         gone = []
-        for key, obj in self._st.objects.items():
-            if obj.disk.pop(name, None) is not None and not obj.disk and \
-                    not any(s != name for s, _, _ in obj.replicas):
-                gone.append(key)
-                self.orphans[key] = obj.version  # lost with the node, not removed
+        cols = self._st.cols
+        for row in [r for r, copies in cols.disk.items() if name in copies]:  # (rows with copies)
+            obj = Row(cols, row)
+            obj.set_disk(name, None)
+            if not obj.disk and not any(s != name for s, _, _ in obj.replicas):
+                gone.append(obj.key)
+                self.orphans[obj.key] = obj.version  # lost with the node, not removed
                 if len(self.orphans) > ORPHANS:
                     self.orphans.popitem(last=False)
         for key in [k for k, p in self.offloads.items() if p.segment == name]:
@@ -143,11 +153,11 @@ class DiskTier:
         self._forgets.pop(name, None)
         return gone
 
-    def demote(self, key: str, obj: Obj, now: float) -> int:
+    def demote(self, key: str, obj: Row, now: float) -> int:
         """Drop the memory replicas of an object that has a disk copy; returns bytes freed."""
         freed = (obj.hdr + obj.size) * len(obj.replicas)
         self._st.drop_replicas(obj, {s for s, _, _ in obj.replicas}, now)
-        self._st.objects.move_to_end(key)  # out of the way of the memory LRU's oldest end
+        self._st.cols.touch(obj.row)  # out of the way of the memory LRU's oldest end
         self.demoted += 1
         return freed
 
@@ -180,9 +190,15 @@ class DiskTier:
                 want[p.segment] -= p.task.hdr + p.task.size
         # oldest first; replicas already on disk count too (eviction can drop them at once).
         # At most PLAN_SCAN objects a pass: eviction queues what it meets itself (``verdict``)
-        for n, (key, obj) in enumerate(st.objects.items()):
+        c = st.cols
+        wanted = {c.sid_of[name] for name in want}
+        for n, row in enumerate(c.rows()):
             if n >= PLAN_SCAN or not any(v > 0 for v in want.values()):
                 break
+            if c.more[row] == NONE and c.seg[row] not in wanted:
+                continue  # (the common case, from the columns: no replica where room is wanted)
+            obj = Row(c, row)
+            key = obj.key
             if not obj.replicas or not obj.complete or key in self.offloads or key in self.failed:
                 continue
             over = next((s for s, _, _ in obj.replicas if want.get(s, 0) > 0), None)
@@ -193,7 +209,7 @@ class DiskTier:
             want[over] -= obj.hdr + obj.size
         return made
 
-    def _queue(self, key: str, obj: Obj, now: float) -> int:
+    def _queue(self, key: str, obj: Row, now: float) -> int:
         st = self._st
         for seg, off, gen in obj.replicas:
             s = st.segments.get(seg)
@@ -229,7 +245,7 @@ class DiskTier:
         if obj is None or not obj.complete or obj.version != version or \
                 segment not in self._st.segments:
             return False
-        obj.disk[segment] = path
+        obj.set_disk(segment, path)
         self.offloaded += 1
         return True
 
@@ -243,7 +259,7 @@ class DiskTier:
         """The owner of ``segment`` no longer has this disk copy (evicted by its quota, or
         found corrupt). Returns True when the object went with it."""
         obj = self._st.objects.get(key)
-        if obj is None or obj.version != version or obj.disk.pop(segment, None) is None:
+        if obj is None or obj.version != version or not obj.set_disk(segment, None):
             return False
         if not obj.disk and not obj.replicas:
             self._st.drop_object(key, obj, now)
@@ -276,7 +292,7 @@ class DiskTier:
             self.refused += 1
             return PromoteTask(NoAvailableHandle.code)
         gen = st.new_generation()
-        self.promotions[key] = _Promotion(segment, off, gen, version, now + PROMOTE_TIMEOUT)
+        self.promotions[key] = _Promotion(segment, off, gen, version, now + PROMOTE_TIMEOUT, need)
         return PromoteTask(0, seg.info.base + off, gen, obj.hdr, obj.size)
 
     def _over(self, seg: Segment, need: int) -> int:
@@ -300,24 +316,22 @@ class DiskTier:
             return False
         if ok and obj is not None and obj.version == p.version and obj.complete:
             obj.replicas += ((p.segment, p.offset, gen),)
-            st.objects.move_to_end(key)
+            st.cols.touch(obj.row)
             self.promoted += 1
             return True
         st.adoption.forget(seg, p.offset, gen)
-        seg.alloc.free(p.offset)  # the owner reported: its copy is over
+        seg.alloc.free(p.offset, p.nbytes)  # the owner reported: its copy is over
         return False
 
     def _abandon(self, key: str, p: _Promotion, now: float) -> None:
         st = self._st
         seg = st.segments.get(p.segment)
-        obj = st.objects.get(key)
         if seg is not None:
-            size = (obj.hdr + obj.size) if obj is not None else 0
             st.adoption.forget(seg, p.offset, p.gen)
-            st.graveyard.hold(p.segment, p.offset, size, now, p.gen)  # fenced before reuse
+            st.graveyard.hold(p.segment, p.offset, p.nbytes, now, p.gen)  # fenced before reuse
 
     # -- reads and re-adoption ------------------------------------------------------------------
-    def disk_replicas(self, key: str, obj: Obj) -> list[DiskReplica]:
+    def disk_replicas(self, key: str, obj: Row) -> list[DiskReplica]:
         st = self._st
         return [DiskReplica(s, st.segments[s].info.disk_endpoint, path, obj.size, key,
                             ticket_of(st.secret, key, obj.version, s))
@@ -342,7 +356,7 @@ class DiskTier:
         name = seg.info.name
         obj = st.objects.get(rec.key)
         if obj is not None and obj.version == rec.version and obj.complete:
-            obj.disk[name] = path
+            obj.set_disk(name, path)
             return True
         if epoch_of(rec.version) == st.epoch and self.orphans.get(rec.key) != rec.version:
             return False  # this master put it and removed or replaced it since: not back

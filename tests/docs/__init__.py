@@ -1,0 +1,1 @@
+"""The docs test: every fenced block of README.md and docs/*.md runs or is marked (markdown.py)."""
