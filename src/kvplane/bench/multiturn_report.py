@@ -176,8 +176,8 @@ def plot_rounds(rows: Mapping[str, Sequence[RoundStats]], path: str | Path, titl
                     label=name)
     hit_ax.set(xlabel="round", ylabel="prefix cache hit rate (%)", ylim=(0, 100),
                title="Hit rate by round")
-    ttft_ax.set(xlabel="round", ylabel="TTFT (s)", title="TTFT by round (p50 solid, p90 dashed)")
-    ttft_ax.set_ylim(bottom=0)
+    ttft_ax.set(xlabel="round", ylabel="TTFT (s, log scale)", yscale="log",
+                title="TTFT by round (p50 solid, p90 dashed)")
     hit_ax.legend(fontsize=7)
     ttft_ax.legend(fontsize=7)
     for ax in (hit_ax, ttft_ax):
