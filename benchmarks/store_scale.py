@@ -1,5 +1,5 @@
-"""Metadata at scale (issue 32): the master's memory and pauses, and sharded metadata, side by side
-with one master and with Mooncake.
+"""Metadata at scale (issue 32): the master's memory, pauses and RPC cost, cold reads, puts and
+bytes-returning gets, side by side with Mooncake; sharded metadata against one master.
 
 Usage: python benchmarks/store_scale.py SUBCOMMAND [options]   (SUBCOMMAND --help for its options)
 
@@ -14,6 +14,9 @@ import sys
 COMMANDS = {  # subcommand -> module with main(argv) -> int
     "memory": "kvplane.bench.store_scale_memory",  # master RSS per object, kvplane vs Mooncake
     "pauses": "kvplane.bench.store_scale_pauses",  # longest lock hold / RPC wait during long passes
+    "cpu": "kvplane.bench.store_scale_cpu",  # master CPU per 100k ops, kvplane vs Mooncake
+    "cold": "kvplane.bench.store_scale_cold",  # cold single gets and single puts (1..N segments)
+    "bytes": "kvplane.bench.store_scale_bytes",  # get() returning bytes over a large working set
     "table": "kvplane.bench.store_scale_table",  # per-key cost of the object table, C vs Python
     "shards": "kvplane.bench.store_scale_shards",  # exists/lookup ops/s: N shards vs one master
 }

@@ -92,8 +92,10 @@ class FakeVLLM:
         p = body.get("prompt", "")
         return list(p) if isinstance(p, list) else self.tokenize(str(p))
 
-    def _cache(self, tokens: list[int]) -> None:
-        """vLLM's prefix cache: count queried/hit tokens, store new blocks, publish them."""
+    def _cache(self, tokens: list[int]) -> int:
+        """vLLM's prefix cache: count queried/hit tokens, store new blocks, publish them.
+
+        Returns the prompt tokens served from the cache (vLLM's ``num_cached_tokens``)."""
         hashes = list(self.profile.event_hashes(tokens, self.block_size))
         hit = 0
         for h in hashes:
@@ -111,6 +113,7 @@ class FakeVLLM:
                 parent = hashes[hit - 1] if hit else None
                 toks = tokens[hit * self.block_size:len(hashes) * self.block_size]
                 self.publisher.publish([stored(new, toks, self.block_size, parent=parent)])
+        return hit * self.block_size
 
     # app --------------------------------------------------------------------------------------
     def _app(self) -> FastAPI:
@@ -162,7 +165,7 @@ class FakeVLLM:
         if self.fail_status is not None:
             return JSONResponse({"error": {"message": "scripted failure"}}, self.fail_status)
         prompt = self._prompt(body)
-        self._cache(prompt)
+        cached = self._cache(prompt)
         out = self.generate(prompt, int(body.get("max_tokens") or 4))
         if not body.get("stream"):
             if self.die_after is not None:
@@ -172,18 +175,29 @@ class FakeVLLM:
             return JSONResponse({"model": self.model, "choices": [{"index": 0, **choice,
                                                                    "finish_reason": "length"}],
                                  "kv_transfer_params": body.get("kv_transfer_params")})
-        return StreamingResponse(self._events(out, chat), media_type="text/event-stream")
+        usage = None
+        if (body.get("stream_options") or {}).get("include_usage"):  # as --enable-prompt-tokens-details
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out),
+                     "total_tokens": len(prompt) + len(out),
+                     "prompt_tokens_details": {"cached_tokens": cached}}
+        return StreamingResponse(self._events(out, chat, bool(body.get("return_token_ids")), usage),
+                                 media_type="text/event-stream")
 
-    async def _events(self, out: list[int], chat: bool) -> AsyncIterator[bytes]:
+    async def _events(self, out: list[int], chat: bool, ids: bool = False,
+                      usage: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
         for i, t in enumerate(out):
             if self.die_after is not None and i >= self.die_after:
                 raise ConnectionAbortedError("scripted death mid-stream")
             while self.stall_after is not None and i >= self.stall_after and not self.release.is_set():
                 await asyncio.sleep(0.02)
-            piece = {"delta": {"content": f" t{t}"}} if chat else {"text": f" t{t}"}
+            piece: dict[str, Any] = {"delta": {"content": f" t{t}"}} if chat else {"text": f" t{t}"}
+            if ids:
+                piece["token_ids"] = [t]
             yield b"data: " + json.dumps({"choices": [{"index": 0, **piece}]}).encode() + b"\n\n"
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
+        if usage is not None:
+            yield b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     def close(self) -> None:

@@ -62,6 +62,16 @@ def store_kv_config(master: str, **extra: Any) -> dict[str, Any]:
                                           **extra}}
 
 
+def offload_kv_config(master: str, **extra: Any) -> dict[str, Any]:
+    """kv_transfer_config for vLLM's OffloadingConnector with kvplane's spec against ``master``."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "KVPlaneOffloadingSpec",
+                                          "spec_module_path": "kvplane.integrations.vllm.offload",
+                                          "master_server_address": master, "protocol": "tcp",
+                                          "metadata_server": "P2PHANDSHAKE", "timeout": 5,
+                                          **extra}}
+
+
 class Driver:
     """One offline vLLM engine in a subprocess, spoken to one JSON line at a time."""
 
@@ -154,11 +164,15 @@ class OpenAIServer:
         max_num_seqs: most sequences in one batch.
         block_size: KV block size.
         extra: more command-line arguments.
+        env: environment overrides (e.g. ``MOONCAKE_CONFIG_PATH``); None removes a variable
+            (``VLLM_CPU_KVCACHE_SPACE: None``, so that ``--kv-cache-memory-bytes`` applies).
+        extra_path: a directory put first on the server's PYTHONPATH (e.g. real Mooncake).
     """
 
     def __init__(self, model: str, log_path: pathlib.Path, events: str | None = None,
                  replay: str | None = None, max_model_len: int = 512, max_num_seqs: int = 2,
-                 block_size: int = BS, extra: list[str] | None = None) -> None:
+                 block_size: int = BS, extra: list[str] | None = None,
+                 env: dict[str, str | None] | None = None, extra_path: str = "") -> None:
         from tests.support.services import free_port
 
         self.port = free_port()
@@ -175,8 +189,13 @@ class OpenAIServer:
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                    "replay_endpoint": replay, "topic": "kv"}
             args += ["--kv-events-config", json.dumps(cfg)]
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=vllm_env(VLLM_SERVER_DEV_MODE="1"),
+        penv = vllm_env(extra_path, VLLM_SERVER_DEV_MODE="1")
+        for k, v in (env or {}).items():
+            if v is None:
+                penv.pop(k, None)
+            else:
+                penv[k] = v
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=penv,
                                      start_new_session=True)  # its engine core joins the group
 
     def _signal_group(self, sig: int) -> None:

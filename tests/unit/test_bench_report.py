@@ -112,3 +112,19 @@ def test_kvplanes_own_mooncake_shim_is_not_mooncake(monkeypatch):
     importlib.invalidate_caches()
     assert importlib.util.find_spec("mooncake") is not None  # the shim is importable ...
     assert not tb._here_has_mooncake()  # ... but it is kvplane, not Mooncake
+
+
+def test_mooncake_is_found_with_the_shim_already_imported(fake_mooncake, monkeypatch):
+    # a suite that imported kvplane's shim earlier leaves it in sys.modules (the fresh-venv CI
+    # run found /tmp/mc-venv instead of this interpreter)
+    import types
+
+    from kvplane.integrations import mooncake_shim
+
+    shim = types.ModuleType("mooncake")
+    shim.__spec__ = importlib.util.spec_from_file_location(
+        "mooncake", f"{mooncake_shim.PATH}/mooncake/__init__.py",
+        submodule_search_locations=[f"{mooncake_shim.PATH}/mooncake"])
+    monkeypatch.setitem(sys.modules, "mooncake", shim)
+    monkeypatch.delenv("KVPLANE_MOONCAKE_PYTHON", raising=False)
+    assert tb.find_mooncake_python(None) == sys.executable

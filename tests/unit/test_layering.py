@@ -50,6 +50,7 @@ PURE = [
     "kvplane.conductor.scheduling.timemodel", "kvplane.conductor.scheduling.cache",
     "kvplane.collectives.schedule", "kvplane.ep.topology",
     "kvplane.integrations.vllm.plan", "kvplane.integrations.vllm.pd_plan",
+    "kvplane.integrations.vllm.offload_plan",
     "kvplane.p2p.manifest", "kvplane.p2p.planner", "kvplane.p2p.tracker",
 ]
 IMPURE = ("socket", "zmq", "asyncio", "threading", "time", "datetime", "selectors")

@@ -45,6 +45,8 @@ class Options:
     cap_mb: int = 256
     mooncake_python: str | None = None
     repeat: int = 1  # run every side this many times, interleaved; keep each cell's best
+    api: str = "zero-copy"  # "bytes": put/get returning bytes (store_loop --api)
+    working_set_mb: int = 0  # the get phase cycles over this many MiB of keys (0: cap_mb's)
 
 
 def _free_port() -> int:
@@ -95,8 +97,11 @@ class Services:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False,
-             protocol: str = "auto") -> str:
+def start_kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False,
+                  protocol: str = "auto") -> str:
+    """A kvplane master in ``svc`` (``ha``: etcd, a leader and a standby) and, if ``remote``,
+    one ``kvplane segment`` of ``seg_mb`` MiB with ``protocol``; returns the master address
+    clients use."""
     port, admin = _free_port(), _free_port()
     cli = [sys.executable, "-m", "kvplane.cli.main"]
     if ha:  # etcd, a leader and a standby; clients and the segment use the etcd:// address
@@ -183,7 +188,8 @@ def _worker(py: str, impl: str, label: str, master: str, opt: Options, clients: 
            "--protocol", protocol, "--clients", str(clients), "--segment-mb", str(segment_mb),
            "--sizes", ",".join(map(str, opt.sizes)), "--batch", ",".join(map(str, opt.batches)),
            "--duration", str(opt.duration), "--cap-mb", str(opt.cap_mb),
-           "--local-buffer-mb", str(max(64, max(opt.batches) * max(opt.sizes) >> 20))]
+           "--local-buffer-mb", str(max(64, max(opt.batches) * max(opt.sizes) >> 20)),
+           "--api", opt.api, "--working-set-mb", str(opt.working_set_mb)]
     env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2", **(extra_env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -315,8 +321,8 @@ def _run_side(svc: Services, cell: _Cell, opt: Options, mooncake_python: str | N
         # kvplane-nixl: clients and the pool's segment over NIXL/UCX (issue 30)
         protocol = "tcp" if cell.side.startswith("kvplane-tcp") else \
             "nixl" if cell.side.startswith("kvplane-nixl") else "auto"
-        master = _kvplane(svc, remote, opt.segment_mb, ha=cell.side.endswith("-ha"),
-                          protocol="nixl" if protocol == "nixl" else "auto")
+        master = start_kvplane(svc, remote, opt.segment_mb, ha=cell.side.endswith("-ha"),
+                          protocol=protocol)  # the segment as its clients: a tcp side loads no NIXL
         # "-csum" sides: the same client with store checksums on (their cost, side by side)
         env = {"KVPLANE_STORE_CHECKSUM": "1" if "-csum" in cell.side else "0"}
         if "-nocache" in cell.side:  # no speculative gets: the lookup, then the read

@@ -4,8 +4,12 @@
 the real ``mooncake.store`` (run it with Mooncake's interpreter), ``--impl redis`` redis-py
 against a Redis server. The same loop measures all three. Single ops are
 ``put_from``/``get_into`` (Redis: SET/GET); batches are ``batch_put_from``/``batch_get_into``
-(Redis: a pipeline of SET/GET). Prints one JSON object per cell. Imports nothing from kvplane
-unless ``--impl kvplane``.
+(Redis: a pipeline of SET/GET). With ``--api bytes`` the Mooncake APIs' copying calls instead:
+``put``/``get`` returning bytes, ``put_batch``/``get_batch`` (every value read is compared
+with the one put). ``--working-set-mb``: the get phase cycles over exactly that many bytes of
+keys per client (the put phase's keys, topped up off the clock), e.g. more than the CPU
+caches hold. Prints one JSON object per cell. Imports nothing from kvplane unless
+``--impl kvplane``.
 """
 
 from __future__ import annotations
@@ -38,8 +42,16 @@ class StoreImpl:
             if self.st.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                 raise RuntimeError("register_buffer failed")
         self.tx, self.rx = tx.ctypes.data, rx.ctypes.data
+        self.txv = tx.data
+        self.bytes_api = a.api == "bytes"
 
     def put(self, keys: list[str], size: int) -> bool:
+        if self.bytes_api:
+            vals = [self.txv[j * size:(j + 1) * size] for j in range(len(keys))]
+            rs = [self.st.put(keys[0], vals[0])] if len(keys) == 1 else \
+                [self.st.put_batch(keys, vals)]
+            self.last = rs
+            return all(r == 0 for r in rs)
         if len(keys) == 1:
             rs = [self.st.put_from(keys[0], self.tx, size)]
         else:
@@ -49,6 +61,10 @@ class StoreImpl:
         return all(r == 0 for r in rs)
 
     def get(self, keys: list[str], size: int) -> bool:
+        if self.bytes_api:  # a new bytes object per key, as Mooncake-API users get
+            got = [self.st.get(keys[0])] if len(keys) == 1 else self.st.get_batch(keys)
+            self.last = [len(v) for v in got]
+            return all(v == self.txv[j * size:(j + 1) * size] for j, v in enumerate(got))
         if len(keys) == 1:
             rs = [self.st.get_into(keys[0], self.rx, size)]
         else:
@@ -160,11 +176,23 @@ def client(cid: int, a: argparse.Namespace, barrier, q) -> None:
                 lat, el = _phase(put_fn, put_keys, a.duration, a.min_calls)
                 q.put(dict(op="put", size=size, batch=k, calls=len(lat), elapsed=el, lat=lat, cid=cid))
                 live = live[:len(lat) * k]
+                if a.working_set_mb:  # exactly this many bytes of keys, topped up unmeasured
+                    want = max(k, (a.working_set_mb << 20) // size // k * k)
+                    i = len(lat)
+                    while len(live) < want:
+                        more = [f"{pfx}-{size}-{k}-{i}-{j}" for j in range(k)]
+                        if not put_fn(more):
+                            raise RuntimeError(f"top-up put of {more[0]} failed")
+                        live += more
+                        i += 1
+                    impl.remove(live[want:])
+                    live = live[:want]
                 n = len(live) // k
                 barrier.wait(120)
                 lat, el = _phase(_Op(impl, "get", size),
                                  lambda i: live[(i % n) * k:(i % n + 1) * k], a.duration, a.min_calls)  # noqa: B023  (called now)
-                ok = bool(np.array_equal(rx[(k - 1) * size:k * size], tx[(k - 1) * size:k * size]))
+                ok = a.api == "bytes" or bool(  # (the bytes API compares every value itself)
+                    np.array_equal(rx[(k - 1) * size:k * size], tx[(k - 1) * size:k * size]))
                 q.put(dict(op="get", size=size, batch=k, calls=len(lat), elapsed=el, lat=lat,
                            cid=cid, verified=ok))
                 impl.remove(live)
@@ -190,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=1.0)
     ap.add_argument("--min-calls", type=int, default=3)
     ap.add_argument("--cap-mb", type=int, default=256)
+    ap.add_argument("--api", choices=["zero-copy", "bytes"], default="zero-copy",
+                    help="zero-copy: put_from/get_into; bytes: put/get returning bytes")
+    ap.add_argument("--working-set-mb", type=int, default=0,
+                    help="bytes of keys the get phase cycles over, per client (0: what the put "
+                         "phase put, at most --cap-mb)")
     a = ap.parse_args(argv)
     a.label = a.label or a.impl
     ctx = mp.get_context("spawn")
@@ -217,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         objs = sum(m["calls"] for m in ms) * k
         print(json.dumps(dict(impl=a.label, op=op, size=size, batch=k, clients=a.clients,
                               ops_s=objs / el, gb_s=objs * size / el / 1e9, p50_us=_pct(lat, .5),
-                              p99_us=_pct(lat, .99),
+                              p99_us=_pct(lat, .99), api=a.api,
+                              working_set_mb=a.working_set_mb,
                               verified=all(m.get("verified", True) for m in ms))), flush=True)
     for p in procs:
         p.join(10)

@@ -12,6 +12,7 @@ measured when an interpreter with ``mooncake`` is found (``--mooncake-python`` o
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -81,13 +82,16 @@ def _imports_mooncake(python: str) -> bool:
 def _here_has_mooncake() -> bool:
     """Real Mooncake is installed for this interpreter (kvplane's own ``mooncake`` import shim,
     which maps Mooncake's names onto kvplane, does not count)."""
-    spec = importlib.util.find_spec("mooncake")
+    # every place on sys.path, not find_spec's first answer: a ``mooncake`` already imported in
+    # this process (the shim, by an earlier caller) or a shim earlier on the path would hide it
     ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the kvplane package
-    for where in (spec.submodule_search_locations or []) if spec else []:
-        if os.path.abspath(where).startswith(ours) or not os.path.isdir(where):
-            continue  # the shim, or nothing there
-        if any(name.startswith("engine") for name in os.listdir(where)):
-            return True
+    for entry in sys.path:
+        spec = importlib.machinery.PathFinder.find_spec("mooncake", [entry or os.getcwd()])
+        for where in (spec.submodule_search_locations or []) if spec else []:
+            if os.path.abspath(where).startswith(ours) or not os.path.isdir(where):
+                continue  # the shim, or nothing there
+            if any(name.startswith("engine") for name in os.listdir(where)):
+                return True
     return False
 
 

@@ -196,6 +196,11 @@ def store(
     repeat: int = typer.Option(1, min=1, help="Run everything N times, interleaved; keep each cell's best."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per row."),
     plot: str = typer.Option("store_bench.png", help="PNG of GB/s vs value size ('' for none)."),
+    api: str = typer.Option("zero-copy", help="zero-copy (put_from/get_into) or bytes "
+                                              "(put/get returning bytes, put_batch/get_batch)."),
+    working_set: str = typer.Option("0", help="Bytes of keys each client's gets cycle over "
+                                              "(e.g. 512MiB, past the CPU caches; 0: what the put "
+                                              "phase put, at most --cap-mb)."),
 ) -> None:
     """Store: kvplane (tcp and shared memory) vs real Mooncake store vs Redis 7, one run.
 
@@ -205,12 +210,15 @@ def store(
     """
     from kvplane.bench import store as sb
 
+    if api not in ("zero-copy", "bytes"):
+        raise typer.BadParameter("choose zero-copy or bytes", param_hint="--api")
     opt = sb.Options(sizes=_ints(sizes), batches=_counts(batch, "--batch"), duration=duration,
                      clients=_counts(clients, "--clients"), sides=sides.split(","),
                      topologies=topologies.split(","),
                      segment_mb=segment_mb if segment_mb is not None else segment_size >> 20,
                      cap_mb=cap_mb,
-                     mooncake_python=mooncake_python, repeat=repeat)
+                     mooncake_python=mooncake_python, repeat=repeat, api=api,
+                     working_set_mb=_ints(working_set)[0] >> 20)
     got = _measure(sb, opt, as_json, lambda sink: sb.best_of([sink], sb.KEY))
     if not as_json:
         _store_tables(got)

@@ -51,6 +51,7 @@ _LEN = struct.Struct("<I")
 
 
 _CHUNK = 1 << 20
+_READ_AHEAD = 64 << 10  # bytes a server connection reads at once (a request, and any after it)
 
 
 class OversizedFrame(ProtocolError):
@@ -98,16 +99,89 @@ def _recv_frame(sock: socket.socket, limit: int, spin: float = SPIN_SECONDS,
     (n,) = _LEN.unpack(head)
     if n > limit:
         raise OversizedFrame(f"frame of {n} bytes exceeds {limit}", bytes(head))
+    return _recv_body(sock, n)
+
+
+def _recv_body(sock: socket.socket, n: int, part: bytes | memoryview = b"") -> bytearray:
+    """The ``n`` bytes of a frame's body, of which ``part`` arrived already."""
     if n <= _CHUNK:
         body = bytearray(n)
-        recv_exact(sock, memoryview(body))
+        body[:len(part)] = part
+        recv_exact(sock, memoryview(body)[len(part):])
         return body
-    body = bytearray()  # large: grow with what arrives, not with what the peer claims
+    body = bytearray(part)  # large: grow with what arrives, not with what the peer claims
     while len(body) < n:
-        part = bytearray(min(_CHUNK, n - len(body)))
-        recv_exact(sock, memoryview(part))
-        body += part
+        more = bytearray(min(_CHUNK, n - len(body)))
+        recv_exact(sock, memoryview(more))
+        body += more
     return body
+
+
+class _Frames:
+    """The request frames of one server connection, read ahead: one ``recv`` usually brings a
+    whole request (and any the peer pipelined after it), where reading the head and then the
+    body took two. A frame is returned as a view of the read-ahead buffer, valid until the next
+    call; one larger than the buffer is read into its own (``_recv_body``).
+
+    Raises (from :meth:`next`): ProtocolError (a frame over ``limit``), Unavailable (closed),
+    TimeoutError (the socket's kernel timeout: nothing arrived).
+    """
+
+    __slots__ = ("sock", "limit", "buf", "view", "start", "end")
+
+    def __init__(self, sock: socket.socket, limit: int) -> None:
+        self.sock, self.limit = sock, limit
+        self.buf = bytearray(_READ_AHEAD)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+
+    def buffered(self) -> bool:
+        """Whether bytes of a next frame are here already (no need to wait, or to poll)."""
+        return self.end > self.start
+
+    def poll(self, spin: float) -> bool:
+        """Busy-poll for up to ``spin`` seconds for more bytes; True if some came."""
+        self._compact()
+        got = poll_spin(self.sock, self.view[self.end:], spin)
+        if got == 0:
+            raise Unavailable("connection closed")
+        if got < 0:
+            return False
+        self.end += got
+        return True
+
+    def next(self) -> memoryview | bytearray:
+        """The next frame's body."""
+        while True:
+            have = self.end - self.start
+            if have >= 4:
+                (n,) = _LEN.unpack_from(self.buf, self.start)
+                if n > self.limit:
+                    raise ProtocolError(f"frame of {n} bytes exceeds {self.limit}")
+                if n + 4 <= have:
+                    at = self.start + 4
+                    self.start = at + n
+                    return self.view[at:at + n]
+                if n + 4 > len(self.buf):  # will not fit: its own buffer
+                    part = self.view[self.start + 4:self.end]
+                    self.start = self.end = 0
+                    return _recv_body(self.sock, n, part)
+            self._compact()
+            try:
+                k = self.sock.recv_into(self.view[self.end:])
+            except BlockingIOError as exc:
+                raise TimeoutError("receive timed out") from exc
+            if k == 0:
+                raise Unavailable("connection closed by peer")
+            self.end += k
+
+    def _compact(self) -> None:
+        """Move what is left of the buffer to its front."""
+        if self.start:
+            have = self.end - self.start
+            if have:
+                self.buf[:have] = bytes(self.view[self.start:self.end])  # (may overlap)
+            self.start, self.end = 0, have
 
 
 def _recv_first(sock: socket.socket, limit: int, timeout: float) -> bytearray:
@@ -152,6 +226,8 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
 
 
 _NONE = msgspec.Raw(wire.encode(None))
+_ENC = msgspec.msgpack.Encoder()
+_ENVELOPE = msgspec.msgpack.Decoder(wire.Envelope)
 HELLO = "rpc.hello"  # a no-op call a client makes to authenticate before a large first request
 _PREAUTH_SAFE = 48 << 10  # a first request larger than this is preceded by HELLO
 _STALE_AFTER = 1.0  # a connection idle this long is checked for a server-side close before use
@@ -164,7 +240,7 @@ def current_principal() -> Principal:
 
 
 def dispatch(handlers: Mapping[str, tuple[Handler, type[Any]]], token: str | Authenticator,
-             data: bytes | bytearray) -> wire.Reply | None:
+             data: bytes | bytearray | memoryview) -> wire.Reply | None:
     """Serve one request frame: decode it, check version and token, run the method's handler.
 
     ``token`` is the shared token ("" accepts anyone) or an authenticator (token -> principal,
@@ -176,11 +252,49 @@ def dispatch(handlers: Mapping[str, tuple[Handler, type[Any]]], token: str | Aut
         The reply to send, or None when ``data`` is not an envelope at all (the caller drops
         the connection and counts it as malformed).
     """
+    env = _envelope(data)
+    if env is None:
+        return None
+    ok, out = _call(handlers, token_authenticator(token) if isinstance(token, str) else token,
+                    env)
+    return wire.Reply(env.id, 0, "", msgspec.Raw(wire.encode(out))) if ok else out
+
+
+def answer(handlers: Mapping[str, tuple[Handler, type[Any]]], check: Authenticator,
+           data: bytes | bytearray | memoryview, out: bytearray) -> bool:
+    """:func:`dispatch`, its reply framed into ``out`` (resized to the frame: the 4-byte
+    length, then the reply's msgpack, byte for byte what ``wire.encode(dispatch(...))``
+    gives). A success is encoded once, straight into ``out``, where ``dispatch`` encodes the
+    handler's answer and then the envelope around a copy of it.
+
+    Returns:
+        False when ``data`` is not an envelope (nothing is written).
+    """
+    env = _envelope(data)
+    if env is None:
+        return False
+    ok, rep = _call(handlers, check, env)
+    if ok:  # Reply(id, 0, "", body) as msgspec writes it: fixarray 4, id, 0, "", body
+        head = b"\x94" + _ENC.encode(env.id) + b"\x00\xa0"
+        at = 4 + len(head)
+        _ENC.encode_into(rep, out, at)
+        out[4:at] = head
+    else:
+        _ENC.encode_into(rep, out, 4)
+    _LEN.pack_into(out, 0, len(out) - 4)
+    return True
+
+
+def _envelope(data: bytes | bytearray | memoryview) -> wire.Envelope | None:
     try:
-        env = msgspec.msgpack.decode(data, type=wire.Envelope)
+        return _ENVELOPE.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    check = token_authenticator(token) if isinstance(token, str) else token
+
+
+def _call(handlers: Mapping[str, tuple[Handler, type[Any]]], check: Authenticator,
+          env: wire.Envelope) -> tuple[bool, Any]:
+    """Run ``env``'s method: (True, the handler's answer) or (False, the error ``Reply``)."""
     try:
         if env.v != wire.WIRE_VERSION:
             raise ProtocolError(f"wire version {env.v} not supported")
@@ -188,22 +302,21 @@ def dispatch(handlers: Mapping[str, tuple[Handler, type[Any]]], token: str | Aut
         if principal is None:
             raise Unauthorized("bad or missing token")
         if env.method == HELLO:
-            return wire.Reply(env.id, 0, "", _NONE)
+            return True, None
         entry = handlers.get(env.method)
         if entry is None:
             raise InvalidArgument(f"unknown method {env.method!r}")
         handler, rtype = entry
         _current.principal = principal
         try:
-            body = wire.encode(handler(wire.decode(env.body, rtype)))
+            return True, handler(wire.decode(env.body, rtype))
         finally:
             _current.principal = None
-        return wire.Reply(env.id, 0, "", msgspec.Raw(body))
     except KVPlaneError as exc:
-        return wire.Reply(env.id, exc.code, str(exc), _NONE)
+        return False, wire.Reply(env.id, exc.code, str(exc), _NONE)
     except Exception as exc:  # a handler bug must not kill the server
         log.exception("rpc handler %s failed", env.method)
-        return wire.Reply(env.id, KVPlaneError.code, f"internal error: {exc}", _NONE)
+        return False, wire.Reply(env.id, KVPlaneError.code, f"internal error: {exc}", _NONE)
 
 
 class _Session:
@@ -241,8 +354,10 @@ class RpcServer:
         limits: pre-authentication limits (default: from the environment).
         spin: seconds a connection whose peer sent its next request within that long of the
             last answer (a client in a tight loop) is busy-polled for the next one, one
-            connection at a time; 0 (the default) never. Waking a sleeping thread costs
-            40-60 us on a VM, as much as a small call (docs/benchmarks.md, "Eighth round").
+            connection at a time; 0 (the default) never. It saves the wake-up of a sleeping
+            thread when a core is idle, and costs a core while it polls: on a host whose
+            cores are all busy (the store master beside its clients and segments on two
+            cores) it slows them (docs/benchmarks.md, "Issue 32: the master's RPC path").
         listen: accept from construction on (default); False: only from :meth:`start`.
     """
 
@@ -279,28 +394,39 @@ class RpcServer:
 
     def _serve(self, conn: socket.socket) -> None:
         session = _Session(self._auth)
+        out = bytearray()  # the reply being sent (reused: one buffer per connection)
         try:
-            if not self._handshake(conn, session):
+            if not self._handshake(conn, session, out):
                 return
             set_io_timeout(conn, self._listener.limits.idle_timeout or 1e9)
+            frames = _Frames(conn, self._max)
             quick, done_at, spin = False, 0.0, self._spin
             while not self._listener.closed.is_set():
                 try:  # a peer in a tight loop is busy-polled (``_spin``), one at a time
-                    data = _recv_frame(conn, self._max, spin if quick else 0.0, self._spinner)
-                    quick = time.perf_counter() - done_at < spin
+                    if quick and not frames.buffered() and self._spinner.acquire(blocking=False):
+                        try:
+                            frames.poll(spin)
+                        finally:
+                            self._spinner.release()
+                    data = frames.next()
+                    if spin:
+                        quick = time.perf_counter() - done_at < spin
                 except ProtocolError as exc:
                     self._reject(conn, "malformed", str(exc))
                     return
                 except TimeoutError:
                     REJECTED.labels("rpc", "idle").inc()
                     return
-                if not self._answer(conn, session, data):
+                if not self._answer(conn, session, data, out):
                     return
-                done_at = time.perf_counter()
+                if len(out) > _READ_AHEAD:  # a large answer: do not hold its buffer
+                    out = bytearray()
+                if spin:
+                    done_at = time.perf_counter()
         except (OSError, KVPlaneError):
             pass
 
-    def _handshake(self, conn: socket.socket, session: _Session) -> bool:
+    def _handshake(self, conn: socket.socket, session: _Session, out: bytearray) -> bool:
         """Read, check and answer the first frame; True once the peer is authenticated."""
         lim = self._listener.limits
         try:
@@ -312,7 +438,7 @@ class RpcServer:
             self._reject(conn, "handshake_timeout", "no complete first frame within "
                          f"{lim.handshake_timeout}s")
             return False
-        if not self._answer(conn, session, data):
+        if not self._answer(conn, session, data, out):
             return False
         if session.principal is None:
             self._reject(conn, "bad_token", "bad or missing token")
@@ -320,12 +446,15 @@ class RpcServer:
         self._listener.authenticated(conn)
         return True
 
-    def _answer(self, conn: socket.socket, session: _Session, data: bytearray) -> bool:
-        reply = dispatch(self._handlers, session, data)
-        if reply is None:
+    def _answer(self, conn: socket.socket, session: _Session,
+                data: bytearray | memoryview, out: bytearray) -> bool:
+        if not answer(self._handlers, session, data, out):
             self._reject(conn, "malformed", "not an RPC envelope")
             return False
-        _send_frame(conn, wire.encode(reply))
+        try:
+            conn.sendall(out)
+        except BlockingIOError as exc:
+            raise TimeoutError("rpc send timed out") from exc
         return True
 
     def _reject(self, conn: socket.socket, reason: str, detail: str) -> None:
@@ -350,11 +479,12 @@ class RpcClient:
     """A blocking client over one TCP connection. Thread-safe (calls are serialised).
 
     A call that fails or times out drops the connection, so a late reply can never be taken
-    for the answer to a later call; the next call reconnects.
+    for the answer to a later call; the next call reconnects. ``spin``: seconds to busy-poll
+    for each reply before sleeping in the kernel (0: sleep at once).
     """
 
     def __init__(self, endpoint: str, token: str = "", timeout: float = 10.0,
-                 max_message: int = wire.MAX_CONTROL_FRAME) -> None:
+                 max_message: int = wire.MAX_CONTROL_FRAME, spin: float = SPIN_SECONDS) -> None:
         from kvplane.common.config import parse_hostport
 
         self.endpoint = endpoint.removeprefix("tcp://")
@@ -362,6 +492,7 @@ class RpcClient:
         self._token = token
         self._timeout = timeout
         self._max = max_message
+        self._spin = spin
         self._sock: socket.socket | None = None
         self._armed = -1.0
         self._used = 0.0
@@ -410,7 +541,7 @@ class RpcClient:
         if meanwhile is not None:
             meanwhile()
         try:
-            frame = _recv_frame(sock, self._max)
+            frame = _recv_frame(sock, self._max, self._spin)
         except OversizedFrame as exc:
             peer = _what_answered(self.endpoint, exc.head)
             if peer is None:

@@ -197,8 +197,10 @@ class KeysReq(msgspec.Struct):
     # read). A key whose object still has a replica there is answered by its absence from
     # ``ResultsRep.stale``, with the same lease, instead of by its replicas.
     expect: list[Location | None] | None = None
-    # get_replicas only: the client takes ``ResultsRep.columns`` when every key has one plain
-    # replica (checksums off: the columns carry none)
+    # get_replicas: the client takes ``ResultsRep.columns`` when every key has one plain
+    # replica (checksums off: the columns carry none); exist: the answer names, in
+    # ``CodesRep.columns``, the places of the keys under the read lease exist grants, when
+    # every key is such an object (the caller then holds them: its gets read there at once)
     columns: bool = False
 
 
@@ -310,6 +312,10 @@ class CodesRep(msgspec.Struct):
     retire: list[Retire] | None = None  # remove: what the caller retires before it returns
     spare: Spare | None = None  # PutEnd: the spare asked for (None: none could be made)
     grants: list[Grant] | None = None  # remove, to a tenant: its grants for ``retire``
+    # exist with ``KeysReq.columns``, every key found plain: their places, read-leased for
+    # ``ttl`` seconds from the master's receipt (as a lookup's answer)
+    columns: Columns | None = None
+    ttl: float = 0.0
 
 
 def column_results(cols: Columns) -> list[KeyResult]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvplane.common import envs
@@ -88,7 +88,7 @@ class EngineConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
         """Defaults, then KVPLANE_* environment, then explicit ``overrides`` (which win)."""
-        base = cls(
+        fields: dict[str, Any] = dict(
             timeout=envs.get("KVPLANE_TRANSFER_TIMEOUT"),
             slice_size=envs.get("KVPLANE_SLICE_SIZE"),
             streams=envs.get("KVPLANE_TCP_STREAMS"),
@@ -97,4 +97,7 @@ class EngineConfig:
             file_root=envs.get("KVPLANE_FILE_ROOT"),
             transports=envs.get("KVPLANE_TRANSPORTS"),
         )
-        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        # one resolution, of the protocol asked for: resolving the default ``auto`` first
+        # added "nixl" to the transports, which an explicit ``tcp`` then kept
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)

@@ -22,11 +22,11 @@ from tests.support.vllm_harness import OpenAIServer
 pytestmark = [pytest.mark.e2e, requires_vllm, pytest.mark.timeout(600)]
 
 
-def pd_kv_config(role: str) -> dict:
+def pd_kv_config(role: str, timeout: float = 10) -> dict:
     return {"kv_connector": "KVPlanePDConnector",
             "kv_connector_module_path": "kvplane.integrations.vllm", "kv_role": role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"protocol": "tcp", "timeout": 10}}
+            "kv_connector_extra_config": {"protocol": "tcp", "timeout": timeout}}
 
 
 def pd_server(model: str, role: str, log_path) -> OpenAIServer:

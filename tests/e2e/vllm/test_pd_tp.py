@@ -23,11 +23,13 @@ TP = 2
 
 
 def tp_server(model: str, role: str, log_path) -> OpenAIServer:
+    # four TP workers on 2 cores: a CI run saw a peer's handshake take over 10 s (the pull then
+    # fell back to recompute, right answer, but not the path under test)
     import json
 
     return OpenAIServer(model, log_path, extra=[
         "--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
-        json.dumps(pd_kv_config(role)), "--tensor-parallel-size", str(TP),
+        json.dumps(pd_kv_config(role, timeout=60)), "--tensor-parallel-size", str(TP),
         "--distributed-executor-backend", "mp"])
 
 

@@ -10,6 +10,7 @@ from tests.support.vllm_harness import (  # noqa: F401  (re-exported for the tes
     Driver,
     make_model,
     max_diff,
+    offload_kv_config,
     prompt,
     store_kv_config,
     vllm_env,

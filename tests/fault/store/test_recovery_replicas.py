@@ -66,7 +66,11 @@ def pinged_twice_since(admin: int, t0: float) -> bool:
 
 
 def assert_exactly_two_replicas(admin: int, w, keys: list[str]) -> None:
-    wait_until(lambda: settled(admin) is not None, 60, "recovery and repairs settled")
+    try:
+        wait_until(lambda: settled(admin) is not None, 60, "recovery and repairs settled")
+    except Exception:  # say what did not settle (a CI run timed out here once)
+        print("ha_status:", get(admin, "/ha_status"), "objects:", get(admin, "/status").get("objects"))
+        raise
     t0 = time.time()
     wait_until(lambda: pinged_twice_since(admin, t0), 20, "two heartbeats of every segment")
     wait_until(lambda: settled(admin) is not None, 30, "repairs settled")

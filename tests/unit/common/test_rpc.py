@@ -162,3 +162,60 @@ def test_a_server_never_started_closes_and_frees_its_port():
     srv.start()  # a no-op once closed
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def _frame_of(method: str, body: object, rid: int = 7, token: str = "t", v: int = 1) -> bytes:
+    from kvplane.common import wire
+
+    return wire.encode(wire.Envelope(v, rid, method, token, 1000, msgspec.Raw(wire.encode(body))))
+
+
+def test_answer_frames_exactly_what_dispatch_replies():
+    """The server's one-pass reply (``answer``) is byte for byte the length prefix plus
+    ``wire.encode(dispatch(...))``: successes, each kind of error, the hello, large ids."""
+    from kvplane.common import rpc, wire
+    from kvplane.common.auth import token_authenticator
+
+    handlers = {"double": (lambda r: r.x * 2, Req),
+                "nf": (lambda r: (_ for _ in ()).throw(NotFound("gone")), Req),
+                "boom": (lambda r: 1 / 0, Req),
+                "blob": (lambda r: {"k": [r.x] * 3, "b": b"\x00" * 70000}, Req)}
+    check = token_authenticator("t")
+    cases = [_frame_of("double", Req(21)), _frame_of("double", Req(3), rid=2**40),
+             _frame_of("nf", Req(1)), _frame_of("boom", Req(1)), _frame_of("blob", Req(5)),
+             _frame_of("nope", Req(1)), _frame_of(rpc.HELLO, None),
+             _frame_of("double", Req(1), token="bad"), _frame_of("double", Req(1), v=9),
+             _frame_of("double", {"y": "not a Req"})]
+    out = bytearray(b"junk left from the last reply" * 10)
+    for data in cases:
+        for view in (data, memoryview(bytearray(data))):
+            want = wire.encode(rpc.dispatch(handlers, check, data))
+            assert rpc.answer(handlers, check, view, out)
+            assert bytes(out) == struct.pack("<I", len(want)) + want
+    assert rpc.dispatch(handlers, check, b"\xc1junk") is None
+    assert not rpc.answer(handlers, check, b"\xc1junk", out)
+
+
+def test_frames_are_read_ahead_and_split_exactly():
+    """One recv brings pipelined requests; each comes out whole, in order, also when split
+    across reads, and one larger than the read-ahead buffer is read into its own."""
+    from kvplane.common import rpc
+
+    a, b = socket.socketpair()
+    with a, b:
+        frames = rpc._Frames(a, 1 << 22)
+        bodies = [b"x" * n for n in (0, 1, 5, 1000, 70000, 3, (64 << 10) - 4, 200000)]
+        wire_bytes = b"".join(struct.pack("<I", len(x)) + x for x in bodies)
+        import threading
+
+        sender = threading.Thread(target=lambda: [b.sendall(wire_bytes[i:i + 777]) for i in
+                                                  range(0, len(wire_bytes), 777)])
+        sender.start()
+        got = [bytes(frames.next()) for _ in bodies]
+        sender.join()
+        assert got == bodies
+        assert not frames.buffered()
+        b.sendall(struct.pack("<I", 1 << 23))
+        with pytest.raises(Exception) as raised:
+            frames.next()
+        assert "exceeds" in str(raised.value)

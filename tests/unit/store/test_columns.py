@@ -323,3 +323,21 @@ def test_many_short_objects_are_bits_that_passes_scan_for(monkeypatch):
     assert not c.flags.tobytes().count(bytes([columns.SHORT | columns.COMPLETE]))
 
 
+
+
+def test_a_put_of_a_key_lost_with_its_segment_makes_it_anew_before_the_sweep_reaches_it():
+    """The key's only replica was on an unmounted segment that is not swept yet: a put of it
+    must place a new object (it answered "exists" and the acknowledged put was never found),
+    and the sweep, when it comes, must leave the new object alone."""
+    st = _state(40)
+    on_s1 = [k for k in st.objects if st.objects[k].replicas[0][0] == "s1"]
+    sweep = st.unmount_start("s1")
+    key = on_s1[-1]
+    r = st.put_start(key, 1000, ReplicateConfig(), 1.0)
+    assert r.code == 0 and [x.segment for x in r.replicas] == ["s0"]
+    st.put_end(key, 1.0, r.version)
+    assert st.exist(key, 1.0) == 1
+    while not st.sweep_step(sweep, 3):
+        pass
+    assert st.get_replicas(key, 2.0).code == 0 and st.objects[key].replicas[0][0] == "s0"
+    assert sweep.lost == len(on_s1) - 1

@@ -48,6 +48,7 @@ from kvplane.store.client import get_path, grants, put_path
 from kvplane.store.client.context import ClientContext
 from kvplane.store.client.link import MasterLink
 from kvplane.store.client.location_cache import Locations
+from kvplane.store.client.lookup import exists
 from kvplane.store.client.replica_io import retire
 from kvplane.store.client.spares import Spares
 from kvplane.store.client.staging import Staging
@@ -340,10 +341,10 @@ class StoreClient:
         return got
 
     def batch_exists(self, keys: list[str]) -> list[bool]:
-        """Per key, whether a complete object exists (each hit takes a read lease, as in Mooncake)."""
-        codes = self.rpc.call("exist", KeysReq(self.config.client_id, list(keys),
-                                               self.suspects.take()), CodesRep).codes
-        return [c == 1 for c in codes]
+        """Per key, whether a complete object exists (each hit takes a read lease, as in
+        Mooncake; this client then holds the places the master names with it: ``lookup``)."""
+        ctx = self.context
+        return exists(ctx, list(keys), Deadline.after(ctx.config.timeout))
 
     def exists(self, key: str) -> bool:
         """Whether a complete object exists under ``key``."""

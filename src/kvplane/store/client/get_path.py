@@ -85,7 +85,7 @@ from kvplane.store.client.context import ClientContext
 from kvplane.store.client.location_cache import confirmed
 from kvplane.store.client.lookup import lookup, remember
 from kvplane.store.client.read_through import get_replicas, resolve
-from kvplane.store.client.replica_io import blame, verified
+from kvplane.store.client.replica_io import blame, read_items, verified
 from kvplane.store.client.timing import MARGIN, coarse, ended_in
 from kvplane.store.errors import InvalidParams, key_error
 from kvplane.store.types import Columns, KeyResult, Location
@@ -132,7 +132,7 @@ def get_into(ctx: ClientContext, keys: list[str], addrs: list[int], caps: list[i
         if left <= 0:
             return
         try:
-            read.append(ctx.engine.read_many(items, coarse(left)))
+            read.append(read_items(ctx, items, coarse(left)))
             ended.append(time.monotonic())
         except Exception:
             log.exception("speculative read failed")
@@ -248,7 +248,7 @@ def _held_read(ctx: ClientContext, keys: list[str], locs: list[Location],
     left = min(deadline.remaining() / 2, until - MARGIN - time.monotonic())
     if left <= 0:
         return None
-    status = ctx.engine.read_many(items, coarse(left))
+    status = read_items(ctx, items, coarse(left))
     if not ended_in(until):  # ended after the hold's lease: maybe another object's bytes
         status = [TransferStatus.FAILED] * len(status)
     elif status.count(_OK) == len(status):

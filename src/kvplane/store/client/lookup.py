@@ -18,7 +18,15 @@ from kvplane.common.deadline import Deadline
 from kvplane.common.errors import Unavailable
 from kvplane.store.client.context import ClientContext
 from kvplane.store.client.replica_io import ordered
-from kvplane.store.types import KeyResult, KeysReq, Location, ResultsRep, column_results
+from kvplane.store.types import (
+    CodesRep,
+    Columns,
+    KeyResult,
+    KeysReq,
+    Location,
+    ResultsRep,
+    column_results,
+)
 
 
 def lookup(ctx: ClientContext, keys: list[str], deadline: Deadline,
@@ -81,3 +89,25 @@ def remember(ctx: ClientContext, keys: list[str], results: list[KeyResult], whic
                             [ordered(ctx, results[i].replicas)[0] for i in found],
                             [results[i].size if sizes is None else sizes[i] for i in found],
                             until)
+
+
+def exists(ctx: ClientContext, keys: list[str], deadline: Deadline) -> list[bool]:
+    """Per key, whether a complete object exists (Mooncake's ExistKey: each hit takes a read
+    lease). When this client holds places (location cache and held reads on, checksums off)
+    it asks for them too: if every key is a plain object the answer names where each is,
+    under that same lease, and the keys are held from then on, so the get that usually
+    follows reads them without asking the master (``get_path.held_one``)."""
+    want = bool(ctx.locations.capacity and ctx.config.held_reads and not ctx.config.checksum)
+    sent = time.monotonic()
+    rep = ctx.call("exist", KeysReq(ctx.config.client_id, list(keys), ctx.suspects.take(),
+                                    columns=want), CodesRep, deadline)
+    if want and rep.columns is not None and rep.ttl > 0 and len(rep.codes) == len(keys):
+        hold_columns(ctx, keys, rep.columns, sent + rep.ttl)
+    return [c == 1 for c in rep.codes]
+
+
+def hold_columns(ctx: ClientContext, keys: list[str], cols: Columns, until: float) -> None:
+    """Remember (and hold until ``until``) the places ``cols`` names for ``keys``."""
+    names = cols.segments
+    ctx.locations.put(keys, [Location(names[s], a, g, n) for s, a, g, n in
+                             zip(cols.seg, cols.addr, cols.gen, cols.size)], until)

@@ -173,6 +173,7 @@ class MasterServer:
         self._waiting = 0  # RPCs blocked on the lock (a step of a long pass lets them in first)
         self._waiting_lock = threading.Lock()
         self.rpc_calls: dict[str, int] = {}  # RPCs served, by method
+        self._published: dict[str, int] = {}  # of those, what the Prometheus counter has
         self.key_ops: dict[str, int] = {}  # keys those RPCs named, by method (the status view's ops)
         self.history = status.History()
         self.started = (clock(), time.time())
@@ -273,14 +274,15 @@ class MasterServer:
         self.rpc.add(name, self._counted(name, self.access.guard(name, fn)), request_type)
 
     def _counted(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        counter = RPCS.labels(name)
+        """``fn`` under the lock, counted in ``rpc_calls`` and ``key_ops`` (plain ints: the
+        Prometheus counter takes them on the timer's pass, ``_publish_calls``)."""
+        calls, key_ops, lock = self.rpc_calls, self.key_ops, self.lock
 
         def handler(req: Any) -> Any:
-            counter.inc()
-            if not self.lock.acquire(blocking=False):  # held: say so (the timer's steps yield)
+            if not lock.acquire(blocking=False):  # held: say so (the timer's steps yield)
                 with self._waiting_lock:
                     self._waiting += 1
-                self.lock.acquire()
+                lock.acquire()
                 with self._waiting_lock:
                     self._waiting -= 1
             try:
@@ -288,17 +290,27 @@ class MasterServer:
                     raise NotLeader(f"not the leader; etcd names {self.election.leader or 'none'}")
                 for check in self._checks:  # a shard: keys of slots it does not serve
                     check(name, req)
-                self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
+                calls[name] = calls.get(name, 0) + 1
                 keys = getattr(req, "keys", None)
-                self.key_ops[name] = self.key_ops.get(name, 0) + (
+                key_ops[name] = key_ops.get(name, 0) + (
                     len(keys) if isinstance(keys, list) else 1)
                 try:
                     return fn(req)
                 finally:
-                    self._flush_changes()
+                    if self.state.changes:
+                        self._flush_changes()
             finally:
-                self.lock.release()
+                lock.release()
         return handler
+
+    def _publish_calls(self) -> None:
+        """Add the RPCs served since the last pass to ``master_rpc_requests_total`` (under the
+        lock): one counter update per method and pass, not one per call."""
+        for name, n in self.rpc_calls.items():
+            done = self._published.get(name, 0)
+            if n > done:
+                RPCS.labels(name).inc(n - done)
+                self._published[name] = n
 
     def _flush_changes(self) -> None:
         """Publish (or, with events off, drop) what the last call changed. Under the lock."""
@@ -469,8 +481,13 @@ class MasterServer:
 
     def _exist(self, req: KeysReq) -> CodesRep:
         now = self.clock()
-        self.state.suspect(req.suspects, now)
-        codes = [self.state.exist(k, now) for k in req.keys]
+        st = self.state
+        st.suspect(req.suspects, now)
+        if req.columns and is_service():  # the places too, under the lease exist grants
+            cols = st.columns_many(req.keys, now)  # (None: a key missing, or not plain)
+            if cols is not None:
+                return CodesRep([1] * len(req.keys), columns=cols, ttl=st.config.lease_ttl)
+        codes = [st.exist(k, now) for k in req.keys]
         self._gate(now, 0 in codes)
         return CodesRep(codes)
 
@@ -514,6 +531,8 @@ class MasterServer:
         """One liveness + reclaim + eviction pass, and a metrics refresh (while leading)."""
         leading = self.leading()
         LEADER.set(1 if leading else 0)
+        with self.lock:
+            self._publish_calls()
         if not leading:
             return
         with self.lock:

@@ -337,6 +337,11 @@ class MasterState(ObjectTable):
             if self.largest and hdr + size > self.largest:  # no eviction can ever make room
                 return KeyResult(ValueTooLarge.code, size=self.largest)
             old = self.objects.get(key)
+            if old is not None and old.complete and self._swept_away(old.row):
+                # lost with its segment, not yet swept: a put makes it anew (a put that said
+                # "exists" here was acknowledged and then never found)
+                self.drop_object(key, old, now)
+                old = None
             kept_pin = old.soft_pin_until if old is not None and old.complete else 0.0
             if old is not None:
                 if old.complete and not upsert:
@@ -505,13 +510,20 @@ class MasterState(ObjectTable):
         row = c.index.find(key)
         if row < 0 or not c.flags[row] & COMPLETE:
             return 0
-        sid = c.seg[row]
-        if (sid < 0 or not c.live[sid]) and not Row(c, row).replica_count() and row not in c.disk:
+        if self._swept_away(row):
             return 0  # its last replica's segment went (being swept)
         until = now + self.config.lease_ttl
         if c.lease[row] < until:
             c.lease[row] = until
         return 1
+
+    def _swept_away(self, row: int) -> bool:
+        """Every copy of the object at ``row`` was on segments that are gone (an unmount's sweep
+        has not reached it yet): it is lost, whatever its flags say."""
+        c = self.cols
+        sid = c.seg[row]
+        return (sid < 0 or not c.live[sid]) and not Row(c, row).replica_count() and \
+            row not in c.disk
 
     # -- removal ---------------------------------------------------------------------------------
     def remove(self, key: str, force: bool, now: float) -> int:
