@@ -60,6 +60,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_LOG_JSON", parse_bool, False, "emit logs as one JSON object per line"),
         EnvVar("KVPLANE_DEBUG", parse_bool, False, "kvplane commands print the traceback of a failure (as --debug)"),
         EnvVar("KVPLANE_TRANSFER_TIMEOUT", float, 30.0, "default transfer timeout in seconds (Mooncake MC_TRANSFER_TIMEOUT)"),
+        EnvVar("KVPLANE_CONNECT_TIMEOUT", float, 5.0, "longest a transport connection and its HELLO may take, seconds (within the transfer's deadline; raise it where peers' listener threads are starved of CPU)"),
         EnvVar("KVPLANE_TCP_STREAMS", int, 2, "TCP connections a large batch is striped over, per peer"),
         EnvVar("KVPLANE_SLICE_SIZE", _size, 4 << 20, "largest slice one TCP frame carries"),
         EnvVar("KVPLANE_MAX_FRAME", _size, 256 << 20, "largest payload a TCP listener accepts in one frame"),

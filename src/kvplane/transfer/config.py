@@ -34,6 +34,8 @@ class EngineConfig:
         grants: connections that authenticate with one of ``extra_tokens`` move bytes only
             under grants (``kvplane.transfer.grants``; a store segment serving tenants sets it).
         timeout: default per-transfer timeout, seconds.
+        connect_timeout: longest a new connection and its HELLO may take, seconds (capped by
+            the transfer's deadline; a stalled peer is found within it, then retried).
         slice_size: largest piece one TCP frame carries.
         streams: TCP connections a large batch is striped over.
         max_frame: largest frame the listener accepts.
@@ -61,6 +63,7 @@ class EngineConfig:
     extra_tokens: tuple[str, ...] = ()
     grants: bool = False
     timeout: float = 30.0
+    connect_timeout: float = 5.0
     slice_size: int = 4 << 20
     streams: int = 2
     max_frame: int = 256 << 20
@@ -82,14 +85,15 @@ class EngineConfig:
             raise InvalidArgument("slice_size must be in (0, max_frame]")
         if not 0 < self.device_chunk <= self.max_frame or self.device_slots < 1:
             raise InvalidArgument("device_chunk must be in (0, max_frame] and device_slots >= 1")
-        if self.streams < 1 or self.timeout <= 0:
-            raise InvalidArgument("streams must be >= 1 and timeout > 0")
+        if self.streams < 1 or self.timeout <= 0 or self.connect_timeout <= 0:
+            raise InvalidArgument("streams must be >= 1, timeout and connect_timeout > 0")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
         """Defaults, then KVPLANE_* environment, then explicit ``overrides`` (which win)."""
         fields: dict[str, Any] = dict(
             timeout=envs.get("KVPLANE_TRANSFER_TIMEOUT"),
+            connect_timeout=envs.get("KVPLANE_CONNECT_TIMEOUT"),
             slice_size=envs.get("KVPLANE_SLICE_SIZE"),
             streams=envs.get("KVPLANE_TCP_STREAMS"),
             max_frame=envs.get("KVPLANE_MAX_FRAME"),

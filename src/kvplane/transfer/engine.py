@@ -145,8 +145,8 @@ class TransferEngine:
     def _open_transports(self, cfg: EngineConfig) -> TransportSet:
         """Load ``cfg.transports`` (InvalidArgument: none has a control channel)."""
         ctx = TransportContext(self.host_id, cfg.token, cfg.slice_size, cfg.streams,
-                               cfg.file_root, retries=cfg.retries, segment=self.name,
-                               grants=cfg.grants)
+                               cfg.file_root, connect_timeout=cfg.connect_timeout,
+                               retries=cfg.retries, segment=self.name, grants=cfg.grants)
         return TransportSet.load(cfg.transports, ctx)
 
     def _abort_start(self) -> None:

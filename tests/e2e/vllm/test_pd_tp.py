@@ -30,7 +30,10 @@ def tp_server(model: str, role: str, log_path) -> OpenAIServer:
     return OpenAIServer(model, log_path, extra=[
         "--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
         json.dumps(pd_kv_config(role, timeout=60)), "--tensor-parallel-size", str(TP),
-        "--distributed-executor-backend", "mp"])
+        "--distributed-executor-backend", "mp"],
+        # the peer's listener thread shares its process with a spinning vLLM worker: a HELLO
+        # answer took over 5 s (the default connect timeout) in a full-suite run
+        env={"KVPLANE_CONNECT_TIMEOUT": "60"})
 
 
 def test_tp2_decode_ranks_pull_their_own_prefill_shards(tmp_path, tiny_model):

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from kvplane.common.errors import KVPlaneError
 from kvplane.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus, protocol
 from tests.support.services import wait_until
 from tests.support.target import pattern, spawn_target
@@ -219,3 +220,20 @@ def test_slice_on_a_cut_connection_is_retried_on_a_fresh_one():
         a.write(seg, src.ctypes.data, dst.ctypes.data, src.nbytes, timeout=10)
         assert cuts and np.array_equal(src, dst)
         assert metrics.TRANSFER_RETRIES.labels("tcp")._value.get() == retries + 1
+
+
+def test_a_peer_that_never_answers_hello_fails_within_the_connect_timeout():
+    """A stopped peer's kernel still accepts the connection; its HELLO answer never comes. The
+    engine's ``connect_timeout`` (``KVPLANE_CONNECT_TIMEOUT``) bounds that wait, not a fixed
+    5 s: vLLM workers on a busy host needed more (a PD pull at TP=2), a fast detector less."""
+    with spawn_target("--buf-mb", "1", "--token", "tok-hello") as t, \
+            TransferEngine(protocol="tcp", token="tok-hello", connect_timeout=0.5) as te:
+        t.signal(signal.SIGSTOP)
+        try:
+            host, port = t.info["segment"].rsplit(":", 1)
+            t0 = time.monotonic()
+            with pytest.raises(KVPlaneError, match="timed out"):  # the P2P handshake, once
+                te.transports["tcp"].describe((host, int(port)), 20)
+            assert time.monotonic() - t0 < 3
+        finally:
+            t.signal(signal.SIGCONT)
