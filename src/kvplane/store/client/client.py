@@ -139,6 +139,12 @@ class StoreClient:
                 rpc.close()
             self.engine.close()
             raise
+        # a heartbeat (its call and its answer: remount, fences, forgotten headers, shares
+        # re-cut, all writes into the segment's memory) runs under this lock; close() takes it
+        # before releasing anything, so a ping that outlived close()'s join (a slow master:
+        # at most its 5 s timeout) never writes into memory that is gone
+        self._answer_lock = threading.Lock()
+        self._released = False
         self._hb = threading.Thread(target=self._heartbeat, daemon=True,
                                     name=f"store-heartbeat-{cfg.client_id[:8]}")
         self._hb.start()
@@ -211,9 +217,16 @@ class StoreClient:
 
     def _ping(self, acks: list[int], forgot: list[int]) -> tuple[list[int], list[int]]:
         """One heartbeat; returns fence and forget acknowledgements to send at once."""
-        rep = self.rpc.call("ping", PingReq(self.config.client_id, acks, self.suspects.take(),
-                                            forgot, self.retired.take()), PingRep,
-                            timeout=min(self.config.timeout, 5.0))
+        with self._answer_lock:  # (the call too: a sharded ping re-cuts shares in memory)
+            if self._released:
+                return [], []
+            rep = self.rpc.call("ping", PingReq(self.config.client_id, acks,
+                                                self.suspects.take(), forgot,
+                                                self.retired.take()), PingRep,
+                                timeout=min(self.config.timeout, 5.0))
+            return self._handle_ping(rep)
+
+    def _handle_ping(self, rep: PingRep) -> tuple[list[int], list[int]]:
         if rep.status == "need_remount":
             self.locations.drop_holds()  # a master that lost its leases: hold nothing of old
             self.spares.close()  # nor its spares
@@ -431,6 +444,8 @@ class StoreClient:
             return
         closed.set()
         self._hb.join(self.config.heartbeat_interval + 1)
+        with self._answer_lock:  # a ping still out (a slow master) finds nothing to write into
+            self._released = True
         self.duty.close()
         if self.disk is not None:
             self.disk.close()
