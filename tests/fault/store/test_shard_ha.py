@@ -31,6 +31,15 @@ RUN = 10.0  # seconds of load; a leader dies about 3 s in
 LEASE = "2"
 
 
+def objects(admin_port: int) -> int:
+    """Complete objects the pool holds (any shard's /status answers for every shard)."""
+    try:
+        return int(httpx.get(f"http://127.0.0.1:{admin_port}/status", timeout=2,
+                             trust_env=False, headers=headers()).json()["objects"]["objects"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return 0
+
+
 def role(admin_port: int) -> str:
     try:
         return httpx.get(f"http://127.0.0.1:{admin_port}/ha_status", timeout=2,
@@ -71,7 +80,8 @@ def test_a_shard_leader_killed_under_load_others_serve_nothing_lost(etcd):
         with StoreClient(master=addr, protocol="tcp", timeout=TIMEOUT) as probe:
             own = owners(probe.rpc.map)
             zero = [k for k in (f"probe-{n}" for n in range(400)) if own[slot_of(k)] == 0]
-            time.sleep(3)
+            # the churn is under way on both shards before shard 1's leader dies
+            wait_until(lambda: objects(admin[1, lead[1]]) >= 200, 20, "the workers' objects")
             masters[1, lead[1]].kill()  # shard 1 loses its leader
             killed = time.monotonic()
             slow = []

@@ -6,6 +6,7 @@ test_shard_moves)."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from kvplane.store.types import PingRep
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
-def test_a_ping_answered_after_close_gave_up_on_it_touches_no_memory():
+def test_a_ping_answered_after_close_gave_up_on_it_touches_no_memory(monkeypatch):
     with MasterServer(MasterConfig(), admin_port=None) as m:
         c = StoreClient(master=f"127.0.0.1:{m.port}", protocol="tcp", timeout=10.0,
                         global_segment_size=1 << 20, local_buffer_size=0,
@@ -26,7 +27,7 @@ def test_a_ping_answered_after_close_gave_up_on_it_touches_no_memory():
         real = c.rpc.call
         late: list[str] = []
 
-        def call(method, *a, **kw):  # type: ignore[no-untyped-def]
+        def call(method: str, *a: Any, **kw: Any) -> Any:
             if method != "ping":
                 return real(method, *a, **kw)
             out.set()
@@ -36,7 +37,7 @@ def test_a_ping_answered_after_close_gave_up_on_it_touches_no_memory():
         real_forget = c.holdings.forget
         closed = threading.Event()  # set when close() has returned
 
-        def forget(forgets):  # type: ignore[no-untyped-def]
+        def forget(forgets: list[tuple[int, int]]) -> list[int]:
             if closed.is_set():  # too late: the memory is gone (do not write: it would crash)
                 late.append("forget after close")
                 return []
@@ -46,8 +47,8 @@ def test_a_ping_answered_after_close_gave_up_on_it_touches_no_memory():
             c.close()
             closed.set()
 
-        c.rpc.call = call  # type: ignore[method-assign]
-        c.holdings.forget = forget  # type: ignore[method-assign]
+        monkeypatch.setattr(c.rpc, "call", call)
+        monkeypatch.setattr(c.holdings, "forget", forget)
         assert out.wait(10)  # a ping is out
         closer = threading.Thread(target=close)
         closer.start()

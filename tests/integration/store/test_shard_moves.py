@@ -3,7 +3,6 @@ lost or read wrong (``kvplane.store.shard.mover``; docs/store.md, "Sharded metad
 
 import hashlib
 import threading
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from kvplane.store.shard import server as shard_server
 from kvplane.store.shard.mover import Mover
 from kvplane.store.shard.server import local_pool
 from kvplane.store.shard.slots import ShardInfo, owners, slot_of
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -67,7 +67,7 @@ class Load:
             with self._lock:
                 keys = self.acked[-32:]
             if not keys:
-                time.sleep(0.01)
+                self._stop.wait(0.01)
                 continue
             for k, got in zip(keys, c.get_batch(keys)):
                 self.reads += 1
@@ -105,7 +105,7 @@ def test_slots_move_and_shards_come_and_go_under_load_losing_nothing():
         with StoreClient(master=first, global_segment_size=96 << 20, protocol="tcp"), \
                 StoreClient(master=first, global_segment_size=96 << 20, protocol="tcp"), \
                 Mover(first, batch=512) as mover, Load(first) as load:
-            time.sleep(0.3)
+            wait_until(lambda: len(load.acked) > 100, 20, "puts acknowledged before the move")
             own = owners(mover.newest())
             moved = mover.move([s for s in range(len(own)) if own[s] == 0][:3000], 1)
             assert moved.slots == 3000 and moved.objects > 0
@@ -115,7 +115,8 @@ def test_slots_move_and_shards_come_and_go_under_load_losing_nothing():
                 assert added.objects > 0
                 removed = mover.remove_shard(0)
                 assert removed.objects > 0 and shards[0].master.state.objects == {}
-                time.sleep(0.3)
+                after = len(load.acked)  # the load goes on with shard 0 gone
+                wait_until(lambda: len(load.acked) > after + 50, 20, "puts after the removal")
                 load.stop()
                 assert len(load.acked) > 500 and load.reads > 500
                 lost, wrong = check_all(third.address, load.acked)
