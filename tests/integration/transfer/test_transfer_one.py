@@ -26,6 +26,14 @@ def _pair(protocol: str = "tcp"):
     return TransferEngine(**kw), TransferEngine(**kw)
 
 
+def _linked(a: TransferEngine, b: TransferEngine, size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``size`` ones registered on ``a``, ``size`` zeros on ``b``, and ``a``'s handle of ``b``."""
+    src, dst = np.ones(size, np.uint8), np.zeros(size, np.uint8)
+    a.register_memory(src)
+    b.register_memory(dst)
+    return src, dst, a.open_segment(b.name)
+
+
 def _value(counter, *labels: str) -> float:
     return counter.labels(*labels)._value.get()
 
@@ -84,21 +92,13 @@ def test_one_request_reuses_its_route_until_something_changes():
 def test_a_past_deadline_times_out_and_auto_plans_every_request():
     a, b = _pair()
     with a, b:
-        src = np.ones(8192, np.uint8)
-        dst = np.zeros(8192, np.uint8)
-        a.register_memory(src)
-        b.register_memory(dst)
-        seg = a.open_segment(b.name)
+        src, dst, seg = _linked(a, b, 8192)
         assert a.transfer_one(W, src.ctypes.data, seg, dst.ctypes.data, 4096, PATH,
                               timeout=0) == TransferStatus.TIMEOUT
         assert not dst.any()
     a, b = _pair("auto")
     with a, b:
-        src = np.ones(8192, np.uint8)
-        dst = np.zeros(8192, np.uint8)
-        a.register_memory(src)
-        b.register_memory(dst)
-        seg = a.open_segment(b.name)
+        src, dst, seg = _linked(a, b, 8192)
         assert a.transfer_one(W, src.ctypes.data, seg, dst.ctypes.data, 8192) == OK
         assert dst.all() and a._router.resolved == 0
         assert a.transfer_one(W, src.ctypes.data, seg, dst.ctypes.data, 4096, "tcp") == OK
@@ -108,11 +108,7 @@ def test_a_past_deadline_times_out_and_auto_plans_every_request():
 def test_a_transport_without_the_capability_goes_through_transfer():
     a, b = _pair()
     with a, b:
-        src = np.ones(4096, np.uint8)
-        dst = np.zeros(4096, np.uint8)
-        a.register_memory(src)
-        b.register_memory(dst)
-        seg = a.open_segment(b.name)
+        src, dst, seg = _linked(a, b, 4096)
         # WRITE frames only (in the full suite another frame, not a write, reached b here)
         writes = _value(metrics.SERVER_FRAMES, "write")
         for _ in range(2):
