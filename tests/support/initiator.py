@@ -35,6 +35,7 @@ import numpy as np
 
 from kvplane.common.procs import Proc
 from kvplane.transfer import EngineConfig, OpCode, TransferEngine, TransferRequest
+from kvplane.transfer.transports.nixl import NixlTransport
 from tests.support.target import pattern
 
 NIXL_TRANSPORTS = "tcp,shm,file,local,nixl"
@@ -139,7 +140,9 @@ def _inspect(te: TransferEngine, buf: np.ndarray, p: list[str]) -> dict:
         time.sleep(float(p[1]))
         t1 = os.times()
         return {"cpu": t1.user - t0.user + t1.system - t0.system}
-    lists = te.transports["nixl"].lists  # type: ignore[attr-defined]
+    nixl = te.transports["nixl"]
+    assert isinstance(nixl, NixlTransport)  # (the commands above run over nixl only)
+    lists = nixl.lists
     held = lists.held()
     return {"prepared": lists.prepared, "base": int(buf.ctypes.data),
             "local": [[k[1], k[2]] for k in held if k[0] == "NIXL_INIT_AGENT"],

@@ -4,6 +4,7 @@ Also ``tenant_pool``: an in-process master with tenants and one segment client."
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,13 @@ __all__ = ["segment_pool", "spawn_client_server", "spawn_master", "spawn_segment
 def spawn_worker(master: str, *args: str) -> Proc:
     """A store client process answering JSON commands (see tests/support/store_client_proc.py)."""
     return Proc([sys.executable, "-m", "tests.support.store_client_proc", "--master", master, *args])
+
+
+def not_read_back(worker: Proc, keys: dict[str, int] | list[str], timeout: float = 60) -> dict[str, str]:
+    """Ask a worker to read ``keys`` back (checksummed): the keys that did not come back
+    intact, with what it found instead ("missing", "corrupt", an error)."""
+    verdict = worker.ask(json.dumps({"op": "check", "keys": keys}), timeout)["result"]
+    return {k: v for k, v in verdict.items() if v != "ok"}
 
 
 def spawn_client_server(master: str, size: str = "64MiB", *args: str) -> Proc:

@@ -19,7 +19,7 @@ from kvplane.common.procs import wait_for_line
 from kvplane.testing.needs import requires
 from tests.support.auth import headers
 from tests.support.services import start_etcd, wait_until
-from tests.support.store_procs import spawn_master, spawn_segment, spawn_worker
+from tests.support.store_procs import not_read_back, spawn_master, spawn_segment, spawn_worker
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 TIMEOUT = 5.0  # the clients' call deadline (the default)
@@ -99,8 +99,7 @@ def test_leader_killed_under_load_standby_leads_nothing_lost(etcd):
             assert res["put"] > 20 and res["get"] > 20, summary
         lost = {}
         for w, r in zip(workers, results):  # the same clients, never restarted
-            verdict = w.ask(json.dumps({"op": "check", "keys": r["result"]["live"]}), 60)["result"]
-            lost.update({k: v for k, v in verdict.items() if v != "ok"})
+            lost.update(not_read_back(w, r["result"]["live"]))
         assert lost == {}
         print(f"failover {failover:.2f} s; acknowledged objects checked: "
               f"{sum(len(r['result']['live']) for r in results)}; lost 0")
