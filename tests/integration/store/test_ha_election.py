@@ -4,6 +4,7 @@ the Mooncake facade, master address etcd://...) follow the leader without a rest
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -48,8 +49,8 @@ def test_address_parsing():
 def test_standby_refuses_and_takes_over_with_a_higher_term(etcd):
     # a grace long enough that a loaded machine still asks within it (3 s was not, under load)
     leader, standby = pair(etcd, "elect", MasterConfig(recovery_grace=8.0))
+    rpc = RpcClient(f"127.0.0.1:{standby.port}", "", 2.0)
     try:
-        rpc = RpcClient(f"127.0.0.1:{standby.port}", "", 2.0)
         with pytest.raises(NotLeader):
             rpc.call("get_replicas", KeysReq("x", ["k"]), ResultsRep)
         term = leader.election.term
@@ -67,8 +68,40 @@ def test_standby_refuses_and_takes_over_with_a_higher_term(etcd):
                 return False
             return True
         wait_until(answers, standby.config.recovery_grace + 5, "the new leader answers misses")
-        rpc.close()
     finally:
+        rpc.close()
+        leader.close()
+        standby.close()
+
+
+def test_a_new_leader_answers_nothing_before_its_recovery_gate_is_up(etcd, monkeypatch):
+    """Between winning the term and switching to the term's state (it reads the segment list
+    from etcd in between) the master answers NotLeader, never a miss from its standby state."""
+    leader, standby = pair(etcd, "gate", MasterConfig(recovery_grace=8.0))
+    election = standby.election
+    assert election is not None
+    entered, release = threading.Event(), threading.Event()
+    segments_key, real_get = election.where.key("segments"), election._etcd.get
+
+    def slow_get(key: str) -> tuple[bytes, int] | None:
+        if key == segments_key:  # the winner reads the last leader's segment list
+            entered.set()
+            release.wait(10)
+        return real_get(key)
+    monkeypatch.setattr(election._etcd, "get", slow_get)
+    rpc = RpcClient(f"127.0.0.1:{standby.port}", "", 2.0)
+    try:
+        leader.close()
+        assert entered.wait(10), "the standby never won the term"
+        with pytest.raises(NotLeader):
+            rpc.call("get_replicas", KeysReq("x", ["k"]), ResultsRep)
+        release.set()
+        wait_until(standby.leading, 5, "the standby leads")
+        with pytest.raises(Recovering):
+            rpc.call("get_replicas", KeysReq("x", ["k"]), ResultsRep)
+    finally:
+        release.set()
+        rpc.close()
         leader.close()
         standby.close()
 

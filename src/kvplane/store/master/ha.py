@@ -118,14 +118,21 @@ class Election:
             self._revoke(lease)
             return
         self.term, self.lease, self._value = term, lease, value
-        self.leading_until, self.leader = start + self.ttl, self.advertise
         self.elections += 1
         self._published = None
-        members = self._etcd.get(self.where.key("segments"))
+        try:
+            members = self._etcd.get(self.where.key("segments"))
+        except KVPlaneError:
+            self._revoke(lease)  # never led: hand the term over rather than sit on it
+            raise
         expected = set(json.loads(members[0])) if members else None
         klog.event("master_elected", term=term, addr=self.advertise,
                    expected_segments=len(expected or ()))
+        # the master switches to the new term's state and its recovery gate first; only then
+        # does it answer as leader (before, a request in between got a miss from the standby's
+        # state, never "Recovering"); the lease still counts from before the grant
         self._on_lead(term, expected)
+        self.leading_until, self.leader = start + self.ttl, self.advertise
 
     def _keep(self) -> float:
         sent = time.monotonic()
