@@ -25,10 +25,12 @@ fence's generation layout.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -60,19 +62,26 @@ def secret_of(token: str) -> bytes:
     return hashlib.blake2b(token.encode(), digest_size=32, person=b"kvplane-inv").digest()
 
 
+@functools.lru_cache(maxsize=16)
+def _keyed(secret: bytes) -> Any:
+    """A blake2b keyed with ``secret``, to copy: the key block is hashed once, not per tag."""
+    return hashlib.blake2b(digest_size=16, key=secret)
+
+
 def _tag(secret: bytes, hlen: int, key: bytes, flags: int, version: int, size: int,
          checksum: int, want: int) -> bytes:
-    h = hashlib.blake2b(digest_size=16, key=secret)
+    h = _keyed(secret).copy()
     h.update(_TAGGED.pack(hlen, len(key), flags, version, size, checksum, want))
     h.update(key)
     return h.digest()
 
 
 def pack(secret: bytes, key: str, gen: int, version: int, size: int, checksum: int,
-         want: int = 1, flags: int = 0) -> bytes:
-    """The header of one object (the same for every replica of a put: they share ``gen``)."""
+         want: int = 1, flags: int = 0, hlen: int = 0) -> bytes:
+    """The header of one object (the same for every replica of a put: they share ``gen``).
+    ``hlen``: ``header_len(key)`` when the caller has it already (0: computed here)."""
     kb = key.encode()
-    hlen = header_len(kb)
+    hlen = hlen or header_len(kb)
     tag = _tag(secret, hlen, kb, flags, version, size, checksum, want)
     head = _HEAD.pack(MAGIC, hlen, len(kb), flags, gen, version, size, checksum, want, 0, tag)
     return head + kb + bytes(hlen - FIXED - len(kb))

@@ -382,12 +382,10 @@ class MasterServer:
         rows = list(zip(req.keys, req.sizes, sums, strict=True))
         results, retire = self._retiring(
             lambda i: self.state.put_start(rows[i][0], rows[i][1], req.config, now, req.upsert,
-                                           local, req.client_id, window, rows[i][2], req.nonce),
+                                           local, req.client_id, window, rows[i][2], req.nonce,
+                                           owner=req.client_id),  # Mooncake's client_id
             len(rows))  # an upsert that replaced a leased object retires it
         out = ResultsRep(results, window, retire=retire or None)
-        for k, r in zip(req.keys, out.results):
-            if r.code == 0:
-                self.state.objects[k].owner = req.client_id  # Mooncake's metadata.client_id
         if any(r.code == NoAvailableHandle.code for r in out.results):
             out.retry_after = self._retry_after(now)
         return out

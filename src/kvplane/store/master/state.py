@@ -313,7 +313,7 @@ class MasterState(ObjectTable):
     def put_start(self, key: str, size: int, cfg: ReplicateConfig, now: float,
                   upsert: bool = False, local_segments: frozenset[str] = frozenset(),
                   client_id: str = "", window: float = 0.0, checksum: int = 0,
-                  nonce: int = 0) -> KeyResult:
+                  nonce: int = 0, owner: str = "") -> KeyResult:
         """Allocate replicas for a new object; it stays invisible until put_end.
 
         ``window``: seconds the writer may copy (its deadline); its space is not reused before
@@ -321,7 +321,8 @@ class MasterState(ObjectTable):
         ``checksum``: of the value (the inventory header carries it). The result carries the
         header the writer copies in front of the value of every replica. ``nonce``: the call's
         own id; the same writer asking again with the same nonce (its first answer was lost)
-        gets the same allocations back.
+        gets the same allocations back. ``owner``: the client id the object records as its
+        maker (Mooncake's ``metadata.client_id``; a slot move's import leaves it empty).
 
         Returns a KeyResult with code 0, the replicas and the object's version, or a negative
         error code.
@@ -347,7 +348,7 @@ class MasterState(ObjectTable):
                 if old.complete and not upsert:
                     raise ObjectExists(f"{key!r} exists")
                 if not old.complete and nonce and old.nonce == nonce and old.writer == client_id:
-                    return self._resume(key, old, now, window)  # a retried PutStart
+                    return self._resume(key, old, now, window, owner)  # a retried PutStart
                 if not old.complete and now - old.started < self.config.put_discard_timeout:
                     raise ObjectExists(f"{key!r} is being written")
                 self.drop_object(key, old, now)
@@ -359,20 +360,22 @@ class MasterState(ObjectTable):
         flags = inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0
         version = replicas[0][2]  # the put's generation
         header = inventory.pack(self.secret, key, version, version, size, checksum,
-                                cfg.replica_num, flags)
+                                cfg.replica_num, flags, hdr)
         obj = Obj(size, tuple(replicas), False, now, hard_pin=cfg.with_hard_pin, version=version,
                   want=cfg.replica_num, writer=client_id, checksum=checksum, nonce=nonce,
                   window_until=now + self.write_window(window), hdr=hdr, flags=flags,
                   soft_pin_ttl=pin,
                   soft_pin_until=kept_pin if cfg.pin_action() == "preserve" else 0.0,
-                  header=header)
+                  header=header, owner=owner)
         self.insert(key, obj)
         return KeyResult(0, obj.replicas_of(self.segments), size, version, checksum, header)
 
-    def _resume(self, key: str, obj: Row, now: float, window: float) -> KeyResult:
+    def _resume(self, key: str, obj: Row, now: float, window: float, owner: str) -> KeyResult:
         """The same writer asks again for its unfinished put (its first answer was lost):
         the same allocations, with a fresh write window."""
         obj.window_until = max(obj.window_until, now + self.write_window(window))
+        if owner:
+            obj.owner = owner
         return KeyResult(0, obj.replicas_of(self.segments), obj.size, obj.version, obj.checksum,
                          obj.header)
 

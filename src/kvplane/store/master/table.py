@@ -460,6 +460,8 @@ class ObjectTable:
 
     def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]) -> list[str]:
         names = [n for n, s in self.segments.items() if s.suspect_since is None and not s.adopting]
+        if len(names) < 2 and not cfg.preferred_segment and not cfg.preferred_segments:
+            return names  # (one segment or none: the per-put common case on small pools)
         if not names:
             return []
         pref = [p for p in ([cfg.preferred_segment] if cfg.preferred_segment else [])
@@ -467,7 +469,7 @@ class ObjectTable:
                 and self.segments[p].suspect_since is None and not self.segments[p].adopting]
         if cfg.prefer_alloc_in_same_node:
             pref += [n for n in names if n in local]
-        start = self.rng.randrange(len(names))
+        start = int(self.rng.random() * len(names))  # (randrange's cost, per put, was visible)
         rest = names[start:] + names[:start]
         if self.config.allocation_strategy == "free_ratio_first":
             rest.sort(key=lambda n: -self.segments[n].alloc.free_bytes / self.segments[n].alloc.capacity)
