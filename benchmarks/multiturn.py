@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = drive({lb: (url, {}) for lb, url in zip(labels, args.url)}, cfg, args)
         emit(args, rows, {**meta, "machine": report.host_load(), "wall_s": time.monotonic() - t0})
         return 0
-    from tests.support.multiturn_stack import live  # the live rows start real engines
+    # the live rows start real engines (the repo's test kit): found from any working directory
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.support.multiturn_stack import live
 
     return live(args, cfg, meta, lambda rows, c: drive(rows, c, args),
                 lambda rows, m, pred: emit(args, rows, m, pred))

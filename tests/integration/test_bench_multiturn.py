@@ -3,7 +3,10 @@ benchmark, recorded in docs/benchmarks.md; this only proves the script end to en
 
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -39,3 +42,14 @@ def test_bench_multiturn_smoke_against_fake_vllm(tmp_path, capsys):
     assert all(r["ttft_p50_s"] > 0 for r in rounds)
     assert (tmp_path / "multiturn_rounds.png").stat().st_size > 10_000
     assert (tmp_path / "multiturn.csv").read_text().count("\n") == 1 + 9
+
+
+def test_the_live_rows_are_found_from_any_working_directory(tmp_path):
+    """The documented command, run as a user would (not from the repo root, no PYTHONPATH):
+    the live rows' kit loads, and an unknown row is named (before: No module named 'tests')."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, str(BENCH), "--rows", "no-such-row", "--out",
+                        str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=25)
+    assert p.returncode != 0
+    assert "unknown row" in p.stderr and "No module named" not in p.stderr, p.stderr[-2000:]
