@@ -69,6 +69,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--simulate", action="store_true", help="kvplane simulate on the trace, beside")
     t.add_argument("--stack-json", default="", help="JSON overrides of the live stack's sizes")
     ap.add_argument("--out", default="multiturn-out", help="directory for JSON, CSV, PNGs, logs")
+    ap.add_argument("--combine", nargs="+", default=[], metavar="OUT",
+                    help="run nothing: pool the multiturn.json of earlier runs of one workload "
+                    "(their --out directories) and print per-round tables over all of them")
+    ap.add_argument("--baseline", default="+Mooncake L3",
+                    help="with --combine: the row the others' TTFT is divided by")
     ap.add_argument("--no-plots", action="store_true")
     return ap.parse_args(argv)
 
@@ -118,6 +123,9 @@ def emit(args: argparse.Namespace, rows: dict[str, list[RequestRecord]], meta: d
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.combine:
+        print(report.combined(report.load_runs(args.combine), args.baseline))
+        return 0
     cfg = config(args)
     meta: dict[str, Any] = {"config": asdict(cfg), "argv": sys.argv if argv is None else argv}
     if args.url:

@@ -271,6 +271,59 @@ def tables(rows: Mapping[str, Sequence[RequestRecord]]) -> str:
     return table(stats) + "\n\n" + compact_table(stats)
 
 
+def load_runs(paths: Sequence[str | Path]) -> list[dict[str, list[RequestRecord]]]:
+    """The rows' records of each ``multiturn.json`` in ``paths`` (a file, or a directory
+    holding one), in order."""
+    runs = []
+    for p in paths:
+        p = Path(p)
+        doc = json.loads((p / "multiturn.json" if p.is_dir() else p).read_text(encoding="utf-8"))
+        runs.append({name: [RequestRecord(**{k: v for k, v in r.items() if k != "row"})
+                            for r in row["requests"]]
+                     for name, row in doc["rows"].items()})
+    return runs
+
+
+def combined(runs: Sequence[Mapping[str, Sequence[RequestRecord]]],
+             baseline: str = "+Mooncake L3") -> str:
+    """Repeats of the same workload, per round: each row's hit rate and TTFT p50 over the
+    requests of every run pooled, the median of the runs' own p50s with their range, and
+    (when ``baseline`` is a row) each row's pooled p50 over the baseline's (markdown)."""
+    names = list(dict.fromkeys(n for run in runs for n in run))
+    pooled = {n: by_round([r for run in runs for r in run.get(n, ())]) for n in names}
+    each = {n: [{s.round: s.ttft_p50_s for s in by_round(run[n])} for run in runs if n in run]
+            for n in names}
+    rounds = sorted({s.round for st in pooled.values() for s in st})
+    head = "| row | runs | " + " | ".join(f"r{r}" for r in rounds) + " |"
+    rule = "|---|---:|" + "---:|" * len(rounds)
+    out = [f"Pooled over {len(runs)} runs: hit rate / TTFT p50 ms of all requests of the round",
+           "", head, rule]
+    for n in names:
+        by_rnd = {s.round: f"{_pct(s.hit_rate)} / {_ms(s.ttft_p50_s)}" for s in pooled[n]}
+        out.append(f"| {n} | {len(each[n])} | " + " | ".join(by_rnd.get(r, "") for r in rounds)
+                   + " |")
+    out += ["", "Median of the runs' TTFT p50 ms (lowest-highest run)", "", head, rule]
+    for n in names:
+        cells = []
+        for r in rounds:
+            vals = sorted(v for run in each[n] if (v := run.get(r)) is not None)
+            cells.append(f"{_ms(statistics.median(vals))} ({_ms(vals[0])}-{_ms(vals[-1])})"
+                         if vals else "")
+        out.append(f"| {n} | {len(each[n])} | " + " | ".join(cells) + " |")
+    if baseline in pooled:
+        base = {s.round: s.ttft_p50_s for s in pooled[baseline]}
+        out += ["", f"Pooled TTFT p50 over {baseline}'s", "", head, rule]
+        for n in names:
+            if n == baseline:
+                continue
+            cells = []
+            for s in pooled[n]:
+                b = base.get(s.round)
+                cells.append(f"{s.ttft_p50_s / b:.2f}" if b and s.ttft_p50_s is not None else "-")
+            out.append(f"| {n} | {len(each[n])} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def emit(rows: Mapping[str, Sequence[RequestRecord]], out: str | Path, meta: Mapping[str, Any],
          predicted: Mapping[str, Mapping[int, float]] | None = None, plots: bool = True) -> list[Path]:
     """Write ``multiturn.json``, ``multiturn.csv`` and ``multiturn_rounds.png`` into ``out``."""

@@ -30,7 +30,6 @@ import hashlib
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -63,7 +62,7 @@ def secret_of(token: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=16)
-def _keyed(secret: bytes) -> Any:
+def _keyed(secret: bytes) -> hashlib.blake2b:
     """A blake2b keyed with ``secret``, to copy: the key block is hashed once, not per tag."""
     return hashlib.blake2b(digest_size=16, key=secret)
 

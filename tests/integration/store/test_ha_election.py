@@ -53,6 +53,8 @@ def test_standby_refuses_and_takes_over_with_a_higher_term(etcd):
     try:
         with pytest.raises(NotLeader):
             rpc.call("get_replicas", KeysReq("x", ["k"]), ResultsRep)
+        assert standby.status()["master"]["role"] == "standby"  # /status says which it is
+        assert leader.status()["masters"][0]["role"] == "leader"
         term = leader.election.term
         leader.close()  # hands its lease back
         wait_until(standby.leading, 5, "the standby leads")

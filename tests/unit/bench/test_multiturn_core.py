@@ -252,3 +252,26 @@ def test_interleaved_rows_alternate_round_by_round():
     assert [r for _row, r in log] == [1] * 4 + [2] * 4 + [3] * 4
     with pytest.raises(InvalidArgument):
         asyncio.run(run_interleaved_async(small(round_barrier=False), eps))
+
+
+def test_runs_combine_pooled_per_round_with_each_runs_spread_and_the_baseline_ratio(tmp_path):
+    from kvplane.bench.multiturn import RequestRecord as R
+
+    def run(scale):  # 2 rows x 2 rounds x 2 requests; TTFTs known
+        return {"A": [R(c, rnd, 100, 50 * (rnd - 1), ttft_s=scale * (0.1 * rnd + 0.01 * c))
+                      for rnd in (1, 2) for c in (0, 1)],
+                "B": [R(c, rnd, 100, 0, ttft_s=scale * 0.4) for rnd in (1, 2) for c in (0, 1)]}
+    for i, scale in enumerate((1.0, 3.0)):
+        report.emit(run(scale), tmp_path / f"r{i}", {}, plots=False)
+    runs = report.load_runs([tmp_path / "r0", tmp_path / "r1" / "multiturn.json"])
+    assert [sorted(r) for r in runs] == [["A", "B"], ["A", "B"]]
+    text = report.combined(runs, baseline="B")
+    lines = text.splitlines()
+    # pooled A: round 1 0.10, 0.11, 0.30, 0.33 s -> p50 0.205; round 2 0.20, 0.21, 0.60,
+    # 0.63 -> 0.405; hit rate 0 then 50 %
+    assert "| A | 2 | 0.0% / 205 | 50.0% / 405 |" in lines
+    # the median of the runs' own p50s (105 and 315 ms; 205 and 615) with their range
+    assert "| A | 2 | 210 (105-315) | 410 (205-615) |" in lines
+    # pooled B p50 = (0.4 + 1.2) / 2 = 0.8 s: A / B per round
+    assert lines[-1] == "| A | 2 | 0.26 | 0.51 |"
+    assert "over B's" in text and "TTFT p50 over" not in report.combined(runs, baseline="C")

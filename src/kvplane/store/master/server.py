@@ -649,7 +649,7 @@ class MasterServer:
             ident = {"address": f"{self.host}:{self.port}",
                      "admin_port": self.http.port if self.http else None,
                      "uptime_s": round(now - self.started[0], 3),
-                     "started_at": round(self.started[1], 3)}
+                     "started_at": round(self.started[1], 3), "role": self.role}
             doc = status.document(self.state, self.history, self.key_ops, self.rpc_calls, now,
                                   time.time(), ident, admin=admin, with_history=with_history)
         doc = {**doc, **self.extras}

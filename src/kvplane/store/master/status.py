@@ -145,16 +145,17 @@ def document(state: MasterState, history: History, key_ops: dict[str, int],
             remove_all counts one), and ``COMMITTED``: objects PutEnd committed.
         rpc_calls: RPCs served so far, by method.
         now: monotonic seconds; wall: epoch seconds (for the samples' timestamps).
-        master: identity of the master (address, epoch, uptime...), passed through.
+        master: identity of the master (address, uptime, role: "leader" if absent...),
+            passed through.
         admin: include segment owners.
         with_history: include the samples (oldest first).
     """
     current = sample(state, key_ops, now, wall)
     cfg = state.config
+    master = {"role": "leader", **master}  # (the server says "standby" for an HA standby)
     doc: dict[str, Any] = {
-        "master": {**master, "role": "leader", "epoch": state.epoch,
-                   "view_version": state.view_version},
-        "masters": [{**master, "role": "leader"}],  # this one (with HA: /ha_status names the leader)
+        "master": {**master, "epoch": state.epoch, "view_version": state.view_version},
+        "masters": [master],  # this one (with HA: /ha_status names the leader)
         "config": {"lease_ttl_s": cfg.lease_ttl, "client_ttl_s": cfg.client_ttl,
                    "high_watermark": cfg.high_watermark, "evict_ratio": cfg.evict_ratio},
         "capacity_bytes": current.capacity, "used_bytes": current.used,
