@@ -331,12 +331,12 @@ def live(args: argparse.Namespace, cfg: MultiturnConfig, meta: dict[str, Any], d
     ``drive({label: (url, headers)}, cfg)`` runs the workload on a row with a progress bar;
     ``emit(rows, meta, predicted)`` prints the tables and writes the files.
     """
+    sizes = replace(Sizes(), **json.loads(args.stack_json or "{}"))
+    rows = row_list(args.rows)  # the arguments first: unknown rows fail up front
+    sweep_rows = row_list(args.sweep_rows) if args.sweep else []
     if not os.access(VLLM_PYTHON, os.X_OK):
         print(f"no vLLM python at {VLLM_PYTHON}; set KVPLANE_VLLM_PYTHON", file=sys.stderr)
         return 2
-    sizes = replace(Sizes(), **json.loads(args.stack_json or "{}"))
-    rows = row_list(args.rows)
-    sweep_rows = row_list(args.sweep_rows) if args.sweep else []  # unknown rows fail up front
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvplane-multiturn-"))
