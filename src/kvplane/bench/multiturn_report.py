@@ -278,8 +278,7 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict[str, list[RequestRecord]
     for p in paths:
         p = Path(p)
         doc = json.loads((p / "multiturn.json" if p.is_dir() else p).read_text(encoding="utf-8"))
-        runs.append({name: [RequestRecord(**{k: v for k, v in r.items() if k != "row"})
-                            for r in row["requests"]]
+        runs.append({name: [RequestRecord(**r) for r in row["requests"]]
                      for name, row in doc["rows"].items()})
     return runs
 
@@ -316,10 +315,9 @@ def combined(runs: Sequence[Mapping[str, Sequence[RequestRecord]]],
         for n in names:
             if n == baseline:
                 continue
-            cells = []
-            for s in pooled[n]:
-                b = base.get(s.round)
-                cells.append(f"{s.ttft_p50_s / b:.2f}" if b and s.ttft_p50_s is not None else "-")
+            mine = {s.round: s.ttft_p50_s for s in pooled[n]}
+            cells = [f"{v / b:.2f}" if (v := mine.get(r)) is not None and (b := base.get(r))
+                     else "-" for r in rounds]  # (by round: a row may lack one)
             out.append(f"| {n} | {len(each[n])} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
