@@ -55,6 +55,7 @@ from kvplane.store.master.state import MasterState
 from kvplane.store.types import (
     AdoptReq,
     CodesRep,
+    KeyResult,
     KeysReq,
     ListKeysRep,
     ListKeysReq,
@@ -380,11 +381,24 @@ class MasterServer:
             self.state.retired(req.retired)
         self._give_back(req.client_id, req.returns, now)  # so may that of spares given back
         rows = list(zip(req.keys, req.sizes, sums, strict=True))
-        results, retire = self._retiring(
-            lambda i: self.state.put_start(rows[i][0], rows[i][1], req.config, now, req.upsert,
-                                           local, req.client_id, window, rows[i][2], req.nonce,
-                                           owner=req.client_id),  # Mooncake's client_id
-            len(rows))  # an upsert that replaced a leased object retires it
+        retiring = self.state.retiring  # what a put drops under a read lease (an upsert, or a
+        retiring.clear()  # key lost with its segment): retired by the caller (``_retiring``)
+        retire: list[Retire] = []
+
+        def one(i: int) -> KeyResult:
+            r = self.state.put_start(rows[i][0], rows[i][1], req.config, now, req.upsert, local,
+                                     req.client_id, window, rows[i][2], req.nonce,
+                                     owner=req.client_id)  # (the owner: Mooncake's client_id)
+            if retiring:
+                retire.extend((i, x.segment, x.gen) for x in retiring)
+                retiring.clear()
+            return r
+
+        if req.upsert or local:
+            results = [one(i) for i in range(len(rows))]
+        else:  # the common batch of fresh keys: the per-call work once (the same answers)
+            results = self.state.put_start_many(req.keys, req.sizes, sums, req.config, now,
+                                                req.client_id, window, req.nonce, one)
         out = ResultsRep(results, window, retire=retire or None)
         if any(r.code == NoAvailableHandle.code for r in out.results):
             out.retry_after = self._retry_after(now)

@@ -26,6 +26,7 @@ re-registered, or its grace ends (``recovering``).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvplane.common.errors import InvalidArgument, KVPlaneError
@@ -43,7 +44,7 @@ from kvplane.store.errors import (
 )
 from kvplane.store.master.adopt import Adoption
 from kvplane.store.master.allocator import OffsetAllocator
-from kvplane.store.master.columns import COMPLETE, HARD_PIN, NONE
+from kvplane.store.master.columns import COMPLETE, HARD_PIN, NONE, OpenPut
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.repair import Repairs
 from kvplane.store.master.rows import Row
@@ -51,10 +52,12 @@ from kvplane.store.master.table import REMOVED, Client, Obj, ObjectTable, Segmen
 from kvplane.store.master.tasks import Tasks
 from kvplane.store.master.tiers import DiskTier
 from kvplane.store.types import (
+    MAX_KEY,
     MAX_VALUE,
     Columns,
     KeyResult,
     Location,
+    Replica,
     ReplicateConfig,
     SegmentInfo,
 )
@@ -369,6 +372,69 @@ class MasterState(ObjectTable):
                   header=header, owner=owner)
         self.insert(key, obj)
         return KeyResult(0, obj.replicas_of(self.segments), size, version, checksum, header)
+
+    def put_start_many(self, keys: Sequence[str], sizes: Sequence[int], sums: Sequence[int],
+                       cfg: ReplicateConfig, now: float, client_id: str, window: float,
+                       nonce: int, general: Callable[[int], KeyResult]) -> list[KeyResult]:
+        """``put_start`` of each key of one PutStart call (no upsert, no local segments),
+        the same answers, in the same order: the per-call checks are made once, and a new key
+        on a pool where placement has one candidate is written straight into the table (the
+        common batch of fresh keys: no record object per key). Any other key goes through
+        ``general(i)`` (``put_start`` of key ``i``), in its turn.
+
+        ``window``: the write window granted (``write_window``), as ``put_start`` computes it.
+        The client id is each object's writer and its owner.
+        """
+        try:
+            pin = self.soft_pin_ttl(cfg)
+            fast = cfg.replica_num == 1
+        except KVPlaneError:
+            fast = False  # (put_start answers each key with the error)
+        if fast and not cfg.preferred_segment and not cfg.preferred_segments:
+            names = [n for n, s in self.segments.items()  # (as ``_candidates``: no rng draw)
+                     if s.suspect_since is None and not s.adopting]
+            fast = len(names) == 1
+        else:
+            fast = False
+        if not fast:
+            return [general(i) for i in range(len(keys))]
+        seg = self.segments[names[0]]
+        alloc, info = seg.alloc, seg.info
+        name, base, endpoint, host = info.name, info.base, info.endpoint, info.host_id
+        flags = inventory.FLAG_HARD_PIN if cfg.with_hard_pin else 0
+        cflags = HARD_PIN if cfg.with_hard_pin else 0
+        c = self.cols
+        find, sid, owner = c.index.find, c.sid_of[name], c.owner_id(client_id) if client_id else 0
+        secret, largest, max_keys = self.secret, self.largest, self.config.max_keys
+        until = now + self.write_window(window)
+        out: list[KeyResult] = []
+        for i, key in enumerate(keys):
+            size = sizes[i]
+            kb = key.encode()
+            hdr = (inventory.FIXED + len(kb) + inventory.ALIGN - 1) // inventory.ALIGN \
+                * inventory.ALIGN
+            if not kb or len(kb) > MAX_KEY or not 0 < size <= MAX_VALUE or find(key) >= 0 \
+                    or (largest and hdr + size > largest) or c.count >= max_keys \
+                    or seg.suspect_since is not None or seg.adopting:
+                out.append(general(i))  # (an error, a present key, or eviction: the full path)
+                continue
+            off = alloc.allocate(hdr + size)
+            if off is None:
+                out.append(general(i))  # out of room: place() evicts or fails
+                continue
+            version = self.new_generation()
+            checksum = sums[i]
+            header = inventory.pack(secret, key, version, version, size, checksum,
+                                    1, flags, hdr)
+            row = c.add(key)
+            c.size[row], c.version[row], c.checksum[row] = size, version, checksum
+            c.lease[row], c.hdr[row], c.want[row] = 0.0, hdr, 1
+            c.iflags[row], c.flags[row], c.owner[row] = flags, cflags, owner
+            c.off[row], c.gen[row], c.seg[row] = off, version, sid
+            c.puts[row] = OpenPut(now, client_id, until, header, nonce, pin)
+            out.append(KeyResult(0, [Replica(name, base + off + hdr, size, endpoint, host,
+                                             version)], size, version, checksum, header))
+        return out
 
     def _resume(self, key: str, obj: Row, now: float, window: float, owner: str) -> KeyResult:
         """The same writer asks again for its unfinished put (its first answer was lost):
