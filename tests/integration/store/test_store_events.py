@@ -40,3 +40,54 @@ def test_pool_blocks_show_up_as_cpu_tier(server, http, wait_seq):
             wait_seq(server, "pool", m.events.pub._seq - 1)
             got = http.post("/query_by_hash", json=body).json()["default"]
             assert got["e0"]["CPU"] == BS
+
+
+def test_connector_keys_name_their_block_by_the_vllm_hash_once():
+    """kvplane's vLLM connectors store one object per block and layer under the block's vLLM
+    hash: the block is published once (layer 0, rank 0, group 0) as vLLM's own event hash."""
+    import hashlib
+
+    from kvplane.conductor.hashing import low64
+    from kvplane.integrations.vllm.offload_plan import ObjectNames, namespace
+    from kvplane.integrations.vllm.plan import KeySpace
+
+    h = hashlib.sha256(b"block").digest()
+    space = KeySpace("m", "float32", BS, 3, 0, 2)
+    assert [key_hash(k) for k in space.block_keys(h)] == [low64(h), None, None]
+    assert [key_hash(k) for k in space.of_rank(1).block_keys(h)] == [None] * 3
+    for rank in (0, 1):
+        names = ObjectNames(namespace("m", "float32", BS, rank, 2), 2)
+        got = [key_hash(k) for k in names.of([h + (0).to_bytes(4, "big"),
+                                              h + (1).to_bytes(4, "big")])]
+        assert got == ([low64(h), None, None, None] if rank == 0 else [None] * 4)
+
+
+def test_connector_blocks_in_the_pool_show_up_for_every_instance(server, http, wait_seq):
+    """End to end: blocks a connector stored (every layer) are a CPU-tier prefix for an
+    engine that never held them; removing layer 0 takes the block out."""
+    from kvplane.integrations.vllm.plan import KeySpace
+
+    tokens = list(range(3 * BS))
+    digests = list(HashProfile().digests(tokens, BS))
+    hs = list(HashProfile().event_hashes(tokens, BS))
+    space = KeySpace("m", "float32", BS, 2)
+    with MasterServer(admin_port=None, kv_events_port=0) as m:
+        r = http.post("/register", json={
+            "instance_id": "pool", "type": "kvplane", "modelname": "m", "block_size": BS,
+            "endpoint": m.events.endpoint, "replay_endpoint": m.events.replay_endpoint})
+        assert r.status_code == 200, r.text
+        r = http.post("/register", json={"instance_id": "e0", "modelname": "m", "block_size": BS,
+                                         "topic": "kv@e0"})
+        assert r.status_code == 200
+        m.events.pub.wait_subscribed()
+        with StoreClient(master=f"127.0.0.1:{m.port}", global_segment_size=1 << 20) as c:
+            keys = [k for d in digests[:2] for k in space.block_keys(d)]
+            assert c.put_batch(keys, [b"kv"] * len(keys)) == [None] * len(keys)
+            wait_seq(server, "pool", m.events.pub._seq - 1)
+            body = {"model": "m", "seq_hashes": hs, "block_size": BS}
+            got = http.post("/query_by_hash", json=body).json()["default"]
+            assert got["e0"]["CPU"] == 2 * BS and got["e0"]["GPU"] == 0
+            c.remove(space.block_keys(digests[1])[0], force=True)
+            wait_seq(server, "pool", m.events.pub._seq - 1)
+            got = http.post("/query_by_hash", json=body).json()["default"]
+            assert got["e0"]["CPU"] == BS

@@ -26,10 +26,28 @@ from kvplane.store.master.access import unscoped
 
 _SPLIT = re.compile(r"[@/:]")
 U64 = (1 << 64) - 1
+# kvplane's vLLM connectors: ``.../tp{r}of{n}/{block hash hex}/{layer}`` (KVPlaneStoreConnector,
+# a 32-byte hash) and ``.../r{r}of{n}/off/{OffloadKey hex}/{layer}`` (the OffloadingConnector's
+# medium: the hash and a 4-byte KV-cache group index)
+_LAYERED = re.compile(
+    r"(?:^|/)(?:(?:tp|r)(\d+)of\d+/(?:off/)?)?([0-9a-f]{64})([0-9a-f]{8})?/(\d+)$")
 
 
 def key_hash(key: str) -> int | None:
-    """The u64 block hash carried by ``key``, or None."""
+    """The u64 block hash carried by ``key``, or None.
+
+    A key of kvplane's vLLM connectors (one object per block and layer, the block's vLLM hash
+    in hex before the layer) names its block by layer 0 of TP rank 0 and KV-cache group 0
+    only: the event hash is the low 64 bits of the vLLM hash (what vLLM's own KV events carry
+    for that block), and the block's other objects publish nothing. Any other key: Mooncake's
+    rule, its last ``@``/``/``/``:``-separated part as a decimal or ``0x`` hex u64.
+    """
+    m = _LAYERED.search(key)
+    if m is not None:
+        rank, digest, group, layer = m.groups()
+        if (rank and int(rank)) or (group and int(group, 16)) or int(layer):
+            return None
+        return int(digest[-16:], 16)
     tail = _SPLIT.split(key)[-1].strip().lower()
     try:
         if tail.startswith("0x"):
