@@ -80,6 +80,9 @@ class Sizes:
         ssd_dram_mib: DRAM of the SSD row's pool, MiB.
         ssd_disk_mib: SSD quota of the SSD row's pool, MiB.
         policy: the router's policy.
+        pool_events: the kvplane rows' master publishes its KV events and the router indexes
+            them (``kvplane router --pool``): a prefix in the shared pool counts for every
+            instance. (Real Mooncake 0.3.13's store publishes none.)
         mooncake_dir: directory holding real Mooncake's ``mooncake`` package ("" = the engines
             venv's ``mooncake-real``, else ``/tmp/mc-venv``).
     """
@@ -92,6 +95,7 @@ class Sizes:
     ssd_dram_mib: int = 96
     ssd_disk_mib: int = 2048
     policy: str = "mooncake"
+    pool_events: bool = True
     mooncake_dir: str = ""
 
 
@@ -122,29 +126,44 @@ Emit = Callable[[dict[str, list[RequestRecord]], dict[str, Any], "dict[str, dict
                 None]
 
 
-def _pool(stack: ExitStack, size_mib: int, *seg_args: str) -> str:
-    master = stack.enter_context(spawn_master())
+def _pool(stack: ExitStack, size_mib: int, *seg_args: str, pools: list[str] | None = None) -> str:
+    """A master and one segment of ``size_mib``; with ``pools``, the master publishes its KV
+    events and their ``--pool`` spec (endpoint, replay, the master's token) is appended."""
+    master = stack.enter_context(spawn_master(*(["--kv-events-port", "0"] if pools is not None
+                                                else [])))
     stack.enter_context(spawn_segment(master.info["master"], f"{size_mib}MiB", *seg_args))
+    if pools is not None:
+        from kvplane.common.auth import server_token
+
+        token = server_token("", False).token  # what the master resolved (env or token file)
+        pools.append(f"{master.info['kv_events']},replay={master.info['kv_events_replay']}"
+                     + (f",token={token}" if token else ""))
     return str(master.info["master"])
 
 
-def setup_row(row: str, sizes: Sizes, stack: ExitStack, work: pathlib.Path) -> Setup:
-    """Start the row's KV services; per instance: (kv_transfer_config, env, extra PYTHONPATH)."""
+def setup_row(row: str, sizes: Sizes, stack: ExitStack, work: pathlib.Path,
+              pools: list[str] | None = None) -> Setup:
+    """Start the row's KV services; per instance: (kv_transfer_config, env, extra PYTHONPATH).
+    A shared kvplane pool appends its ``kvplane router --pool`` spec to ``pools`` (if given and
+    ``sizes.pool_events``)."""
     n = sizes.instances
+    events = pools if sizes.pool_events else None
     if row == "L1":
         return [(None, {}, "")] * n
     if row == "L2":
         return [(store_kv_config(_pool(stack, sizes.l2_mib), protocol="auto"), {}, "")
                 for _ in range(n)]
     if row == "kvplane":
-        return [(store_kv_config(_pool(stack, sizes.l3_mib), protocol="auto"), {}, "")] * n
+        return [(store_kv_config(_pool(stack, sizes.l3_mib, pools=events), protocol="auto"),
+                 {}, "")] * n
     if row == "kvplane-offload":
-        return [(offload_kv_config(_pool(stack, sizes.l3_mib), protocol="auto"), {}, "")] * n
+        return [(offload_kv_config(_pool(stack, sizes.l3_mib, pools=events), protocol="auto"),
+                 {}, "")] * n
     if row == "kvplane-ssd":
         disk = work / "ssd"
         disk.mkdir(exist_ok=True)
         master = _pool(stack, sizes.ssd_dram_mib, "--disk-dir", str(disk),
-                       "--disk-size", f"{sizes.ssd_disk_mib}MiB")
+                       "--disk-size", f"{sizes.ssd_disk_mib}MiB", pools=events)
         return [(store_kv_config(master, protocol="auto"), {}, "")] * n
     if row == "mooncake":
         return _mooncake(sizes, stack, work)
@@ -189,7 +208,8 @@ def row_stack(row: str, sizes: Sizes, model: str, max_len: int,
               work: pathlib.Path) -> Iterator[RowHandle]:
     """Start the row (services, engines, router), warm the engines up; yield the handle."""
     with ExitStack() as stack:
-        setup = setup_row(row, sizes, stack, work)
+        pools: list[str] = []
+        setup = setup_row(row, sizes, stack, work, pools)
         servers = []
         for i, (kv, env, path) in enumerate(setup):
             extra = ["--enable-prompt-tokens-details", "--max-num-batched-tokens", str(max_len),
@@ -210,6 +230,8 @@ def row_stack(row: str, sizes: Sizes, model: str, max_len: int,
                 "--token", ROUTER_TOKEN, "--block-size", str(BS)]
         for i, s in enumerate(servers):
             argv += ["--backend", f"{s.url},events=ipc://{work}/kv{i},replay=ipc://{work}/replay{i}"]
+        for p in pools:
+            argv += ["--pool", p]
         router = stack.enter_context(Proc(argv, ready_timeout=60, stop_signal=15))
         url = str(router.info["router"])
         wait_until(lambda: _all_up(url, len(servers)), 120, "router backends up")

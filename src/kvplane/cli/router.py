@@ -36,6 +36,10 @@ def run(
                                       "URL[,id=..][,events=..][,replay=..][,topic=..]."),
     prefill: list[str] = typer.Option([], "--prefill", help="PD prefill instance (repeatable)."),
     decode: list[str] = typer.Option([], "--decode", help="PD decode instance (repeatable)."),
+    pool: list[str] = typer.Option([], "--pool", help="Shared KV pool whose KV events count "
+                                   "for every instance (repeatable): EVENTS[,replay=..][,token=..]"
+                                   "[,id=..][,type=kvplane|mooncake], e.g. a kvplane master's "
+                                   "--kv-events-port endpoint."),
     discover: str = typer.Option("", help="Metadata service holding the backend list "
                                  "(http://H:P/metadata, etcd://H:P, redis://H:P)."),
     discover_key: str = typer.Option("kvplane/router/backends", help="Key of the JSON list of "
@@ -81,7 +85,7 @@ def run(
     max_request_bytes: int = size_option("8MiB", help="Largest request body accepted."),
 ) -> None:
     """Run the router (see `kvplane router --help`)."""
-    from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
+    from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig, PoolSpec
     from kvplane.conductor.hashing import HashProfile
 
     try:
@@ -91,7 +95,8 @@ def run(
         cfg = GatewayConfig(
             host=host, port=port, token=resolve_token(token, no_auth),
             mode=mode or ("pd" if prefill or decode else "colocated"),  # type: ignore[arg-type]  # str from typer; the config checks it
-            backends=tuple(specs), model=model, block_size=block_size,
+            backends=tuple(specs), pools=tuple(PoolSpec.parse(p) for p in pool),
+            model=model, block_size=block_size,
             hash_profile=HashProfile(hash_algo, hash_seed, "vllm_v1_tagged"),  # type: ignore[arg-type]  # str from typer; the config checks it
             policy=policy, settings=_settings(settings),
             reject=reject, retry_after_s=retry_after, pull_hints=pull_hints, bind=tuple(bind),

@@ -202,3 +202,31 @@ def test_backends_discovered_through_the_metadata_service(http):
             meta.put("kvplane/router/backends", b"not json")
             wait_until(lambda: server.pool.discovery_errors > 0, 5, "bad list counted")
             assert server.pool.get(b.id).up  # a bad list changes nothing
+
+
+def test_a_prefix_in_a_shared_pool_is_reusable_on_every_instance(http):
+    """``--pool``: the router indexes a kvplane master's KV events; blocks a vLLM connector
+    stored there (one object per layer, keys named by the vLLM block hash) are a prefix hit
+    for every instance, though no instance holds them."""
+    from kvplane.conductor.gateway.config import PoolSpec
+    from kvplane.integrations.vllm.plan import KeySpace
+    from kvplane.store import MasterServer, StoreClient
+    from tests.support.services import wait_until
+
+    token = "pool-service-token"  # an authenticated stream (ZMQ PLAIN), as masters run
+    with MasterServer(admin_port=None, kv_events_port=0, token=token) as m:
+        pool = PoolSpec(m.events.endpoint, m.events.replay_endpoint, token)
+        with cluster(2, policy="mooncake", pools=(pool,)) as (server, fakes):
+            route = {"prompt": words(*PREFIX, 7)}
+            assert http.post(server.url + "/route", json=route).json()["prefix_blocks"] == 0
+            wait_until(lambda: "pool" in server.pool.pools_registered, 10, "pool indexed")
+            m.events.pub.wait_subscribed()
+            digests = list(server.config.hash_profile.digests(PREFIX, BS))
+            space = KeySpace("m", "float32", BS, 2)
+            keys = [k for d in digests for k in space.block_keys(d)]
+            with StoreClient(master=f"127.0.0.1:{m.port}", token=token,
+                             global_segment_size=1 << 20) as c:
+                assert c.put_batch(keys, [b"kv"] * len(keys)) == [None] * len(keys)
+                wait_until(lambda: http.post(server.url + "/route", json=route).json()
+                           ["prefix_blocks"] == len(PREFIX) // BS, 10, "pool blocks indexed")
+            assert all(f.hits == 0 for f in fakes)  # no instance held them

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvplane.common.errors import InvalidArgument
-from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
+from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig, PoolSpec
 from kvplane.conductor.gateway.pool import Backend, parse_vllm_metrics
 from kvplane.conductor.gateway.relay import BackendGone, error_event, is_data, race, sse_events, stop_tasks
 from kvplane.conductor.gateway.server import sim_config
@@ -29,6 +29,22 @@ def test_backend_spec_parse_and_defaults():
     assert BackendSpec.from_dict({"url": "http://h:3", "role": "prefill"}).role == "prefill"
     with pytest.raises(InvalidArgument):
         BackendSpec.from_dict({"role": "prefill"})
+
+
+def test_pool_spec_parse_and_rules():
+    p = PoolSpec.parse("tcp://h:5600,replay=tcp://h:5601,token=s3cret,id=l3")
+    assert (p.events, p.replay, p.token, p.id, p.type) == (
+        "tcp://h:5600", "tcp://h:5601", "s3cret", "l3", "kvplane")
+    assert "s3cret" not in repr(p)  # the token is never listed
+    assert PoolSpec.parse("ipc:///tmp/ev,type=mooncake").type == "mooncake"
+    for bad in ("h:5600", "tcp://h:1,colour=red", "tcp://h:1,type=redis", "tcp://h:1,id=",
+                "tcp://h:1,replay=udp://x"):
+        with pytest.raises(InvalidArgument):
+            PoolSpec.parse(bad)
+    with pytest.raises(InvalidArgument, match="distinct"):
+        GatewayConfig(backends=(B,), pools=(PoolSpec("tcp://h:1", id=B.id),))
+    with pytest.raises(InvalidArgument, match="distinct"):
+        GatewayConfig(backends=(B,), pools=(PoolSpec("tcp://h:1"), PoolSpec("tcp://h:2")))
 
 
 def test_config_rules():

@@ -15,6 +15,7 @@ from kvplane.conductor.hashing import HashProfile
 Role = Literal["both", "prefill", "decode"]
 Mode = Literal["colocated", "pd"]
 _SPEC_KEYS = ("id", "events", "replay", "topic")
+_POOL_KEYS = ("replay", "token", "id", "type")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,52 @@ class BackendSpec:
 
 
 @dataclass(frozen=True)
+class PoolSpec:
+    """A shared KV pool whose KV events the router indexes: a prefix it holds counts for
+    every instance (a kvplane master started with ``--kv-events-port``, or Mooncake's).
+
+    Attributes:
+        events: the pool's ZMQ PUB endpoint (a kvplane master: its ``kv_events`` endpoint).
+        replay: its ZMQ ROUTER replay endpoint (heals sequence gaps), or None.
+        token: presented to a publisher that requires one (a kvplane master with a token:
+            the token of the tenant whose objects the engines store); never listed.
+        id: its id in the index (not a routing target).
+        type: ``kvplane`` or ``mooncake``.
+    """
+
+    events: str
+    replay: str | None = None
+    token: str = field(default="", repr=False)
+    id: str = "pool"
+    type: str = "kvplane"
+
+    def __post_init__(self) -> None:
+        for ep in (self.events, self.replay):
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise InvalidArgument(f"bad ZMQ endpoint {ep!r}")
+        if self.type not in ("kvplane", "mooncake") or not self.id:
+            raise InvalidArgument(f"a pool needs an id and type kvplane|mooncake, got "
+                                  f"{self.id!r}, {self.type!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> PoolSpec:
+        """``ENDPOINT[,replay=ENDPOINT][,token=TOKEN][,id=NAME][,type=kvplane|mooncake]``.
+
+        Raises:
+            InvalidArgument: an unknown key or a malformed part.
+        """
+        events, *parts = [p.strip() for p in text.split(",")]
+        kw: dict[str, str] = {}
+        for part in parts:
+            key, eq, value = part.partition("=")
+            if not eq or key not in _POOL_KEYS:
+                raise InvalidArgument(f"bad pool option {key!r}; keys: {_POOL_KEYS}")
+            kw[key] = value
+        return cls(events, kw.get("replay"), kw.get("token", ""), kw.get("id", "pool"),
+                   kw.get("type", "kvplane"))
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Settings of one ``kvplane router`` process.
 
@@ -97,6 +144,8 @@ class GatewayConfig:
         mode: ``colocated`` (each backend prefills and decodes) or ``pd`` (prefill and decode
             backends; a prefill hands its KV to a decode instance).
         backends: static backends (role ``both`` in colocated mode, ``prefill``/``decode`` in PD).
+        pools: shared KV pools whose KV events the router indexes (``--pool``): a prefix a
+            pool holds is reusable on every instance.
         model: served model name, used as the index context (``""``: ask the first backend).
         block_size: engine KV block size in tokens (0: read it from a backend's ``/metrics``).
         hash_profile: how the engines hash blocks (``--prefix-caching-hash-algo`` and their
@@ -139,6 +188,7 @@ class GatewayConfig:
     token: str = ""
     mode: Mode = "colocated"
     backends: tuple[BackendSpec, ...] = ()
+    pools: tuple[PoolSpec, ...] = ()
     model: str = ""
     block_size: int = 0
     hash_profile: HashProfile = field(default_factory=lambda: HashProfile(strategy="vllm_v1_tagged"))
@@ -170,6 +220,10 @@ class GatewayConfig:
         if not self.backends and not self.discover:
             raise InvalidArgument("give at least one backend (--backend, or --prefill and "
                                   "--decode) or a metadata service to discover them (--discover)")
+        ids = [p.id for p in self.pools]
+        if len(set(ids)) != len(ids) or set(ids) & {b.id for b in self.backends}:
+            raise InvalidArgument(f"pool ids must be distinct from each other and from the "
+                                  f"backends' ids: {ids}")
         roles = {b.role for b in self.backends}
         if self.mode not in ("colocated", "pd"):
             raise InvalidArgument(f"mode must be colocated or pd, got {self.mode!r}")

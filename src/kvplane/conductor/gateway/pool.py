@@ -144,6 +144,7 @@ class BackendPool:
         self._tasks: set[asyncio.Future[None]] = set()
         self.watchers: dict[str, asyncio.Future[None]] = {}  # backend id -> its health loop
         self.discovery_errors = 0
+        self.pools_registered: set[str] = set()  # shared pools indexed (``config.pools``)
         for spec in config.backends:
             self.add(spec)
 
@@ -314,8 +315,26 @@ class BackendPool:
         """Scrape every backend in rotation concurrently."""
         await asyncio.gather(*(self.scrape(b) for b in self.healthy()))
 
+    def _register_pools(self) -> None:
+        """Index the shared pools' KV events (``config.pools``) once the block size is known:
+        their blocks count for every instance."""
+        for p in self.config.pools:
+            if p.id in self.pools_registered:
+                continue
+            try:
+                self.conductor.register(Registration(
+                    p.id, self.model, self.block_size, endpoint=p.events,
+                    replay_endpoint=p.replay, type=p.type, token=p.token,
+                    hash_profile=self.config.hash_profile))
+                self.pools_registered.add(p.id)
+            except KVPlaneError as exc:
+                log.warning("cannot index KV events of pool %s: %s", p.id, exc)
+
     def _maybe_register(self, b: Backend) -> None:
-        """Index ``b``'s KV events once the block size is known (prefill-capable backends)."""
+        """Index ``b``'s KV events once the block size is known (prefill-capable backends),
+        and the shared pools' with the first."""
+        if self.block_size:
+            self._register_pools()
         if b.registered or not self.block_size or b.spec.role == "decode":
             return
         if b.block_size and b.block_size != self.block_size:
