@@ -67,6 +67,15 @@ LABELS = {"L1": "L1 (vLLM prefix cache)", "L2": "+L2 (host DRAM, per instance)",
 ENGINES_VENV = os.environ.get("KVPLANE_ENGINES_VENV", "/opt/kvplane-engines-venv")
 
 
+# the benchmark's model on this CPU, for the router's time model: its KV layout (16 KiB a token),
+# its weights, a prefill fit from the recorded runs (about 0.45 ms a token: 2064 tokens in
+# 922 ms) and the rate a pool load reached in them (2048 tokens, 32 MiB, served in 60 ms)
+ROUTER_SET = (f"model.layers={MODEL['layers']}", f"model.hidden={MODEL['hidden']}",
+              "model.gqa=1", "model.dtype_bytes=4", "model.params=15e6",
+              "model.hbm_bytes_per_s=1e10", "model.prefill_fit=0.02,4.5e-4,0",
+              "cluster.h2d_bytes_per_s=5e8", "cluster.pool_bytes_per_s=5e8")
+
+
 @dataclass(frozen=True)
 class Sizes:
     """Capacities of the live rows (``--stack-json`` overrides any field).
@@ -80,6 +89,9 @@ class Sizes:
         ssd_dram_mib: DRAM of the SSD row's pool, MiB.
         ssd_disk_mib: SSD quota of the SSD row's pool, MiB.
         policy: the router's policy.
+        router_set: ``kvplane router --set`` items that describe these engines to the policy's
+            time model (default: the benchmark's model on this CPU; the router's own default
+            is a 70B model on H100s, whose estimates are 10-20x off here).
         pool_events: the kvplane rows' master publishes its KV events and the router indexes
             them (``kvplane router --pool``): a prefix in the shared pool counts for every
             instance. (Real Mooncake 0.3.13's store publishes none.)
@@ -96,6 +108,7 @@ class Sizes:
     ssd_disk_mib: int = 2048
     policy: str = "mooncake"
     pool_events: bool = True
+    router_set: tuple[str, ...] = ROUTER_SET
     mooncake_dir: str = ""
 
 
@@ -232,6 +245,8 @@ def row_stack(row: str, sizes: Sizes, model: str, max_len: int,
             argv += ["--backend", f"{s.url},events=ipc://{work}/kv{i},replay=ipc://{work}/replay{i}"]
         for p in pools:
             argv += ["--pool", p]
+        for item in sizes.router_set:
+            argv += ["--set", item]
         router = stack.enter_context(Proc(argv, ready_timeout=60, stop_signal=15))
         url = str(router.info["router"])
         wait_until(lambda: _all_up(url, len(servers)), 120, "router backends up")
