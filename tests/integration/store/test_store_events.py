@@ -17,17 +17,23 @@ def test_key_hash():
     assert key_hash(str(1 << 70)) == (1 << 70) & ((1 << 64) - 1)
 
 
+def register_pool_and_engine(http, m: MasterServer) -> None:
+    """Register ``m``'s KV events as the shared pool "pool" and an engine "e0" that never
+    publishes; wait until the master has the conductor's subscription."""
+    r = http.post("/register", json={
+        "instance_id": "pool", "type": "kvplane", "modelname": "m", "block_size": BS,
+        "endpoint": m.events.endpoint, "replay_endpoint": m.events.replay_endpoint})
+    assert r.status_code == 200, r.text
+    r = http.post("/register", json={"instance_id": "e0", "modelname": "m", "block_size": BS,
+                                     "topic": "kv@e0"})
+    assert r.status_code == 200
+    m.events.pub.wait_subscribed()
+
+
 def test_pool_blocks_show_up_as_cpu_tier(server, http, wait_seq):
     hs = list(HashProfile().event_hashes(list(range(3 * BS)), BS))
     with MasterServer(admin_port=None, kv_events_port=0) as m:
-        r = http.post("/register", json={
-            "instance_id": "pool", "type": "kvplane", "modelname": "m", "block_size": BS,
-            "endpoint": m.events.endpoint, "replay_endpoint": m.events.replay_endpoint})
-        assert r.status_code == 200, r.text
-        r = http.post("/register", json={"instance_id": "e0", "modelname": "m", "block_size": BS,
-                                         "topic": "kv@e0"})
-        assert r.status_code == 200
-        m.events.pub.wait_subscribed()
+        register_pool_and_engine(http, m)
         addr = f"127.0.0.1:{m.port}"
         with StoreClient(master=addr, global_segment_size=1 << 20) as c:
             keys = [f"m@0@{h:#x}" for h in hs[:2]]
@@ -72,14 +78,7 @@ def test_connector_blocks_in_the_pool_show_up_for_every_instance(server, http, w
     hs = list(HashProfile().event_hashes(tokens, BS))
     space = KeySpace("m", "float32", BS, 2)
     with MasterServer(admin_port=None, kv_events_port=0) as m:
-        r = http.post("/register", json={
-            "instance_id": "pool", "type": "kvplane", "modelname": "m", "block_size": BS,
-            "endpoint": m.events.endpoint, "replay_endpoint": m.events.replay_endpoint})
-        assert r.status_code == 200, r.text
-        r = http.post("/register", json={"instance_id": "e0", "modelname": "m", "block_size": BS,
-                                         "topic": "kv@e0"})
-        assert r.status_code == 200
-        m.events.pub.wait_subscribed()
+        register_pool_and_engine(http, m)
         with StoreClient(master=f"127.0.0.1:{m.port}", global_segment_size=1 << 20) as c:
             keys = [k for d in digests[:2] for k in space.block_keys(d)]
             assert c.put_batch(keys, [b"kv"] * len(keys)) == [None] * len(keys)

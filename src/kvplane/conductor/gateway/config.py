@@ -18,6 +18,32 @@ _SPEC_KEYS = ("id", "events", "replay", "topic")
 _POOL_KEYS = ("replay", "token", "id", "type")
 
 
+def _check_endpoints(*endpoints: str | None) -> None:
+    """Refuse a ZMQ endpoint that is not tcp://, ipc:// or inproc:// (None: not given)."""
+    for ep in endpoints:
+        if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            raise InvalidArgument(f"bad ZMQ endpoint {ep!r}")
+
+
+def _options(text: str, keys: tuple[str, ...], what: str,
+             echo: bool = True) -> tuple[str, dict[str, str]]:
+    """``HEAD[,key=value]...``: the head and the options, each key one of ``keys``.
+    ``echo``: a bad option's error quotes it and the text (off where values are secrets).
+
+    Raises:
+        InvalidArgument: an unknown key or a part without ``=``.
+    """
+    head, *parts = [p.strip() for p in text.split(",")]
+    kw: dict[str, str] = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or key not in keys:
+            shown = f"{part!r} in {text!r}" if echo else repr(key)
+            raise InvalidArgument(f"bad {what} option {shown}; keys: {keys}")
+        kw[key] = value
+    return head, kw
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """One vLLM OpenAI server behind the router.
@@ -51,9 +77,7 @@ class BackendSpec:
             object.__setattr__(self, "id", parts.netloc)
         if not self.topic:
             object.__setattr__(self, "topic", f"kv@{self.id}")
-        for ep in (self.events, self.replay):
-            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
-                raise InvalidArgument(f"bad ZMQ endpoint {ep!r}")
+        _check_endpoints(self.events, self.replay)
 
     @classmethod
     def parse(cls, text: str, role: Role = "both") -> BackendSpec:
@@ -62,13 +86,7 @@ class BackendSpec:
         Raises:
             InvalidArgument: an unknown key or a malformed part.
         """
-        url, *parts = [p.strip() for p in text.split(",")]
-        kw: dict[str, str] = {}
-        for part in parts:
-            key, eq, value = part.partition("=")
-            if not eq or key not in _SPEC_KEYS:
-                raise InvalidArgument(f"bad backend option {part!r} in {text!r}; keys: {_SPEC_KEYS}")
-            kw[key] = value
+        url, kw = _options(text, _SPEC_KEYS, "backend")
         return cls(url, role, kw.get("id", ""), kw.get("events"), kw.get("replay"),
                    kw.get("topic", ""))
 
@@ -107,9 +125,7 @@ class PoolSpec:
     type: str = "kvplane"
 
     def __post_init__(self) -> None:
-        for ep in (self.events, self.replay):
-            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
-                raise InvalidArgument(f"bad ZMQ endpoint {ep!r}")
+        _check_endpoints(self.events, self.replay)
         if self.type not in ("kvplane", "mooncake") or not self.id:
             raise InvalidArgument(f"a pool needs an id and type kvplane|mooncake, got "
                                   f"{self.id!r}, {self.type!r}")
@@ -121,13 +137,7 @@ class PoolSpec:
         Raises:
             InvalidArgument: an unknown key or a malformed part.
         """
-        events, *parts = [p.strip() for p in text.split(",")]
-        kw: dict[str, str] = {}
-        for part in parts:
-            key, eq, value = part.partition("=")
-            if not eq or key not in _POOL_KEYS:
-                raise InvalidArgument(f"bad pool option {key!r}; keys: {_POOL_KEYS}")
-            kw[key] = value
+        events, kw = _options(text, _POOL_KEYS, "pool", echo=False)  # (a token is a secret)
         return cls(events, kw.get("replay"), kw.get("token", ""), kw.get("id", "pool"),
                    kw.get("type", "kvplane"))
 

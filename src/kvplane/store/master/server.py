@@ -55,7 +55,6 @@ from kvplane.store.master.state import MasterState
 from kvplane.store.types import (
     AdoptReq,
     CodesRep,
-    KeyResult,
     KeysReq,
     ListKeysRep,
     ListKeysReq,
@@ -381,19 +380,12 @@ class MasterServer:
             self.state.retired(req.retired)
         self._give_back(req.client_id, req.returns, now)  # so may that of spares given back
         rows = list(zip(req.keys, req.sizes, sums, strict=True))
-        retiring = self.state.retiring  # what a put drops under a read lease (an upsert, or a
-        retiring.clear()  # key lost with its segment): retired by the caller (``_retiring``)
-        retire: list[Retire] = []
-
-        def one(i: int) -> KeyResult:
-            r = self.state.put_start(rows[i][0], rows[i][1], req.config, now, req.upsert, local,
-                                     req.client_id, window, rows[i][2], req.nonce,
-                                     owner=req.client_id)  # (the owner: Mooncake's client_id)
-            if retiring:
-                retire.extend((i, x.segment, x.gen) for x in retiring)
-                retiring.clear()
-            return r
-
+        retire: list[Retire] = []  # an upsert that replaced a leased object retires it
+        one = self._retiring_each(
+            lambda i: self.state.put_start(rows[i][0], rows[i][1], req.config, now, req.upsert,
+                                           local, req.client_id, window, rows[i][2], req.nonce,
+                                           owner=req.client_id),  # Mooncake's client_id
+            retire)
         if req.upsert or local:
             results = [one(i) for i in range(len(rows))]
         else:  # the common batch of fresh keys: the per-call work once (the same answers)
@@ -416,15 +408,24 @@ class MasterServer:
     def _retiring(self, op: Callable[[int], Any], n: int) -> tuple[list[Any], list[Retire]]:
         """``op(i)`` for each key index, and the replicas each one dropped under a read lease
         (``MasterState.retiring``) as ``Retire`` entries for the caller."""
+        retire: list[Retire] = []
+        each = self._retiring_each(op, retire)
+        return [each(i) for i in range(n)], retire
+
+    def _retiring_each(self, op: Callable[[int], Any],
+                       retire: list[Retire]) -> Callable[[int], Any]:
+        """``op`` that adds to ``retire`` the replicas each call of it dropped under a read
+        lease (for callers that call it key by key themselves)."""
         retiring = self.state.retiring
         retiring.clear()
-        out, retire = [], []
-        for i in range(n):
-            out.append(op(i))
+
+        def each(i: int) -> Any:
+            out = op(i)
             if retiring:
-                retire += [(i, r.segment, r.gen) for r in retiring]
+                retire.extend((i, r.segment, r.gen) for r in retiring)
                 retiring.clear()
-        return out, retire
+            return out
+        return each
 
     def _put_end(self, req: PutEndReq) -> CodesRep:
         puts = self.state.puts

@@ -387,16 +387,12 @@ class MasterState(ObjectTable):
         """
         try:
             pin = self.soft_pin_ttl(cfg)
-            fast = cfg.replica_num == 1
         except KVPlaneError:
-            fast = False  # (put_start answers each key with the error)
-        if fast and not cfg.preferred_segment and not cfg.preferred_segments:
-            names = [n for n, s in self.segments.items()  # (as ``_candidates``: no rng draw)
-                     if s.suspect_since is None and not s.adopting]
-            fast = len(names) == 1
-        else:
-            fast = False
-        if not fast:
+            return [general(i) for i in range(len(keys))]  # (each key answered the error)
+        names = [n for n, s in self.segments.items()  # (as ``_candidates``: no rng draw)
+                 if s.suspect_since is None and not s.adopting]
+        if len(names) != 1 or cfg.replica_num != 1 or cfg.preferred_segment \
+                or cfg.preferred_segments:
             return [general(i) for i in range(len(keys))]
         seg = self.segments[names[0]]
         alloc, info = seg.alloc, seg.info
@@ -411,12 +407,10 @@ class MasterState(ObjectTable):
         for i, key in enumerate(keys):
             size = sizes[i]
             kb = key.encode()
-            hdr = (inventory.FIXED + len(kb) + inventory.ALIGN - 1) // inventory.ALIGN \
-                * inventory.ALIGN
+            hdr = inventory.header_len(kb)
             if not kb or len(kb) > MAX_KEY or not 0 < size <= MAX_VALUE or find(key) >= 0 \
-                    or (largest and hdr + size > largest) or c.count >= max_keys \
-                    or seg.suspect_since is not None or seg.adopting:
-                out.append(general(i))  # (an error, a present key, or eviction: the full path)
+                    or (largest and hdr + size > largest) or c.count >= max_keys:
+                out.append(general(i))  # (an error or a present key: the full path)
                 continue
             off = alloc.allocate(hdr + size)
             if off is None:
