@@ -70,11 +70,11 @@ class Proc:
     def signal(self, sig: int) -> None:
         self.popen.send_signal(sig)
 
-    def kill(self) -> None:
-        """kill -9 and reap."""
+    def kill(self, timeout: float = 60.0) -> None:
+        """kill -9 and reap (a host loaded by spinning engines took over 10 s to end one)."""
         if self.popen.poll() is None:
             self.popen.kill()
-        self.popen.wait(10)
+        self.popen.wait(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask for a clean exit (close stdin, or ``stop_signal``), then kill if it lingers."""

@@ -8,6 +8,7 @@ heads; this test compares the PD answer with the prefill instance answering alon
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -47,7 +48,7 @@ def test_tp2_decode_ranks_pull_their_own_prefill_shards(tmp_path, tiny_model):
         # four TP workers spin on 2 cores: slow /health answers must not eject a live instance
         proxy = Proc([sys.executable, "-m", "kvplane.cli.main", "router", "--prefill", p.url,
                       "--decode", d.url, "--port", "0", "--health-timeout", "10",
-                      "--eject-after", "30"], ready_timeout=30)
+                      "--eject-after", "30"], ready_timeout=30, stop_signal=signal.SIGTERM)
         tokens = prompt(5, 97)  # 4 blocks move, per rank
         ref = complete(p.url, model, tokens)
         ref_same_path = complete(p.url, model, tokens)  # 96 cached + 1 computed, as decode does

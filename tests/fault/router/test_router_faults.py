@@ -210,3 +210,111 @@ def test_a_dropped_stream_gets_its_backend_checked_at_once(http):
         assert '"error"' in r.text and r.headers.get("x-kvplane-backend") == bad.id, (r.status_code, r.text)
         wait_until(lambda: not b.up, 5, "ejection by the triggered check")
         assert "HTTP 503" in b.last_error
+
+
+class DropOnReuse:
+    """A TCP relay to ``upstream`` that closes a kept-alive connection under its next POST.
+
+    The first ``drops`` POSTs that arrive on a connection which already carried an answered
+    request are met with a close (``rst``: a reset) instead of being relayed: what a backend's
+    keep-alive timer does when it fires as the client reuses the connection.
+    """
+
+    def __init__(self, upstream: str, drops: int = 1, rst: bool = False) -> None:
+        import socket
+
+        host, port = upstream.split("://", 1)[1].split(":")
+        self.upstream, self.drops, self.rst, self.dropped = (host, int(port)), drops, rst, 0
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream, timeout=10)
+            threading.Thread(target=self._relay, args=(conn, up), daemon=True).start()
+
+    def _relay(self, conn, up) -> None:
+        import select
+        import socket
+        import struct
+
+        answered = False  # the connection carried a request that got (part of) its answer
+        try:
+            while True:
+                ready, _, _ = select.select([conn, up], [], [], 30)
+                if not ready:
+                    return
+                if up in ready:
+                    data = up.recv(65536)
+                    if not data:
+                        return
+                    conn.sendall(data)
+                    answered = True
+                if conn in ready:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    if answered and data.startswith(b"POST"):
+                        with self.lock:
+                            drop = self.dropped < self.drops
+                            self.dropped += drop
+                        if drop:
+                            if self.rst:
+                                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                struct.pack("ii", 1, 0))
+                            return
+                        answered = False
+                    up.sendall(data)
+        except OSError:
+            return
+        finally:
+            conn.close()
+            up.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("rst", [False, True], ids=["closed", "reset"])
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_a_kept_alive_connection_closed_under_a_request_is_retried_on_a_fresh_one(http, mode, rst):
+    # seen in a CI run (TP=2 PD on real vLLM, one decode instance): vLLM closes a connection idle
+    # for 5 s, the router reused it for the decode at that moment, and the client got a 502
+    from kvplane.conductor.gateway.config import BackendSpec, GatewayConfig
+    from kvplane.conductor.gateway.server import GatewayServer
+    from tests.support.fake_vllm import FakeVLLM
+
+    fakes = [FakeVLLM(), FakeVLLM()] if mode == "pd" else [FakeVLLM()]
+    target = fakes[-1]  # the decode instance, or the only one
+    relay = DropOnReuse(target.url, drops=1, rst=rst)
+    urls = [f.url for f in fakes[:-1]] + [relay.url]
+    roles = ("prefill", "decode") if mode == "pd" else ("both",)
+    cfg = GatewayConfig(port=0, backends=tuple(BackendSpec(u, r) for u, r in zip(urls, roles)),  # type: ignore[arg-type]
+                        mode=mode)
+    server = GatewayServer(cfg).start()
+    try:
+        (relayed,) = [b.id for b in server.pool.backends.values() if b.spec.url == relay.url]
+        before = counter(instruments.RECONNECTS, relayed)
+        n = 4
+        for i in range(n):  # sequential: each reuses the connection the one before left idle
+            r = http.post(server.url + "/v1/completions",  # token ids: no /tokenize call
+                          json={"prompt": [i, 5, 6], "max_tokens": 3, "stream": i % 2 == 1})
+            assert r.status_code == 200, r.text
+            assert '"error"' not in r.text
+        assert relay.dropped == 1  # the fault happened, once
+        # the dropped request never reached the instance: each request ran there exactly once
+        assert len(target.requests) == n
+        assert counter(instruments.RECONNECTS, relayed) - before == 1
+    finally:
+        server.close()
+        relay.close()
+        for f in fakes:
+            f.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvplane.common.metrics import Counter, Gauge, Histogram
 
-__all__ = ["ROUTED", "REJECTED", "FAILED", "RETRIES", "STREAM_ERRORS", "HIT_BLOCKS",
+__all__ = ["ROUTED", "REJECTED", "FAILED", "RETRIES", "RECONNECTS", "STREAM_ERRORS", "HIT_BLOCKS",
            "PROMPT_BLOCKS", "UPSTREAM_ERRORS", "EJECTIONS", "BACKEND_UP", "BACKEND_QUEUE",
            "TOKENIZE_SECONDS", "TOKENIZE_ERRORS", "ROUTE_SECONDS"]
 
@@ -20,6 +20,10 @@ FAILED = Counter("kvplane_router_failed_total",
 RETRIES = Counter("kvplane_router_retries_total",
                   "Requests re-sent to another backend after a failure before the first token",
                   ["phase"])
+RECONNECTS = Counter("kvplane_router_reconnects_total",
+                     "Requests sent once more, on a fresh connection to the same backend, after "
+                     "it dropped the connection before any answer (a kept-alive connection it "
+                     "had just closed)", ["backend"])
 STREAM_ERRORS = Counter("kvplane_router_stream_errors_total",
                         "Streams ended with an SSE error event after the first token", ["reason"])
 HIT_BLOCKS = Counter("kvplane_router_hit_blocks_total",

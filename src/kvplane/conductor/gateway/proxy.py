@@ -42,6 +42,8 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 CHAT_TOKENIZE_KEYS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
                       "chat_template", "chat_template_kwargs", "tools")
 SSE = "text/event-stream"
+# a connection closed under a request before any byte of the answer came back
+DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 HASH_INLINE_TOKENS = 8192
 
 
@@ -273,10 +275,17 @@ class Gateway:
         """One non-streamed upstream call, bounded by ``request_timeout_s`` and ejection."""
         instruments.ROUTED.labels(b.id, phase).inc()
         b.in_flight += 1
+
+        async def whole() -> httpx.Response:
+            resp = await self._send(b, path, body, headers)
+            try:
+                await resp.aread()
+            finally:
+                await resp.aclose()
+            return resp
+
         try:
-            r = await race(asyncio.wait_for(
-                self.client.post(b.spec.url + path, json=body, headers=self._headers(headers),
-                                 timeout=self._read), self.config.request_timeout_s), b.gone)
+            r = await race(asyncio.wait_for(whole(), self.config.request_timeout_s), b.gone)
         except (httpx.HTTPError, BackendGone, asyncio.TimeoutError) as exc:
             raise self._failed(b, exc, phase) from exc
         finally:
@@ -310,12 +319,10 @@ class Gateway:
         """Send a streamed request and wait for its first data event (the first token)."""
         instruments.ROUTED.labels(b.id, phase).inc()
         gone = b.gone
-        req = self.client.build_request("POST", b.spec.url + path, json=body,
-                                        headers=self._headers(headers), timeout=self._read)
         b.in_flight += 1
         resp: httpx.Response | None = None
         try:
-            resp = await race(self.client.send(req, stream=True), gone)
+            resp = await race(self._send(b, path, body, headers), gone)
             if resp.status_code != 200:
                 content = await race(asyncio.wait_for(resp.aread(), self.config.read_timeout_s), gone)
                 if resp.status_code >= 500:
@@ -337,6 +344,31 @@ class Gateway:
         except (Retryable, Final, asyncio.CancelledError):
             await self._close(b, resp)
             raise
+
+    async def _send(self, b: Backend, path: str, body: dict[str, Any],
+                    headers: dict[str, str]) -> httpx.Response:
+        """POST to ``b`` and return once its status line and headers are in (the body streams).
+
+        A connection dropped before any answer is tried once more on a fresh connection to the
+        same backend: most often it was a kept-alive connection whose idle timer closed it on the
+        backend's side as the request went out (the router lets idle connections go after 2 s,
+        ``UPSTREAM_KEEPALIVE_S``, before vLLM's 5 s; a backend with a shorter timer still meets
+        this), so the backend never saw the request. A backend that is really down fails the
+        second try too, and the caller's retry rules take over.
+        """
+        def request() -> httpx.Request:
+            return self.client.build_request("POST", b.spec.url + path, json=body,
+                                             headers=self._headers(headers), timeout=self._read)
+
+        try:
+            return await self.client.send(request(), stream=True)
+        except DROPPED as exc:
+            if b.gone.is_set():
+                raise
+            instruments.RECONNECTS.labels(b.id).inc()
+            log.info("%s dropped a request before answering (%s %s); once more on a fresh "
+                     "connection", b.id, type(exc).__name__, exc)
+            return await self.client.send(request(), stream=True)
 
     async def _close(self, b: Backend, resp: httpx.Response | None) -> None:
         b.in_flight -= 1

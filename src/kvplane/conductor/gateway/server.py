@@ -40,6 +40,7 @@ from kvplane.conductor.scheduling.timemodel import TimeModel
 from kvplane.conductor.service import Conductor
 
 log = logging.getLogger(__name__)
+UPSTREAM_KEEPALIVE_S = 2.0  # seconds an idle upstream connection is kept for reuse
 
 
 def sim_config(config: GatewayConfig) -> tuple[str, SimConfig]:
@@ -88,7 +89,10 @@ class GatewayServer:
         self.conductor = Conductor(ConductorConfig(port=0, bind=config.bind,
                                                    default_profile=config.hash_profile))
         self.ingestor = EventIngestor(self.conductor, config.bind)
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+        # idle connections go after 2 s, before a backend's own keep-alive timer (vLLM's and
+        # uvicorn's: 5 s) can close one as the router reuses it (the rest: Gateway._send)
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256,
+                              keepalive_expiry=UPSTREAM_KEEPALIVE_S)
         self.client = httpx.AsyncClient(trust_env=False, transport=transport, limits=limits)
         self.pool = BackendPool(config, self.router, self.conductor, self.prefixes, self.client,
                                 on_block_size=self._retime)
