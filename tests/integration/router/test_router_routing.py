@@ -114,8 +114,13 @@ def test_models_health_metrics_and_backends(http):
         text = http.get(server.url + "/metrics").text
         for name in ("kvplane_router_routed_total", "kvplane_router_hit_blocks_total",
                      "kvplane_router_prompt_blocks_total", "kvplane_router_backend_queue",
-                     "kvplane_router_backend_up"):
+                     "kvplane_router_backend_up", "kvplane_router_prefill_slowdown"):
             assert name in text
+        # a streamed answer's first token is a measurement: the fakes answer far faster than the
+        # router's default model (a 70B model on H100s) predicts
+        r = http.post(server.url + "/v1/completions", json={"model": "fake", "stream": True,
+                                                             "prompt": words(*PREFIX, 7)})
+        assert r.status_code == 200 and server.router.slowdown < 1.0
         rows = http.get(server.url + "/backends").json()
         assert {r["id"] for r in rows} == {f.id for f in fakes}
         assert all(r["up"] and r["events_indexed"] and r["block_size"] == BS for r in rows)

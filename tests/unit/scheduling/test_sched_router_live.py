@@ -112,3 +112,69 @@ def test_pd_mode_keeps_decode_separate():
     with pytest.raises(InvalidArgument):
         Router(create_policy("random", PolicyConfig(), TimeModel(FIT, ClusterConfig())),
                NoPrefixes(), ["a"], ["b"], 1, 1, colocated=True)
+
+
+class PoolAndHolder:
+    """e0 holds the whole prefix on its device; the shared pool holds it for everyone."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+
+    def match(self, hash_ids):
+        from kvplane.conductor.indexer import Match
+
+        n = self.blocks
+        return {"e0": Match(n, n, n, n), "e1": Match(n, 0, 0, n)}
+
+
+def pooled_router() -> tuple[Router, list[float], TimeModel]:
+    now = [0.0]
+    tm = TimeModel(FIT, ClusterConfig(block_tokens=4))
+    r = Router(create_policy("mooncake", PolicyConfig(rejection="none"), tm), PoolAndHolder(24),
+               ["e0", "e1"], ["e0", "e1"], 100_000, 8, clock=lambda: now[0], colocated=True)
+    return r, now, tm
+
+
+def shared(rid: int) -> Request:
+    return Request(rid, 0.0, 100, 4, tuple(range(25)))  # 24 blocks reused, 4 tokens computed
+
+
+def test_an_instance_whose_prefill_is_past_its_predicted_end_is_not_idle():
+    # seen live: the router booked a 0.11 s prefill, the loaded engine took 0.3-0.8 s, and every
+    # request after the predicted end went to that busy holder (its queue looked empty) while
+    # the other instance, one cheap pool load away, sat idle
+    r, now, tm = pooled_router()
+    work = tm.prefill_s(100, 96)
+    load = tm.reuse_s(pool_blocks=24)
+    assert 0 < load < 0.5 * work  # the pool load is cheaper than half a prefill
+    assert r.route(shared(1)).prefill == "e0"  # the holder, free: no load needed
+    now[0] += 3 * work  # no first token yet: the engine is slower than predicted
+    assert next(p for p in r.loads()[0] if p.instance == "e0").queue_s == pytest.approx(0.5 * work)
+    assert r.route(shared(2)).prefill == "e1"
+    r.prefill_done(1)
+    r.prefill_done(2)
+    assert all(p.queue_s == 0 for p in r.loads()[0])
+
+
+def test_booked_work_follows_the_measured_pace_of_the_engines():
+    r, now, tm = pooled_router()
+    predicted = tm.prefill_s(100, 96)
+    assert r.slowdown == 1.0
+    for rid in range(1, 40):  # every prefill takes 3x its estimate
+        r.route(shared(rid))
+        now[0] += 3 * predicted
+        r.prefill_done(rid)
+        r.decode_done(rid)
+    assert r.slowdown == pytest.approx(3.0, rel=0.01)
+    r.route(shared(99))
+    assert max(p.queue_s for p in r.loads()[0]) == pytest.approx(3 * predicted, rel=0.01)
+    for rid in range(100, 200):  # an engine far off the model: the ratio stays bounded
+        r.route(shared(rid))
+        now[0] += 1000 * predicted
+        r.prefill_done(rid)
+    assert r.slowdown == pytest.approx(20.0, rel=0.01)
+    before = r.slowdown
+    r.route(shared(300))
+    now[0] += 50 * predicted
+    r.abandon(300)  # failed before its first token: not a measurement
+    assert r.slowdown == before

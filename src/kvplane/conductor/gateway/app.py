@@ -142,5 +142,6 @@ def _ops_routes(app: FastAPI, gateway: Gateway, guarded: list[Any]) -> None:
             instruments.BACKEND_QUEUE.labels(p.instance, "queued_prefill").set(p.queued)
         for b in pool.backends.values():
             instruments.BACKEND_QUEUE.labels(b.id, "in_flight").set(b.in_flight)
+        instruments.SLOWDOWN.set(gateway.router.slowdown)
         body, ctype = common_metrics.render()
         return Response(body, media_type=ctype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvplane.common.metrics import Counter, Gauge, Histogram
 
 __all__ = ["ROUTED", "REJECTED", "FAILED", "RETRIES", "RECONNECTS", "STREAM_ERRORS", "HIT_BLOCKS",
-           "PROMPT_BLOCKS", "UPSTREAM_ERRORS", "EJECTIONS", "BACKEND_UP", "BACKEND_QUEUE",
+           "PROMPT_BLOCKS", "UPSTREAM_ERRORS", "EJECTIONS", "BACKEND_UP", "BACKEND_QUEUE", "SLOWDOWN",
            "TOKENIZE_SECONDS", "TOKENIZE_ERRORS", "ROUTE_SECONDS"]
 
 ROUTED = Counter("kvplane_router_routed_total", "Requests sent to a backend (retries included)",
@@ -34,6 +34,9 @@ UPSTREAM_ERRORS = Counter("kvplane_router_upstream_errors_total",
 EJECTIONS = Counter("kvplane_router_ejections_total", "Backends taken out of rotation",
                     ["backend", "reason"])
 BACKEND_UP = Gauge("kvplane_router_backend_up", "1 while a backend is in rotation", ["backend"])
+SLOWDOWN = Gauge("kvplane_router_prefill_slowdown",
+                 "Measured / predicted time to the first token (running mean); booked prefill "
+                 "work is scaled by it")
 BACKEND_QUEUE = Gauge("kvplane_router_backend_queue",
                       "Per-backend load: in_flight (ours), queued_prefill (ours), predicted_queue_s, "
                       "and the engine's running / waiting from its /metrics", ["backend", "what"])

@@ -29,6 +29,8 @@ from kvplane.conductor.scheduling.view import (
 )
 
 _EWMA = 0.2  # weight of the newest prefill estimate in the mean work of one request
+_SLOW_RANGE = (0.25, 20.0)  # bounds of the measured / predicted first-token time ratio
+_OVERDUE = 0.5  # a prefill in flight has at least this share of its booked work left
 
 
 class Router:
@@ -58,10 +60,13 @@ class Router:
         self._prefill = {i: PrefillLoad(i) for i in prefill}
         self._decode = {i: DecodeLoad(i, kv_capacity=kv_capacity, max_batch=max_batch) for i in decode}
         self._busy: dict[str, float] = {i: 0.0 for i in prefill}  # predicted free time
+        self._held: dict[str, float] = {i: 0.0 for i in prefill}  # booked work in prefill there
         self._down: set[str] = set()
         self._foreign: dict[str, int] = {i: 0 for i in prefill}  # engine-reported, not ours
         self._pending: dict[int, tuple[Decision, float, int]] = {}
+        self._booked: dict[int, tuple[float, float]] = {}  # rid -> (routed at, predicted TTFT)
         self._work_s = 0.0  # running mean of one routed prefill's predicted seconds
+        self._slow = 1.0  # running mean of measured / predicted time to the first token
         self._lock = threading.Lock()
         self.rejected = 0
 
@@ -88,7 +93,7 @@ class Router:
         with self._lock:
             if prefill and instance not in self._prefill:
                 self._prefill[instance] = PrefillLoad(instance)
-                self._busy[instance] = 0.0
+                self._busy[instance], self._held[instance] = 0.0, 0.0
                 self._foreign[instance] = 0
             if decode and instance not in self._decode:
                 self._decode[instance] = DecodeLoad(instance, kv_capacity=self._kv_capacity,
@@ -123,13 +128,37 @@ class Router:
     # routing -----------------------------------------------------------------------------------
     def _view(self, now: float, exclude: Collection[str]) -> ClusterView:
         for i, p in self._prefill.items():
-            p.queue_s = max(0.0, self._busy[i] - now) + self._foreign[i] * self._work_s
+            p.queue_s = self._queue_s(i, p.queued, now)
         skip = self._down | set(exclude)
         prefill = [p for i, p in self._prefill.items() if i not in skip]
         decode = [d for i, d in self._decode.items() if i not in skip]
         if not prefill or not decode:
             raise Unavailable("no prefill or decode instance is available")
         return ClusterView(now, prefill, decode, self.prefixes)
+
+    def _queue_s(self, instance: str, queued: int, now: float) -> float:
+        """Predicted seconds before ``instance`` starts a new prefill.
+
+        Our prefills there end at ``_busy`` (booked at the measured pace, ``slowdown``). One
+        that has not reported its first token by then is still running: the instance is never
+        predicted idle while one of ours is in prefill there (``_OVERDUE`` of the mean booked
+        work of those prefills is left, however long past their predicted end).
+        """
+        left = self._busy[instance] - now
+        if queued > 0:
+            left = max(left, _OVERDUE * self._held[instance] / queued)
+        return max(0.0, left) + self._foreign[instance] * self._work_s
+
+    @property
+    def slowdown(self) -> float:
+        """Measured / predicted time to the first token, a running mean over prefills done.
+
+        The time model is a fit made once (``ModelConfig.prefill_fit``) or a FLOP count; the
+        engines run slower when their host is loaded. Booked work is scaled by this ratio, so
+        the queue a policy sees is the one the engines show.
+        """
+        with self._lock:
+            return self._slow
 
     def decide(self, request: Request, exclude: Collection[str] = ()) -> Decision:
         """The policy's decision without booking any load (``POST /route`` answers with it).
@@ -178,11 +207,14 @@ class Router:
             got = self.prefixes.match(request.hash_ids).get(d.prefill or "")
             blocks = got.longest if got is not None else 0
         tokens = tm.prefix_tokens(blocks, request.input_length)
-        work = tm.prefill_s(request.input_length, tokens)
+        predicted = tm.prefill_s(request.input_length, tokens)
+        work = predicted * self._slow
         self._work_s = work if not self._work_s else (1 - _EWMA) * self._work_s + _EWMA * work
         p = self._prefill[d.prefill or ""]
-        est = d.est_ttft_s if d.est_ttft_s is not None else p.queue_s + work
+        est = d.est_ttft_s if d.est_ttft_s is not None else p.queue_s + predicted
+        self._booked[request.rid] = (now, est)
         self._busy[p.instance] = max(now, self._busy[p.instance]) + work
+        self._held[p.instance] += work
         p.queued += 1
         p.queued_tokens += request.input_length - tokens
         self._decode[d.decode or ""].incoming[request.rid] = (now + est, request.input_length)
@@ -200,19 +232,30 @@ class Router:
             dec = None if got is None else self._decode[got[0].decode or ""]
             if got is None or dec is None or rid not in dec.incoming:
                 raise NotFound(f"request {rid} is not in prefill")
-            self._unqueue(got, self.clock())
+            now = self.clock()
+            self._unqueue(got, now)
+            self._measured(rid, now)
             _, kv = dec.incoming.pop(rid)
             dec.starts[rid] = (self.clock(), kv)
             dec.running += 1
             dec.kv_tokens += kv
 
+    def _measured(self, rid: int, now: float) -> None:
+        """Fold ``rid``'s measured time to its first token into ``slowdown``."""
+        at, est = self._booked.pop(rid, (now, 0.0))
+        if est > 0 and now > at:
+            lo, hi = _SLOW_RANGE
+            ratio = min(hi, max(lo, (now - at) / est))
+            self._slow = (1 - _EWMA) * self._slow + _EWMA * ratio
+
     def _unqueue(self, got: tuple[Decision, float, int], now: float) -> None:
-        d, _, tokens = got
+        d, work, tokens = got
         p = self._prefill[d.prefill or ""]
         p.queued -= 1
         p.queued_tokens -= tokens
+        self._held[p.instance] -= work
         if p.queued == 0:
-            self._busy[p.instance] = now
+            self._busy[p.instance], self._held[p.instance] = now, 0.0
 
     def decode_done(self, rid: int) -> None:
         """The decode instance finished ``rid``.
@@ -238,6 +281,7 @@ class Router:
         """
         with self._lock:
             got = self._pending.pop(rid, None)
+            self._booked.pop(rid, None)
             if got is None:
                 return False
             dec = self._decode[got[0].decode or ""]
@@ -259,8 +303,7 @@ class Router:
         """Copies of the current bookkeeping (for /instances-style views and tests)."""
         with self._lock:
             now = self.clock()
-            return ([PrefillLoad(p.instance, max(0.0, self._busy[p.instance] - now)
-                                 + self._foreign[p.instance] * self._work_s, p.queued,
+            return ([PrefillLoad(p.instance, self._queue_s(p.instance, p.queued, now), p.queued,
                                  p.queued_tokens) for p in self._prefill.values()],
                     [DecodeLoad(d.instance, d.running, d.waiting, d.kv_tokens, d.kv_capacity,
                                 d.max_batch, dict(d.starts), dict(d.incoming))
