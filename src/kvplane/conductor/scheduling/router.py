@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvplane.common.errors import InvalidArgument, NotFound, Unavailable
 from kvplane.conductor.scheduling.policy import SchedulingPolicy
@@ -31,6 +31,17 @@ from kvplane.conductor.scheduling.view import (
 _EWMA = 0.2  # weight of the newest prefill estimate in the mean work of one request
 _SLOW_RANGE = (0.25, 20.0)  # bounds of the measured / predicted first-token time ratio
 _OVERDUE = 0.5  # a prefill in flight has at least this share of its booked work left
+
+
+@dataclass(slots=True)
+class _Booked:
+    """A routed request in flight: its decision and what was booked for it."""
+
+    decision: Decision
+    work: float  # prefill seconds booked on its prefill instance (at the measured pace)
+    tokens: int  # prompt tokens it computes there (not reused)
+    at: float  # when it was routed
+    est: float  # the TTFT predicted for it (the measured pace's reference)
 
 
 class Router:
@@ -63,8 +74,7 @@ class Router:
         self._held: dict[str, float] = {i: 0.0 for i in prefill}  # booked work in prefill there
         self._down: set[str] = set()
         self._foreign: dict[str, int] = {i: 0 for i in prefill}  # engine-reported, not ours
-        self._pending: dict[int, tuple[Decision, float, int]] = {}
-        self._booked: dict[int, tuple[float, float]] = {}  # rid -> (routed at, predicted TTFT)
+        self._pending: dict[int, _Booked] = {}
         self._work_s = 0.0  # running mean of one routed prefill's predicted seconds
         self._slow = 1.0  # running mean of measured / predicted time to the first token
         self._lock = threading.Lock()
@@ -212,13 +222,12 @@ class Router:
         self._work_s = work if not self._work_s else (1 - _EWMA) * self._work_s + _EWMA * work
         p = self._prefill[d.prefill or ""]
         est = d.est_ttft_s if d.est_ttft_s is not None else p.queue_s + predicted
-        self._booked[request.rid] = (now, est)
         self._busy[p.instance] = max(now, self._busy[p.instance]) + work
         self._held[p.instance] += work
         p.queued += 1
         p.queued_tokens += request.input_length - tokens
         self._decode[d.decode or ""].incoming[request.rid] = (now + est, request.input_length)
-        self._pending[request.rid] = (d, work, request.input_length - tokens)
+        self._pending[request.rid] = _Booked(d, work, request.input_length - tokens, now, est)
 
     # progress reports --------------------------------------------------------------------------
     def prefill_done(self, rid: int) -> None:
@@ -229,31 +238,29 @@ class Router:
         """
         with self._lock:
             got = self._pending.get(rid)
-            dec = None if got is None else self._decode[got[0].decode or ""]
+            dec = None if got is None else self._decode[got.decision.decode or ""]
             if got is None or dec is None or rid not in dec.incoming:
                 raise NotFound(f"request {rid} is not in prefill")
             now = self.clock()
             self._unqueue(got, now)
-            self._measured(rid, now)
+            self._measured(got, now)
             _, kv = dec.incoming.pop(rid)
-            dec.starts[rid] = (self.clock(), kv)
+            dec.starts[rid] = (now, kv)
             dec.running += 1
             dec.kv_tokens += kv
 
-    def _measured(self, rid: int, now: float) -> None:
-        """Fold ``rid``'s measured time to its first token into ``slowdown``."""
-        at, est = self._booked.pop(rid, (now, 0.0))
-        if est > 0 and now > at:
+    def _measured(self, got: _Booked, now: float) -> None:
+        """Fold ``got``'s measured time to its first token into ``slowdown``."""
+        if got.est > 0 and now > got.at:
             lo, hi = _SLOW_RANGE
-            ratio = min(hi, max(lo, (now - at) / est))
+            ratio = min(hi, max(lo, (now - got.at) / got.est))
             self._slow = (1 - _EWMA) * self._slow + _EWMA * ratio
 
-    def _unqueue(self, got: tuple[Decision, float, int], now: float) -> None:
-        d, work, tokens = got
-        p = self._prefill[d.prefill or ""]
+    def _unqueue(self, got: _Booked, now: float) -> None:
+        p = self._prefill[got.decision.prefill or ""]
         p.queued -= 1
-        p.queued_tokens -= tokens
-        self._held[p.instance] -= work
+        p.queued_tokens -= got.tokens
+        self._held[p.instance] -= got.work
         if p.queued == 0:
             self._busy[p.instance], self._held[p.instance] = now, 0.0
 
@@ -265,7 +272,7 @@ class Router:
         """
         with self._lock:
             got = self._pending.get(rid)
-            dec = None if got is None else self._decode[got[0].decode or ""]
+            dec = None if got is None else self._decode[got.decision.decode or ""]
             if dec is None or rid not in dec.starts:
                 raise NotFound(f"request {rid} is not decoding")
             del self._pending[rid]
@@ -281,10 +288,9 @@ class Router:
         """
         with self._lock:
             got = self._pending.pop(rid, None)
-            self._booked.pop(rid, None)
             if got is None:
                 return False
-            dec = self._decode[got[0].decode or ""]
+            dec = self._decode[got.decision.decode or ""]
             if rid in dec.incoming:
                 self._unqueue(got, self.clock())
                 dec.incoming.pop(rid)
