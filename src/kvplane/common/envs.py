@@ -64,6 +64,7 @@ TABLE: dict[str, EnvVar] = {
         EnvVar("KVPLANE_TCP_STREAMS", int, 2, "TCP connections a large batch is striped over, per peer"),
         EnvVar("KVPLANE_SLICE_SIZE", _size, 4 << 20, "largest slice one TCP frame carries"),
         EnvVar("KVPLANE_MAX_FRAME", _size, 256 << 20, "largest payload a TCP listener accepts in one frame"),
+        EnvVar("KVPLANE_LOCAL_SOCKETS", parse_bool, True, "TCP clients of a server on the same host (the store master's RPC, a transfer listener) move to its abstract Unix socket after connecting (0: off, for servers and clients; kvplane.common.local)"),
         EnvVar("KVPLANE_MASTER_SPIN", float, 0.0, "seconds the store master busy-polls a client that calls again within that long, one connection at a time (0, the default: never; it costs a core while polling, see docs/benchmarks.md, issue 32)"),
         EnvVar("KVPLANE_TRANSPORTS", _names, ("tcp", "shm", "file", "local"), "transports an engine loads, comma separated registry names (one of them must have a control channel, e.g. tcp)"),
         EnvVar("KVPLANE_NIXL", str, "auto", "whether engines under protocol auto/rdma load the NIXL transport: auto (when installed), on (required), off (never; an explicit protocol nixl still loads it)"),

@@ -1,5 +1,9 @@
 """Listener: a TCP accept loop that serves each connection on its own named daemon thread.
 
+With ``local=True`` it also accepts on an abstract Unix socket (``local_name``) that same-host
+clients move to after connecting over TCP (:mod:`kvplane.common.local`); those connections go
+through the same admission, handshake and limits, as peer ``local``.
+
 Shared by the transfer engine's data server and the control RPC server. Blocking per-connection
 threads are the fastest request/response path in CPython (no event-loop hop). Every connection
 goes through :class:`~kvplane.common.guard.Admission`: it starts unauthenticated (capped per peer
@@ -17,6 +21,7 @@ import socket
 import threading
 from collections.abc import Callable
 
+from kvplane.common import local as local_sockets
 from kvplane.common.guard import REJECTED, Admission, Limits, PeerLog, Ticket
 
 log = logging.getLogger(__name__)
@@ -46,12 +51,14 @@ class Listener:
         listen: accept from construction on (default). False: the port is bound (and ``.port``
             known) but not listening, so a connect is refused, until :meth:`start`: a server
             opens its port only once it can serve (clients retry refused connects).
+        local: also accept on a fresh abstract Unix socket (``local_name``; "" when
+            ``KVPLANE_LOCAL_SOCKETS=0`` or none could be bound).
     """
 
     def __init__(self, serve: Callable[[socket.socket], None], host: str = "127.0.0.1",
                  port: int = 0, name: str = "listener", max_connections: int = 512,
                  on_refuse: Callable[[], object] = lambda: None, limits: Limits | None = None,
-                 listen: bool = True) -> None:
+                 listen: bool = True, local: bool = False) -> None:
         self._serve = serve
         self._name = name
         self._on_refuse = on_refuse
@@ -67,12 +74,17 @@ class Listener:
             self._lsock.close()
             raise
         self.host, self.port = self._lsock.getsockname()[:2]
+        bound = local_sockets.bind() if local else None
+        self._usock: socket.socket | None = bound[0] if bound is not None else None
+        self.local_name = bound[1] if bound is not None else ""
         self.conns: set[socket.socket] = set()
         self._tickets: dict[socket.socket, Ticket] = {}
         self._lock = threading.Lock()
         self.closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name=f"{name}-accept-{self.port}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._accept, args=(self._lsock,),
+                                        name=f"{name}-accept-{self.port}", daemon=True)
+        self._uthread = threading.Thread(target=self._accept, args=(self._usock,),
+                                         name=f"{name}-accept-local-{self.port}", daemon=True)
         if listen:
             self.start()
 
@@ -83,11 +95,15 @@ class Listener:
                 return
             self._lsock.listen(256)
             self._thread.start()
+            if self._usock is not None:
+                self._usock.listen(256)
+                self._uthread.start()
 
-    def _accept(self) -> None:
+    def _accept(self, lsock: socket.socket) -> None:
+        unix = lsock.family == socket.AF_UNIX
         while not self.closed.is_set():
             try:
-                conn, addr = self._lsock.accept()
+                conn, addr = lsock.accept()
             except OSError as exc:
                 if self.closed.is_set() or exc.errno not in _TRANSIENT:
                     return
@@ -96,7 +112,8 @@ class Listener:
                 self._peer_log.warn("*", "accept failed (%s); retrying", exc)
                 self.closed.wait(0.05)
                 continue
-            ticket = self.admission.admit(str(addr[0]), functools.partial(_shutdown, conn))
+            peer, tag = ("local", "local") if unix else (str(addr[0]), addr[1])
+            ticket = self.admission.admit(peer, functools.partial(_shutdown, conn))
             if ticket is None:
                 conn.close()
                 self._on_refuse()
@@ -104,9 +121,10 @@ class Listener:
             with self._lock:
                 self.conns.add(conn)
                 self._tickets[conn] = ticket
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not unix:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._run, args=(conn,), daemon=True,
-                             name=f"{self._name}-conn-{addr[1]}").start()
+                             name=f"{self._name}-conn-{tag}").start()
 
     def authenticated(self, conn: socket.socket) -> None:
         """``conn`` proved the token: it no longer counts (or can be closed) as unauthenticated."""
@@ -135,11 +153,14 @@ class Listener:
         if self.closed.is_set():
             return
         self.closed.set()
-        _shutdown(self._lsock)
-        self._lsock.close()
+        for ls in (self._lsock, self._usock):
+            if ls is not None:
+                _shutdown(ls)
+                ls.close()
         with self._lock:
             conns = list(self.conns)
         for c in conns:
             _shutdown(c)
-        if self._thread.ident is not None:
-            self._thread.join(2)
+        for t in (self._thread, self._uthread):
+            if t.ident is not None:
+                t.join(2)

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvplane.common import wire
+from kvplane.common import local, wire
 from kvplane.common.auth import ADMIN, Authenticator, Principal, token_authenticator
 from kvplane.common.errors import (
     InvalidArgument,
@@ -229,6 +229,7 @@ _NONE = msgspec.Raw(wire.encode(None))
 _ENC = msgspec.msgpack.Encoder()
 _ENVELOPE = msgspec.msgpack.Decoder(wire.Envelope)
 HELLO = "rpc.hello"  # a no-op call a client makes to authenticate before a large first request
+LOCAL = "rpc.local"  # "your same-host Unix socket?": a local.LocalInfo (kvplane.common.local)
 _PREAUTH_SAFE = 48 << 10  # a first request larger than this is preceded by HELLO
 _STALE_AFTER = 1.0  # a connection idle this long is checked for a server-side close before use
 _current = threading.local()
@@ -376,11 +377,24 @@ class RpcServer:
                                   lambda: self.peer_log.warn("*", "refused a connection: "
                                                              "%d connections held",
                                                              limits.max_connections),
-                                  limits=limits, listen=listen)
+                                  limits=limits, listen=listen, local=True)
         self.host, self.port = self._listener.host, self._listener.port
         self.admission = self._listener.admission
         self._spin = spin
         self._spinner = threading.Lock()  # held by the one connection busy-polling, if any
+        self._handlers[LOCAL] = (self._local, object)
+
+    @property
+    def local_name(self) -> str:
+        """The abstract Unix socket same-host clients move to ("" when none is offered)."""
+        return self._listener.local_name
+
+    def _local(self, _request: object) -> local.LocalInfo:
+        """``rpc.local``: where a client on this host may reconnect (kvplane.common.local)."""
+        conn = getattr(_current, "conn", None)
+        if conn is None or conn.family == socket.AF_UNIX or not self._listener.local_name:
+            return local.LocalInfo("", 0, "")
+        return local.info_for(self._listener.local_name, conn)
 
     def add(self, method: str, handler: Handler, request_type: type[Any]) -> None:
         """Register ``handler(request) -> reply`` for ``method``."""
@@ -393,6 +407,7 @@ class RpcServer:
         return self
 
     def _serve(self, conn: socket.socket) -> None:
+        _current.conn = conn
         session = _Session(self._auth)
         out = bytearray()  # the reply being sent (reused: one buffer per connection)
         try:
@@ -498,6 +513,8 @@ class RpcClient:
         self._used = 0.0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._tcp_only = False  # the server does not offer a same-host Unix socket
+        self.transport = "tcp"  # of the connection in use: "tcp" or "unix"
 
     def _socket(self, timeout: float, first: int, now: float) -> socket.socket:
         """The connection, (re)opened if needed; ``first`` is the size of the next frame."""
@@ -510,13 +527,32 @@ class RpcClient:
                 raise Unavailable(f"cannot reach {self.endpoint}: {exc}") from exc
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.settimeout(None)
-            self._sock, self._armed = s, -1.0
+            self._sock, self._armed, self.transport = s, -1.0, "tcp"
             if first > _PREAUTH_SAFE:  # the server reads little before we authenticate
                 self._exchange(s, timeout, HELLO, None)
+            if not self._tcp_only and local.same_host(s):
+                self._go_local(s, timeout, first)
         if timeout != self._armed:
             set_io_timeout(self._sock, timeout)
             self._armed = timeout
         return self._sock
+
+    def _go_local(self, tcp: socket.socket, timeout: float, first: int) -> None:
+        """Move a new connection to the server's same-host Unix socket, if it offers one and
+        the connection is direct (:mod:`kvplane.common.local`); else keep ``tcp``."""
+        rep = self._exchange(tcp, timeout, LOCAL, None)
+        if rep.code == InvalidArgument.code:  # a server without rpc.local: ask no more
+            self._tcp_only = True
+            return
+        if rep.code:  # refused (the token): as the call itself would have been
+            raise from_code(rep.code, rep.error)
+        unix = local.connect(wire.decode(rep.body, local.LocalInfo), tcp, timeout)
+        if unix is None:
+            return
+        self._sock, self._armed, self.transport = unix, -1.0, "unix"
+        tcp.close()
+        if first > _PREAUTH_SAFE:
+            self._exchange(unix, timeout, HELLO, None)
 
     def _drop_if_closed(self) -> None:
         """Forget a pooled connection the server closed while it was idle (idle timeout)."""

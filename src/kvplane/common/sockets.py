@@ -29,16 +29,35 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+def ran_out(sock: socket.socket, option: int, since: float) -> bool:
+    """After a blocking call that moved only part of its bytes: True if the socket's kernel
+    timeout (``option``: SO_RCVTIMEO or SO_SNDTIMEO) has passed since ``since`` (monotonic),
+    so the short return was that timeout, not a signal. The next call would wait a whole
+    timeout again: a peer that stalls mid-frame would hold the caller for several timeouts,
+    past its deadline (a 512 KiB write to a stopped segment over a Unix socket, whose buffer
+    holds about 200 KiB, took two)."""
+    try:
+        sec, usec = _TIMEVAL.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _TIMEVAL.size))
+    except (AttributeError, OSError, struct.error):
+        return False  # not a kernel socket (a test double): no kernel timeout to check
+    limit = float(sec + usec / 1e6)
+    return limit > 0 and time.monotonic() - since >= 0.9 * limit
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock``.
 
     Raises:
         Unavailable: the peer closed the connection.
-        TimeoutError: the kernel timeout expired with bytes still missing.
+        TimeoutError: the kernel timeout expired with bytes still missing (once in all: a
+            peer that stalls mid-frame costs one timeout, not one per short read).
     """
     got, n = 0, len(view)
+    since = time.monotonic()
     try:
         while got < n:
+            if got and ran_out(sock, socket.SO_RCVTIMEO, since):
+                raise TimeoutError("receive timed out")
             k = sock.recv_into(view[got:] if got else view, 0, socket.MSG_WAITALL)
             if k == 0:
                 raise Unavailable("connection closed by peer")

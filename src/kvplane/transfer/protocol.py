@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 from kvplane.common.errors import ProtocolError, Unavailable
+from kvplane.common.sockets import ran_out
 from kvplane.common.sockets import recv_exact as recv_exact  # re-exported: the wire helpers
 from kvplane.common.sockets import recv_spin as recv_spin
 from kvplane.common.sockets import set_io_timeout as set_io_timeout
@@ -60,8 +62,10 @@ OP_READV = 6
 OP_WRITEV = 7
 OP_RETIRE = 8
 OP_GRANT = 9
+OP_LOCAL = 10  # "your same-host Unix socket?": a msgpack kvplane.common.local.LocalInfo
 OPS = {OP_HELLO: "hello", OP_DESCRIBE: "describe", OP_READ: "read", OP_WRITE: "write", OP_PING: "ping",
-       OP_READV: "readv", OP_WRITEV: "writev", OP_RETIRE: "retire", OP_GRANT: "grant"}
+       OP_READV: "readv", OP_WRITEV: "writev", OP_RETIRE: "retire", OP_GRANT: "grant",
+       OP_LOCAL: "local"}
 READV_ENTRY = struct.Struct("<QQQ")  # addr, length, gen (READV and WRITEV)
 MAX_READV = 256  # entries per READV or WRITEV frame (the iovecs stay far below IOV_MAX)
 RETIRE_ENTRY = struct.Struct("<Q")  # a generation (RETIRE)
@@ -82,12 +86,16 @@ def pack_resp(status: int, rid: int, length: int) -> bytes:
 
 
 def send_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
-    """Send every buffer with ``sendmsg`` (no joining copies), handling partial sends."""
+    """Send every buffer with ``sendmsg`` (no joining copies), handling partial sends; a peer
+    that stops reading costs one kernel timeout in all (``sockets.ran_out``)."""
+    since = time.monotonic()
     sent = _sendmsg(sock, bufs)
     if sent == sum(map(len, bufs)):  # the usual case: all of it at once
         return
     views = [memoryview(b) for b in bufs]
     while True:
+        if ran_out(sock, socket.SO_SNDTIMEO, since):
+            raise TimeoutError("send timed out")
         while sent:  # drop what went
             head = views[0]
             if sent >= len(head):
@@ -119,11 +127,16 @@ def recv_scatter(sock: socket.socket, views: list[memoryview]) -> None:
     """
     views = [v for v in views if len(v)]
     first = 0
+    since, short = time.monotonic(), False
     try:
         while first < len(views):
-            n = sock.recvmsg_into(views[first:first + 512], 0, socket.MSG_WAITALL)[0]
+            if short and ran_out(sock, socket.SO_RCVTIMEO, since):
+                raise TimeoutError("receive timed out")
+            batch = views[first:first + 512]
+            n = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
             if n == 0:
                 raise Unavailable("connection closed by peer")
+            short = n < sum(map(len, batch))  # a timeout or a signal (or a peer that closed)
             while n:
                 head = views[first]
                 if n >= len(head):

@@ -36,7 +36,9 @@ import time
 from collections.abc import Callable
 from contextlib import closing
 
-from kvplane.common import metrics
+import msgspec
+
+from kvplane.common import local, metrics
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import Fenced, InvalidArgument, KVPlaneError, ProtocolError, Unauthorized
 from kvplane.common.guard import Limits, PeerLog
@@ -104,7 +106,7 @@ class DataServer:
         self.peer_log = PeerLog(log)
         self._listener = Listener(self._serve, host, port, "te", max_connections,
                                   lambda: self._count_reject("too_many_connections"),
-                                  limits=limits)
+                                  limits=limits, local=True)
         self.limits = self._listener.limits
         self.host, self.port = self._listener.host, self._listener.port
         self._conns = self._listener.conns
@@ -197,6 +199,13 @@ class DataServer:
             protocol.send_all(conn, [protocol.pack_resp(0, rid, len(body)), body])
         elif op == protocol.OP_PING:
             conn.sendall(protocol.pack_resp(0, rid, 0))
+        elif op == protocol.OP_LOCAL:
+            if length:
+                raise _Reject("bad_local", f"LOCAL with a {length}-byte body")
+            name = self._listener.local_name if conn.family != socket.AF_UNIX else ""
+            info = local.info_for(name, conn) if name else local.LocalInfo("", 0, "")
+            body = msgspec.msgpack.encode(info)
+            protocol.send_all(conn, [protocol.pack_resp(0, rid, len(body)), body])
         elif op == protocol.OP_HELLO:
             return self._hello(conn, rid, length)
         else:

@@ -137,7 +137,7 @@ def test_a_tenant_cannot_touch_another_tenants_bytes_at_a_segment(pool):
         assert all(refused), [i for i, ok in enumerate(refused) if not ok]
 
         # 2. forged grants for A's allocations (zero MAC, random MAC, B's MAC on A's fields)
-        op_grant = max(protocol.OPS) if "grant" in protocol.OPS.values() else 9
+        op_grant = protocol.OP_GRANT
         b_grants = [blob for _, blob in (getattr(own_rep, "grants", None) or [])]
         forged = [GRANT.pack(r.gen, r.addr, r.size, 2 ** 62, 7, bytes(16)) for r in theirs[:2]]
         forged += [GRANT.pack(r.gen, r.addr, r.size, 2 ** 62, 7, os.urandom(16))

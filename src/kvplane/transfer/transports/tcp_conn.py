@@ -14,6 +14,9 @@ import socket
 import struct
 from collections.abc import Iterable
 
+import msgspec
+
+from kvplane.common import local
 from kvplane.common.deadline import Deadline
 from kvplane.common.errors import KVPlaneError, ProtocolError, Timeout, Unavailable, from_code
 from kvplane.transfer import protocol
@@ -23,6 +26,7 @@ from kvplane.transfer.types import OpCode, TransferStatus
 WINDOW = 64  # most frames in flight on one connection
 READV_WINDOW = 4  # READV frames in flight on one connection
 READV_BYTES = 16 << 20  # most payload bytes asked in one READV frame
+_TCP_ONLY: set[tuple[str, int]] = set()  # peers that refused OP_LOCAL (older listeners)
 
 
 class Broken(Exception):
@@ -76,7 +80,8 @@ class Conn:
 
     @classmethod
     def open(cls, host: str, port: int, token: str, timeout: float) -> Conn:
-        """Connect to ``host:port`` and, when ``token`` is set, say HELLO with it.
+        """Connect to ``host:port`` and, when ``token`` is set, say HELLO with it; a listener
+        on this host is then reached over its Unix socket (:mod:`kvplane.common.local`).
 
         Raises:
             Unavailable: the peer cannot be reached or the handshake failed.
@@ -91,7 +96,29 @@ class Conn:
         conn = cls(sock, (host, port))
         if token:
             conn.hello(token, timeout)
-        return conn
+        if (host, port) in _TCP_ONLY or not local.same_host(sock):
+            return conn
+        try:
+            info = msgspec.msgpack.decode(conn.call(protocol.OP_LOCAL, 0, b"", timeout, 4096),
+                                          type=local.LocalInfo)
+        except TimeoutError as exc:  # a stalled peer: as a stalled HELLO
+            conn.close()
+            raise Timeout(f"handshake with {host}:{port} timed out after {timeout}s") from exc
+        except ProtocolError as exc:  # an answer out of step: a broken peer, as in HELLO
+            conn.close()
+            raise Unavailable(f"handshake with {host}:{port} failed: {exc}") from exc
+        except (OSError, KVPlaneError, msgspec.DecodeError, msgspec.ValidationError):
+            _TCP_ONLY.add((host, port))  # an older listener closes on an unknown op: again
+            conn.close()
+            return cls.open(host, port, token, timeout)
+        unix = local.connect(info, sock, timeout)
+        if unix is None:
+            return conn
+        moved = cls(unix, (host, port))
+        if token:
+            moved.hello(token, timeout)
+        conn.close()
+        return moved
 
     def hello(self, token: str, timeout: float) -> None:
         """Present ``token`` (closes the connection if the handshake fails)."""
