@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pathlib
 import signal
+import subprocess
 import threading
 
 import httpx
@@ -92,12 +93,23 @@ def test_corrupted_stored_kv_is_detected(pool):
     assert max_diff(out["logprobs"], ref["logprobs"]) > 1e-3  # the check can fail
 
 
-def _stalled_reads(port: int) -> int:
-    """Bytes sent to ``port`` that its (stopped) owner has not read: B's pending read requests.
+def _stalled_reads(port: int, pid: int) -> int:
+    """Bytes sent to the segment (TCP ``port``, process ``pid``) that it has not read, stopped:
+    B's pending read requests.
 
-    Linux /proc/net/tcp{,6}: the owner's side of each connection shows its receive queue.
+    Linux /proc/net/tcp{,6}: the owner's side of each connection shows its receive queue. A
+    client on the segment's host reads over the segment's Unix socket (kvplane.common.local,
+    named ``@kvplane-PID-...``): ``ss -x`` shows those connections' receive queues.
     """
     waiting = 0
+    try:
+        unix = subprocess.run(["ss", "-xHn"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        unix = ""
+    for line in unix.splitlines():
+        f = line.split()
+        if len(f) >= 5 and f[:2] == ["u_str", "ESTAB"] and f[4].startswith(f"@kvplane-{pid}-"):
+            waiting += int(f[2])
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = pathlib.Path(name).read_text().splitlines()[1:]
@@ -118,13 +130,13 @@ def test_segment_killed_while_b_loads_recomputes_correctly(pool):
     seg = pool["segment"]
     seg_port = int(seg.info["segment"].rsplit(":", 1)[1])
     b = pool["b"]
-    assert _stalled_reads(seg_port) == 0
+    assert _stalled_reads(seg_port, seg.popen.pid) == 0
     seg.signal(signal.SIGSTOP)  # B's read reaches the segment and stalls there
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(b.generate(tokens, timeout=90)), daemon=True)
     t.start()
     try:
-        wait_until(lambda: _stalled_reads(seg_port) > 0 or not t.is_alive(), 60,
+        wait_until(lambda: _stalled_reads(seg_port, seg.popen.pid) > 0 or not t.is_alive(), 60,
                    "B's read request waiting at the stopped segment")
         assert t.is_alive(), f"B answered without reading from the stopped segment: {result}"
     finally:
