@@ -90,7 +90,10 @@ def same_host(sock: socket.socket) -> bool:
 
 
 def info_for(name: str, conn: socket.socket) -> LocalInfo:
-    """What a server answers on ``conn`` (a TCP connection) when it offers ``name``."""
+    """What a server that offers ``name`` answers on ``conn``: none (an empty name) when it
+    offers none or ``conn`` is already one of its Unix connections."""
+    if not name or conn.family == socket.AF_UNIX:
+        return LocalInfo("", 0, "")
     try:
         peer = address(conn.getpeername())
     except OSError:

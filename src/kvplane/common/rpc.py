@@ -392,7 +392,7 @@ class RpcServer:
     def _local(self, _request: object) -> local.LocalInfo:
         """``rpc.local``: where a client on this host may reconnect (kvplane.common.local)."""
         conn = getattr(_current, "conn", None)
-        if conn is None or conn.family == socket.AF_UNIX or not self._listener.local_name:
+        if conn is None:
             return local.LocalInfo("", 0, "")
         return local.info_for(self._listener.local_name, conn)
 

@@ -202,9 +202,7 @@ class DataServer:
         elif op == protocol.OP_LOCAL:
             if length:
                 raise _Reject("bad_local", f"LOCAL with a {length}-byte body")
-            name = self._listener.local_name if conn.family != socket.AF_UNIX else ""
-            info = local.info_for(name, conn) if name else local.LocalInfo("", 0, "")
-            body = msgspec.msgpack.encode(info)
+            body = msgspec.msgpack.encode(local.info_for(self._listener.local_name, conn))
             protocol.send_all(conn, [protocol.pack_resp(0, rid, len(body)), body])
         elif op == protocol.OP_HELLO:
             return self._hello(conn, rid, length)
