@@ -35,6 +35,7 @@ _ACCEPT_BURST = 16  # connections accepted per wake-up, so served clients are no
 # connection is half-closed and drained for a moment; bounded in time and in count.
 _LINGER_S = 0.5
 _MAX_LINGER = 256
+_WAKE = "wake"  # the selector key of the pair that wakes the thread to close
 
 
 @dataclass(eq=False)
@@ -69,6 +70,12 @@ class HttpFront:
         self.peer_log = PeerLog(log)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        # An idle front sleeps until a connection, a deadline or close() (a process holds one
+        # front per HTTP port, and a host may run dozens of segment processes: a poll each
+        # would wake them all, every one, many times a second).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, seq, fd)
         self._seq = itertools.count()
@@ -81,11 +88,11 @@ class HttpFront:
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                wait = 0.1 if not self._deadlines else max(0.0, min(
-                    0.1, self._deadlines[0][0] - time.monotonic()))
-                for key, _ in self._sel.select(wait):
+                for key, _ in self._sel.select(self._wait()):
                     if key.data is None:
                         self._accept()
+                    elif key.data is _WAKE:
+                        continue  # close(): the loop's test ends it
                     elif isinstance(key.data, socket.socket):
                         self._drain(key.data)
                     else:
@@ -98,6 +105,13 @@ class HttpFront:
                 self._drop(p)
             self._unlinger(float("inf"))
             self._sel.close()
+
+    def _wait(self) -> float | None:
+        """Seconds until the next handshake deadline or lingering close (None: none due)."""
+        due = [self._deadlines[0][0]] if self._deadlines else []
+        if self._linger:
+            due.append(min(at for _, at in self._linger.values()))
+        return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _accept(self) -> None:
         for _ in range(_ACCEPT_BURST):
@@ -221,5 +235,12 @@ class HttpFront:
         if self._closed.is_set():
             return
         self._closed.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
         self._thread.join(2)
         self._lsock.close()
+        if not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
