@@ -440,6 +440,8 @@ class RpcServer:
                     done_at = time.perf_counter()
         except (OSError, KVPlaneError):
             pass
+        finally:
+            _current.conn = None  # (the thread may be kept for another connection)
 
     def _handshake(self, conn: socket.socket, session: _Session, out: bytearray) -> bool:
         """Read, check and answer the first frame; True once the peer is authenticated."""
