@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -17,10 +18,11 @@ from fastapi import FastAPI
 
 from kvplane.common.auth import token_authenticator
 from kvplane.common.http import QuietServer, ServerThread
+from kvplane.common.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
-WINDOW = 2.0  # seconds the idle server is watched
+TICKS = 2  # the idle server is watched over this many of its Date-header refreshes
 
 
 def _wakeups(tid: int) -> int:
@@ -31,6 +33,20 @@ def _wakeups(tid: int) -> int:
             if line.startswith("voluntary_ctxt_switches:"):
                 return int(line.split()[1])
     raise AssertionError("no voluntary_ctxt_switches line")
+
+
+def _refreshes(state: Any, n: int) -> None:
+    """Until the server refreshed its Date header ``n`` more times (each refresh, once a
+    second, sets a new ``default_headers`` list)."""
+    seen = [state.default_headers]
+
+    def refreshed() -> bool:
+        now = state.default_headers
+        if now is not seen[-1]:
+            seen.append(now)
+        return len(seen) > n
+
+    wait_until(refreshed, 5 + 2 * n, f"{n} Date-header refreshes")
 
 
 def _app() -> FastAPI:
@@ -52,13 +68,15 @@ def test_an_idle_server_does_not_poll():
         assert len(threads) == 2, [t.name for t in threading.enumerate()]
         tids = [t.native_id for t in threads]
         assert all(tid is not None for tid in tids)
+        state = srv.server.server.server_state
+        _refreshes(state, 1)  # start at a tick boundary
         before = [_wakeups(tid) for tid in tids if tid is not None]
-        time.sleep(WINDOW)  # the window watched, not a wait for readiness
+        _refreshes(state, TICKS)  # TICKS seconds watched, as the server counts them
         after = [_wakeups(tid) for tid in tids if tid is not None]
         woke = dict(zip([t.name for t in threads], [b - a for a, b in zip(before, after)]))
-        # the loop wakes once a second for its Date header; the front not at all (a poll of
-        # 0.1 s each made this >= 2 * 10 * WINDOW)
-        assert sum(woke.values()) <= WINDOW + 3, woke
+        # the loop wakes once a refresh; the front not at all (a poll of 0.1 s each made this
+        # >= 2 * 10 per second watched)
+        assert sum(woke.values()) <= TICKS + 3, woke
 
 
 def test_stop_is_prompt_and_the_threads_end():
