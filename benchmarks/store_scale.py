@@ -18,6 +18,7 @@ COMMANDS = {  # subcommand -> module with main(argv) -> int
     "cold": "kvplane.bench.store_scale_cold",  # cold single gets and single puts (1..N segments)
     "bytes": "kvplane.bench.store_scale_bytes",  # get() returning bytes over a large working set
     "table": "kvplane.bench.store_scale_table",  # per-key cost of the object table, C vs Python
+    "placement": "kvplane.bench.store_scale_placement",  # master's per-put cost vs segments
     "shards": "kvplane.bench.store_scale_shards",  # exists/lookup ops/s: N shards vs one master
 }
 

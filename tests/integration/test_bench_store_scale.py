@@ -93,3 +93,21 @@ def test_table_smoke():
         assert r["python_us_per_key"] > 0 and "load1" in r and "steal_pct" in r
         if available("store_accel"):
             assert r["native_us_per_key"] > 0 and r["python_over_native"] > 0
+
+
+def test_placement_smoke(tmp_path):
+    """The master's per-put cost against the number of segments; ``--before`` runs another
+    tree (here this one, copied) in its own interpreter and checks that it was that tree."""
+    import shutil
+
+    before = tmp_path / "src"
+    shutil.copytree(ROOT / "src" / "kvplane", before / "kvplane",
+                    ignore=shutil.ignore_patterns("__pycache__", "static"))
+    rows = _scale("placement", "--segments", "1,16", "--puts", "200", "--repeat", "2",
+                  "--before", str(before))
+    assert [(r["op"], r["segments"]) for r in rows] == [
+        ("spare", 1), ("spare", 16), ("put", 1), ("put", 16)]
+    for r in rows:
+        assert r["kvplane_us"] > 0 and r["before_us"] > 0 and r["before_over_kvplane"] > 0
+        assert "load1" in r and "steal_pct" in r
+    assert rows[0]["kvplane_over_fewest"] == 1.0

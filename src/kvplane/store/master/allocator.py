@@ -9,6 +9,10 @@ The allocator keeps nothing per live allocation: whoever frees a block says its 
 master's object table and task records hold it anyway), so a pool of millions of objects costs
 no memory here beyond its free blocks. A free that overlaps free space (a double free, or a
 wrong size) is refused.
+
+The allocators of one pool may share a :class:`Usage`: the bytes mounted and allocated over all
+of them, kept as each allocation and free happens, so that the master reads the pool's fill
+(its watermarks, a spare's headroom) in O(1) whatever the number of segments.
 """
 
 from __future__ import annotations
@@ -25,6 +29,34 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
+class Usage:
+    """Bytes mounted (``capacity``) and allocated (``used``) over the allocators attached."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.used = 0
+
+    def attach(self, alloc: OffsetAllocator) -> None:
+        """Count ``alloc`` (attached to no other usage) from now on."""
+        if alloc.usage is not None:
+            raise InvalidArgument("the allocator is counted by another usage already")
+        alloc.usage = self
+        self.capacity += alloc.capacity
+        self.used += alloc.used
+
+    def detach(self, alloc: OffsetAllocator) -> None:
+        """Stop counting ``alloc`` (attached to this usage)."""
+        if alloc.usage is not self:
+            raise InvalidArgument("the allocator is not counted by this usage")
+        alloc.usage = None
+        self.capacity -= alloc.capacity
+        self.used -= alloc.used
+
+    def ratio(self) -> float:
+        """Allocated over mounted (0.0 when nothing is mounted)."""
+        return self.used / self.capacity if self.capacity else 0.0
+
+
 class OffsetAllocator:
     """Allocates byte ranges inside [0, capacity)."""
 
@@ -33,6 +65,7 @@ class OffsetAllocator:
             raise InvalidArgument("allocator capacity must be > 0")
         self.capacity = capacity
         self.used = 0
+        self.usage: Usage | None = None  # the pool's totals, kept with ``used`` (``Usage``)
         self._by_off: list[tuple[int, int]] = [(0, capacity)]
         self._by_size: list[tuple[int, int]] = [(capacity, 0)]
 
@@ -57,6 +90,8 @@ class OffsetAllocator:
         if size > need:
             self._add_free(off + need, size - need)
         self.used += need
+        if self.usage is not None:
+            self.usage.used += need
         return off
 
     def allocate_at(self, off: int, n: int) -> bool:
@@ -77,6 +112,8 @@ class OffsetAllocator:
         if boff + bsize > off + need:
             self._add_free(off + need, boff + bsize - off - need)
         self.used += need
+        if self.usage is not None:
+            self.usage.used += need
         return True
 
     def free(self, off: int, n: int) -> None:
@@ -96,6 +133,8 @@ class OffsetAllocator:
                 (after is not None and after[0] < off + size):
             raise InvalidArgument(f"[{off}, {off + size}) is not an allocated block")
         self.used -= size
+        if self.usage is not None:
+            self.usage.used -= size
         if prev is not None and prev[0] + prev[1] == off:
             self._remove_free(*prev)
             off, size = prev[0], prev[1] + size
@@ -124,7 +163,8 @@ class OffsetAllocator:
 
     def resized(self, capacity: int) -> OffsetAllocator:
         """A copy of this allocator over ``capacity`` bytes with the same allocations (a share
-        of a segment that grows or shrinks at its end: ``kvplane.store.shard``).
+        of a segment that grows or shrinks at its end: ``kvplane.store.shard``), counted by no
+        usage (``ObjectTable.resize_segment`` moves the count).
 
         Raises:
             InvalidArgument: an allocation would end past ``capacity``.

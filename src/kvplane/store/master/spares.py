@@ -48,9 +48,9 @@ def grant(state: ObjectTable, client_id: str, ask: SpareAsk, now: float,
         return None
     if len(state.objects) >= state.config.max_keys:
         return None
-    cap = sum(s.alloc.capacity for s in state.segments.values())
+    cap = state.usage.capacity
     want = (ask.hdr + ask.size) * cfg.replica_num
-    if not cap or state.used_ratio() + want / cap > state.config.high_watermark:
+    if not cap or (state.usage.used + want) / cap > state.config.high_watermark:
         return None  # a spare never makes the master evict: only space the pool does not need
     try:
         pin = state.soft_pin_ttl(cfg)

@@ -172,7 +172,7 @@ class MasterState(ObjectTable):
         """Unmount segment ``name``: from now on no reader sees a replica there (its id is not
         live); the returned sweep (also in ``sweeps``) takes them out of their objects and
         drops the objects left with none. None: not mounted."""
-        seg = self.segments.pop(name, None)
+        seg = self.remove_segment(name)
         if seg is None:
             return None
         client = self.clients.get(seg.info.client_id)
@@ -389,8 +389,7 @@ class MasterState(ObjectTable):
             pin = self.soft_pin_ttl(cfg)
         except KVPlaneError:
             return [general(i) for i in range(len(keys))]  # (each key answered the error)
-        names = [n for n, s in self.segments.items()  # (as ``_candidates``: no rng draw)
-                 if s.suspect_since is None and not s.adopting]
+        names = self.eligible()  # (as ``_candidates``: no rng draw)
         if len(names) != 1 or cfg.replica_num != 1 or cfg.preferred_segment \
                 or cfg.preferred_segments:
             return [general(i) for i in range(len(keys))]

@@ -26,7 +26,7 @@ import msgspec
 
 from kvplane.store.errors import InvalidKey, InvalidParams, NoAvailableHandle, ObjectNotFound
 from kvplane.store.master import eviction
-from kvplane.store.master.allocator import OffsetAllocator
+from kvplane.store.master.allocator import OffsetAllocator, Usage
 from kvplane.store.master.columns import COMPLETE, HARD_PIN, NONE, Columns, OpenPut
 from kvplane.store.master.config import MasterConfig
 from kvplane.store.master.eviction import Verdict
@@ -54,6 +54,9 @@ class Retiring(NamedTuple):
 STORED, REMOVED = Change.STORED, Change.REMOVED
 
 
+_PLACEMENT_FIELDS = frozenset({"suspect_since", "adopting"})
+
+
 @dataclass
 class Segment:
     """One mounted segment: its registration, its allocator, and its health."""
@@ -63,6 +66,15 @@ class Segment:
     suspect_since: float | None = None  # a client reported a failed transfer to it
     adopting: bool = False  # re-registering what it holds: no new placements yet
     sid: int = -1  # its id in the object table's replica columns
+
+    # bumped whenever any segment's ``suspect_since`` or ``adopting`` is set: the tables'
+    # cached lists of the segments open to placement (``ObjectTable.eligible``) are rebuilt
+    changes = 0  # (a class attribute: not a field)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in _PLACEMENT_FIELDS:
+            Segment.changes += 1
 
     def replica(self, off: int, size: int, gen: int = 0, hdr: int = 0) -> Replica:
         """The replica whose allocation starts at ``off``: its value follows the header."""
@@ -185,8 +197,12 @@ class ObjectTable:
         # (least recently used first), ``cols.puts`` holds the unfinished puts by row
         self.cols = Columns()
         self.objects = ObjectsView(self.cols)
-        self.segments: dict[str, Segment] = {}
+        self.segments: dict[str, Segment] = {}  # (mount and unmount through add/remove_segment)
         self.seg_by_sid: list[Segment | None] = []  # mounted segments by ``Segment.sid``
+        self.usage = Usage()  # bytes mounted and allocated over every segment, kept as they change
+        self._mounts = 0  # bumped by each mount and unmount (``eligible``)
+        self._eligible: list[str] = []
+        self._eligible_key = (-1, -1)
         self.clients: dict[str, Client] = {}
         self.graveyard = Quarantine()  # freed space not yet reusable
         self.gate_until = 0.0  # recovering until then ...
@@ -238,9 +254,19 @@ class ObjectTable:
         return set(client.segments) if client is not None else set()
 
     def used_ratio(self) -> float:
-        """Bytes allocated over bytes mounted, every segment together (0: none mounted)."""
-        cap = sum(s.alloc.capacity for s in self.segments.values())
-        return sum(s.alloc.used for s in self.segments.values()) / cap if cap else 0.0
+        """Bytes allocated over bytes mounted, every segment together (0: none mounted); O(1)."""
+        return self.usage.ratio()
+
+    def eligible(self) -> list[str]:
+        """Names of the segments new objects may be placed on (neither suspect nor adopting),
+        in mount order. Cached until a segment mounts, unmounts or changes either: the caller
+        must not modify the list."""
+        key = (self._mounts, Segment.changes)
+        if key != self._eligible_key:
+            self._eligible = [n for n, s in self.segments.items()
+                              if s.suspect_since is None and not s.adopting]
+            self._eligible_key = key
+        return self._eligible
 
     # -- rows ------------------------------------------------------------------------------------
     def add_segment(self, seg: Segment) -> None:
@@ -250,6 +276,31 @@ class ObjectTable:
             self.seg_by_sid.append(None)
         self.seg_by_sid[seg.sid] = seg
         self.segments[seg.info.name] = seg
+        self.usage.attach(seg.alloc)
+        self._mounts += 1
+
+    def remove_segment(self, name: str) -> Segment | None:
+        """Take segment ``name`` out of the pool's segments and totals (its replicas stay in
+        the columns for the caller's sweep); None when it is not mounted."""
+        seg = self.segments.pop(name, None)
+        if seg is not None:
+            self.usage.detach(seg.alloc)
+            self._mounts += 1
+        return seg
+
+    def resize_segment(self, seg: Segment, capacity: int) -> None:
+        """Re-cut mounted ``seg`` to ``capacity`` bytes in place (``OffsetAllocator.resized``:
+        every allocation stays).
+
+        Raises:
+            InvalidArgument: an allocation would end past ``capacity``.
+        """
+        alloc = seg.alloc.resized(capacity)
+        self.usage.detach(seg.alloc)
+        seg.alloc = alloc
+        self.usage.attach(alloc)
+        seg.info.size = capacity
+        self.largest = max(s.alloc.capacity for s in self.segments.values())
 
     @property
     def open_puts(self) -> dict[str, Row]:
@@ -393,10 +444,9 @@ class ObjectTable:
 
     def evict_start(self, need: int = 0) -> EvictPass | None:
         """A pass that frees what :meth:`evict` would (None: nothing must go)."""
-        cap = sum(s.alloc.capacity for s in self.segments.values())
+        cap, used = self.usage.capacity, self.usage.used
         if not cap:
             return None
-        used = sum(s.alloc.used for s in self.segments.values())
         target = eviction.target_bytes(self.config, used, self.graveyard.held_bytes(), cap, need)
         return EvictPass(target) if target > 0 else None
 
@@ -458,24 +508,28 @@ class ObjectTable:
             raise InvalidParams(f"soft_pin_ttl_ms {cfg.soft_pin_ttl_ms} is out of range")
         return ttl
 
-    def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]) -> list[str]:
-        names = [n for n, s in self.segments.items() if s.suspect_since is None and not s.adopting]
+    def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]) -> tuple[list[str], int]:
+        """The segments to try, in order: ``(names, start)`` means ``names[start:]`` and then
+        ``names[:start]`` (the common case rotates the cached ``eligible`` list at a random
+        start: no per-put work that grows with the pool's segments)."""
+        names = self.eligible()
         if len(names) < 2 and not cfg.preferred_segment and not cfg.preferred_segments:
-            return names  # (one segment or none: the per-put common case on small pools)
+            return names, 0  # (one segment or none: the per-put common case on small pools)
         if not names:
-            return []
+            return [], 0
         pref = [p for p in ([cfg.preferred_segment] if cfg.preferred_segment else [])
                 + cfg.preferred_segments if p in self.segments
                 and self.segments[p].suspect_since is None and not self.segments[p].adopting]
         if cfg.prefer_alloc_in_same_node:
             pref += [n for n in names if n in local]
         start = int(self.rng.random() * len(names))  # (randrange's cost, per put, was visible)
+        free_first = self.config.allocation_strategy == "free_ratio_first"
+        if not pref and not free_first:  # the common case: the names are distinct already
+            return names, start
         rest = names[start:] + names[:start]
-        if self.config.allocation_strategy == "free_ratio_first":
+        if free_first:
             rest.sort(key=lambda n: -self.segments[n].alloc.free_bytes / self.segments[n].alloc.capacity)
-        if not pref:  # the common case: the names are distinct already
-            return rest
-        return list(dict.fromkeys(pref + rest))  # first occurrence of each, in order
+        return list(dict.fromkeys(pref + rest)), 0  # first occurrence of each, in order
 
     def place(self, size: int, cfg: ReplicateConfig, now: float,
               local: frozenset[str], evict: bool = True) -> list[Rep]:
@@ -495,7 +549,10 @@ class ObjectTable:
         for attempt in range(3 if evict else 1):
             got: list[Rep] = []
             gen = self.new_generation()  # one generation per put: replicas sit on distinct segments
-            for name in self._candidates(cfg, local):
+            names, start = self._candidates(cfg, local)
+            n = len(names)
+            for k in range(start, start + n):
+                name = names[k - n if k >= n else k]
                 off = self.segments[name].alloc.allocate(size)
                 if off is not None:
                     got.append((name, off, gen))

@@ -160,9 +160,7 @@ class MoveRpc:
                                 "owner")
         size = self._free_tail(old.alloc, info.size) if req.shrink else info.size
         if size != old.alloc.capacity:  # in place: every allocation and object stays
-            old.alloc = old.alloc.resized(size)
-            old.info.size = size
-            st.largest = max(s.alloc.capacity for s in st.segments.values())
+            st.resize_segment(old, size)
             st.view_version += 1
         return ReshareRep(MountRep(st.epoch, st.floor(), st.secret), size, fresh=False)
 
