@@ -106,7 +106,7 @@ def test_placement_smoke(tmp_path):
     rows = _scale("placement", "--segments", "1,16", "--puts", "200", "--repeat", "2",
                   "--before", str(before))
     assert [(r["op"], r["segments"]) for r in rows] == [
-        ("spare", 1), ("spare", 16), ("put", 1), ("put", 16)]
+        ("spare", 1), ("spare", 16), ("put", 1), ("put", 16), ("preferred", 1), ("preferred", 16)]
     for r in rows:
         assert r["kvplane_us"] > 0 and r["before_us"] > 0 and r["before_over_kvplane"] > 0
         assert "load1" in r and "steal_pct" in r

@@ -6,7 +6,9 @@ segments of 256 MiB mounted (``--segments 1,64,1024``); per put:
 
 * ``spare``: a spare's commit under a new key and the grant of the next spare (what a PutEnd
   of a client putting one object after another costs the master; ``spares.py``);
-* ``put``: ``put_start`` and ``put_end`` of a new key (one replica).
+* ``put``: ``put_start`` and ``put_end`` of a new key (one replica);
+* ``preferred``: the same with ``preferred_segment`` naming one of the segments (what LMCache
+  and vLLM's Mooncake connector ask for: their own host's segment first).
 
 ``--before SRC`` runs the same, in its own interpreter, against another kvplane tree's
 ``src/`` (an A/B of a change). Sides alternate within each of ``--repeat`` rounds (this tree
@@ -63,7 +65,16 @@ def measure(segments: int, puts: int) -> dict[str, float]:
         if r.code or st.put_end(key, 2.0, r.version):
             raise RuntimeError(f"put of {key} failed")
     put = time.perf_counter() - t0
-    return {"spare": spare / puts * 1e6, "put": put / puts * 1e6}
+    pref = ReplicateConfig(preferred_segment=f"s{segments - 1}")
+    t0 = time.perf_counter()
+    for i in range(puts):
+        key = f"pref-{i:09d}"
+        r = st.put_start(key, 4096, pref, 3.0)
+        if r.code or st.put_end(key, 3.0, r.version):
+            raise RuntimeError(f"put of {key} failed")
+    preferred = time.perf_counter() - t0
+    return {"spare": spare / puts * 1e6, "put": put / puts * 1e6,
+            "preferred": preferred / puts * 1e6}
 
 
 def _worker(a: argparse.Namespace) -> int:
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 for op, us in cells.items():
                     seen.setdefault((side, int(n), op), []).append(us)
     load = host_load(host0)
-    for op in ("spare", "put"):
+    for op in ("spare", "put", "preferred"):
         base = statistics.median(seen[("kvplane", a.segment_counts[0], op)])
         for n in a.segment_counts:
             row: dict[str, Any] = {"op": op, "segments": n, "repeat": a.repeat}

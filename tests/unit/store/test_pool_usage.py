@@ -160,3 +160,46 @@ def test_a_put_walks_no_segment_list(replicas):
         assert st.put_end(f"p{i}", 1.0) == 0
     assert CountingDict.walks == 0
     assert len({r.segment for i in range(200) for r in st.get_replicas(f"p{i}", 2.0).replicas}) > 50
+
+
+class CountingList(list):
+    """A list that counts walks: iterations and slices (an index of one item is not one)."""
+
+    walks = 0
+
+    def __iter__(self):
+        CountingList.walks += 1
+        return super().__iter__()
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            CountingList.walks += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("cfg", [ReplicateConfig(preferred_segment="s7"),
+                                 ReplicateConfig(replica_num=2, preferred_segments=["s3", "s9"])],
+                         ids=["preferred_segment", "preferred_segments"])
+def test_a_put_to_preferred_segments_walks_no_segment_list(cfg):
+    """What LMCache and vLLM's Mooncake connector ask for (their own host's segment first):
+    with 500 segments mounted, puts and spares land there without walking or copying the
+    list of segments open to placement."""
+    st = MasterState(MasterConfig(), seed=1)
+    for i in range(500):
+        mount(st, i, size=8 * MB)
+    ask = SpareAsk(ASK.size, ASK.hdr, cfg)
+    name, res = spares.grant(st, "w", ask, 0.0, frozenset(), 10.0)  # (builds the cache)
+    st._eligible = CountingList(st._eligible)  # (the cache stays valid: nothing changed)
+    CountingList.walks = 0
+    wanted = {cfg.preferred_segment} if cfg.preferred_segment else set(cfg.preferred_segments)
+    for i in range(200):
+        assert spares.commit(st, "w", name, f"key-{i:05d}", res.version, 0, 1.0) == 0
+        name, res = spares.grant(st, "w", ask, 1.0, frozenset(), 10.0)
+        got = st.put_start(f"p{i}", 4096, cfg, 1.0)
+        assert got.code == 0 and {r.segment for r in got.replicas} == wanted
+        assert {r.segment for r in res.replicas} == wanted
+        assert st.put_end(f"p{i}", 1.0) == 0
+    assert CountingList.walks == 0
+    st.suspect(sorted(wanted), 2.0)  # preferred but suspect: placed elsewhere, as before
+    got = st.put_start("elsewhere", 4096, cfg, 2.0)
+    assert got.code == 0 and not {r.segment for r in got.replicas} & wanted

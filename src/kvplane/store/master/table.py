@@ -55,6 +55,7 @@ STORED, REMOVED = Change.STORED, Change.REMOVED
 
 
 _PLACEMENT_FIELDS = frozenset({"suspect_since", "adopting"})
+_NO_NAMES: list[str] = []  # (never modified)
 
 
 @dataclass
@@ -508,28 +509,31 @@ class ObjectTable:
             raise InvalidParams(f"soft_pin_ttl_ms {cfg.soft_pin_ttl_ms} is out of range")
         return ttl
 
-    def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]) -> tuple[list[str], int]:
-        """The segments to try, in order: ``(names, start)`` means ``names[start:]`` and then
-        ``names[:start]`` (the common case rotates the cached ``eligible`` list at a random
-        start: no per-put work that grows with the pool's segments)."""
+    def _candidates(self, cfg: ReplicateConfig, local: frozenset[str]
+                    ) -> tuple[list[str], list[str], int]:
+        """The segments to try, in order, as ``(first, names, start)``: each of ``first``,
+        then ``names[start:]`` and ``names[:start]`` less those in ``first``. ``names`` is the
+        cached ``eligible`` list, rotated at a random start; ``first`` the preferred segments
+        that are open to placement (a few names). A put that lands on a preferred segment, or
+        has none, does no work that grows with the pool's segments (``free_ratio_first``, which
+        sorts them all, and ``prefer_alloc_in_same_node`` still walk them)."""
         names = self.eligible()
         if len(names) < 2 and not cfg.preferred_segment and not cfg.preferred_segments:
-            return names, 0  # (one segment or none: the per-put common case on small pools)
+            return _NO_NAMES, names, 0  # (one segment or none: the common case on small pools)
         if not names:
-            return [], 0
+            return _NO_NAMES, _NO_NAMES, 0
+        segs = self.segments
         pref = [p for p in ([cfg.preferred_segment] if cfg.preferred_segment else [])
-                + cfg.preferred_segments if p in self.segments
-                and self.segments[p].suspect_since is None and not self.segments[p].adopting]
+                + cfg.preferred_segments if p in segs
+                and segs[p].suspect_since is None and not segs[p].adopting]
         if cfg.prefer_alloc_in_same_node:
             pref += [n for n in names if n in local]
         start = int(self.rng.random() * len(names))  # (randrange's cost, per put, was visible)
-        free_first = self.config.allocation_strategy == "free_ratio_first"
-        if not pref and not free_first:  # the common case: the names are distinct already
-            return names, start
-        rest = names[start:] + names[:start]
-        if free_first:
-            rest.sort(key=lambda n: -self.segments[n].alloc.free_bytes / self.segments[n].alloc.capacity)
-        return list(dict.fromkeys(pref + rest)), 0  # first occurrence of each, in order
+        if self.config.allocation_strategy == "free_ratio_first":
+            rest = names[start:] + names[:start]
+            rest.sort(key=lambda n: -segs[n].alloc.free_bytes / segs[n].alloc.capacity)
+            return _NO_NAMES, list(dict.fromkeys(pref + rest)), 0  # first occurrence of each
+        return (list(dict.fromkeys(pref)) if pref else _NO_NAMES), names, start
 
     def place(self, size: int, cfg: ReplicateConfig, now: float,
               local: frozenset[str], evict: bool = True) -> list[Rep]:
@@ -549,14 +553,23 @@ class ObjectTable:
         for attempt in range(3 if evict else 1):
             got: list[Rep] = []
             gen = self.new_generation()  # one generation per put: replicas sit on distinct segments
-            names, start = self._candidates(cfg, local)
-            n = len(names)
-            for k in range(start, start + n):
-                name = names[k - n if k >= n else k]
-                off = self.segments[name].alloc.allocate(size)
+            first, names, start = self._candidates(cfg, local)
+            want, segs = cfg.replica_num, self.segments
+            for name in first:
+                off = segs[name].alloc.allocate(size)
                 if off is not None:
                     got.append((name, off, gen))
-                    if len(got) == cfg.replica_num:
+                    if len(got) == want:
+                        break
+            n = len(names) if len(got) < want else 0
+            for k in range(start, start + n):
+                name = names[k - n if k >= n else k]
+                if first and name in first:
+                    continue  # (tried first)
+                off = segs[name].alloc.allocate(size)
+                if off is not None:
+                    got.append((name, off, gen))
+                    if len(got) == want:
                         break
             if got:  # best effort: at least one replica
                 return got
