@@ -58,23 +58,22 @@ def measure(segments: int, puts: int) -> dict[str, float]:
             raise RuntimeError("no spare granted")
         name, res = got
     spare = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(puts):
-        key = f"put-{i:09d}"
-        r = st.put_start(key, 4096, cfg, 2.0)
-        if r.code or st.put_end(key, 2.0, r.version):
-            raise RuntimeError(f"put of {key} failed")
-    put = time.perf_counter() - t0
-    pref = ReplicateConfig(preferred_segment=f"s{segments - 1}")
-    t0 = time.perf_counter()
-    for i in range(puts):
-        key = f"pref-{i:09d}"
-        r = st.put_start(key, 4096, pref, 3.0)
-        if r.code or st.put_end(key, 3.0, r.version):
-            raise RuntimeError(f"put of {key} failed")
-    preferred = time.perf_counter() - t0
+    put = _puts(st, "put", cfg, 2.0, puts)
+    preferred = _puts(st, "pref", ReplicateConfig(preferred_segment=f"s{segments - 1}"), 3.0,
+                      puts)
     return {"spare": spare / puts * 1e6, "put": put / puts * 1e6,
             "preferred": preferred / puts * 1e6}
+
+
+def _puts(st: Any, prefix: str, cfg: Any, now: float, puts: int) -> float:
+    """Seconds for ``puts`` ``put_start`` + ``put_end`` of new keys with ``cfg``."""
+    t0 = time.perf_counter()
+    for i in range(puts):
+        key = f"{prefix}-{i:09d}"
+        r = st.put_start(key, 4096, cfg, now)
+        if r.code or st.put_end(key, now, r.version):
+            raise RuntimeError(f"put of {key} failed")
+    return time.perf_counter() - t0
 
 
 def _worker(a: argparse.Namespace) -> int:
