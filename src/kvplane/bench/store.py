@@ -28,6 +28,7 @@ from typing import Any
 from kvplane.bench.report import Rows, skip
 from kvplane.bench.transfer import MOONCAKE_MISSING, best_of, find_mooncake_python, numbered
 from kvplane.common.extras import pyplot
+from kvplane.common.procs import free_port
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_loop.py")
 KEY = ("impl", "topology", "clients", "op", "size", "batch")  # one cell of the results
@@ -47,12 +48,6 @@ class Options:
     repeat: int = 1  # run every side this many times, interleaved; keep each cell's best
     api: str = "zero-copy"  # "bytes": put/get returning bytes (store_loop --api)
     working_set_mb: int = 0  # the get phase cycles over this many MiB of keys (0: cap_mb's)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -102,7 +97,7 @@ def start_kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False,
     """A kvplane master in ``svc`` (``ha``: etcd, a leader and a standby) and, if ``remote``,
     one ``kvplane segment`` of ``seg_mb`` MiB with ``protocol``; returns the master address
     clients use."""
-    port, admin = _free_port(), _free_port()
+    port, admin = free_port(), free_port()
     cli = [sys.executable, "-m", "kvplane.cli.main"]
     if ha:  # etcd, a leader and a standby; clients and the segment use the etcd:// address
         from kvplane.bench.services import start_etcd
@@ -113,7 +108,7 @@ def start_kvplane(svc: Services, remote: bool, seg_mb: int, ha: bool = False,
         svc.start([*cli, "master", "--port", str(port), "--admin-port", str(admin), *ha_args],
                   port)
         _wait_leader(admin)
-        standby = _free_port()
+        standby = free_port()
         svc.start([*cli, "master", "--port", str(standby), "--admin-port", "0", *ha_args],
                   standby)
         master = f"{etcd.url}/bench"
@@ -156,7 +151,7 @@ def start_mooncake(svc: Services, py: str, remote: bool, seg_mb: int) -> tuple[s
     ``seg_mb`` MB; (master address, metadata URL)."""
     pkg = subprocess.run([py, "-c", "import mooncake,os;print(os.path.dirname(mooncake.__file__))"],
                          capture_output=True, text=True, check=True).stdout.strip()
-    port, meta, metrics, srv = _free_port(), _free_port(), _free_port(), _free_port()
+    port, meta, metrics, srv = free_port(), free_port(), free_port(), free_port()
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"}
     svc.start([f"{pkg}/mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={port}",
                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
@@ -175,7 +170,7 @@ def _redis(svc: Services) -> str:
     exe = shutil.which("redis-server")
     if exe is None:
         raise FileNotFoundError("redis-server not installed")
-    port = _free_port()
+    port = free_port()
     svc.start([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--maxmemory", "4gb"], port)
     return f"127.0.0.1:{port}"

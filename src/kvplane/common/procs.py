@@ -14,6 +14,7 @@ import select
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -54,6 +55,7 @@ class Proc:
         except (Timeout, EOFError, ValueError) as exc:
             self.kill()
             err = self.popen.stderr.read() if self.popen.stderr else ""
+            self._close_pipes()  # no object survives to close them: left open, a later GC warns
             raise RuntimeError(f"{args} failed to start: {exc}; stderr: {err[-2000:]}") from exc
 
     @property
@@ -88,6 +90,9 @@ class Proc:
                 self.popen.wait(timeout)
             except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
                 self.kill()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
         for f in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if f:
                 try:
@@ -118,8 +123,27 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         delay = min(delay * 2, 0.2)
 
 
+_HANDED_OUT: dict[int, None] = {}  # ports free_port returned, oldest first
+_HANDED_OUT_MAX = 4096
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    """A port that was free a moment ago (for servers that cannot bind port 0 themselves)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port that was free a moment ago (for servers that cannot bind port 0 themselves).
+
+    Never the same port twice in one process (of the last 4,096): the kernel may hand a port
+    just released to the next ``bind(0)``, so two servers started back to back, neither bound
+    yet, would be given the same one. A server binding with SO_REUSEPORT (vLLM's API server
+    does) then shares it without an error, and requests land on either.
+    """
+    with _HANDED_OUT_LOCK:
+        for _ in range(64):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _HANDED_OUT:
+                break
+        _HANDED_OUT[port] = None
+        while len(_HANDED_OUT) > _HANDED_OUT_MAX:
+            del _HANDED_OUT[next(iter(_HANDED_OUT))]
+        return port
