@@ -8,6 +8,7 @@ small round trip.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -66,7 +67,17 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         raise TimeoutError("receive timed out") from exc
 
 
-SPIN_SECONDS = 200e-6  # busy-poll this long for a reply before sleeping in the kernel
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: ``taskset``, a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+# Busy-poll this long for a reply before sleeping in the kernel; never on one CPU, where the
+# poll holds the only CPU the peer needs to answer (measured: docs/benchmarks.md, issue 32).
+SPIN_SECONDS = 200e-6 if usable_cpus() > 1 else 0.0
 
 
 def poll_spin(sock: socket.socket, view: memoryview, spin: float) -> int:

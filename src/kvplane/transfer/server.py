@@ -43,6 +43,7 @@ from kvplane.common.deadline import Deadline
 from kvplane.common.errors import Fenced, InvalidArgument, KVPlaneError, ProtocolError, Unauthorized
 from kvplane.common.guard import Limits, PeerLog
 from kvplane.common.listener import Listener
+from kvplane.common.sockets import usable_cpus
 from kvplane.transfer import grants as grant_mod
 from kvplane.transfer import protocol
 from kvplane.transfer.fence import Fence
@@ -53,7 +54,8 @@ from kvplane.transfer.types import RegionKind
 log = logging.getLogger(__name__)
 
 PAYLOAD_TIMEOUT = 30.0  # once a header arrived, its payload must follow within this
-SERVER_SPIN = 100e-6  # busy-poll for the next frame of a peer in a tight loop
+# busy-poll for the next frame of a peer in a tight loop (never on one CPU: see SPIN_SECONDS)
+SERVER_SPIN = 100e-6 if usable_cpus() > 1 else 0.0
 _DRAIN = 64 << 10
 
 
