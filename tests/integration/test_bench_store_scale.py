@@ -5,6 +5,7 @@ working set, and ``table``."""
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -59,12 +60,26 @@ def test_store_scale_cpu_cold_and_bytes_smoke():
                  "0", "--keys", "64")
     assert {r["op"] for r in cpu} == {"exists", "get", "put", "bget32"}
     assert all(r["ops"] > 0 and r["master_cpu_s"] > 0 and r["cpu_per_100k_s"] > 0 for r in cpu)
-    cold = _scale("cold", *common, "--keys", "40", "--segments", "1,2", "--extra-segment-mb",
-                  "16")
+    floors = ["raw"] + (["raw-c"] if shutil.which("cc") or shutil.which("gcc") else [])
+    got = _scale("cold", *common, "--keys", "40", "--segments", "1,2", "--extra-segment-mb",
+                 "16", "--sides", ",".join(["kvplane", *floors]))
+    cold = [r for r in got if "ratio_of" not in r and r["side"] == "kvplane"]
     assert {(r["op"], r["segments"]) for r in cold} == {
         (op, n) for op in ("cold", "coldx", "put") for n in (1, 2)}
     assert all(r["calls"] > 0 and r["p50_us"] > 0 for r in cold)
     assert [r["calls"] for r in cold if r["op"] != "put"] == [40] * 4  # each key read once
+    # the floor: the same cells as bare round trips, and kvplane's share of it per cell
+    raw = [r for r in got if "ratio_of" not in r and r["side"] in floors]
+    assert {(r["side"], r["op"], r["segments"]) for r in raw} == {
+        (f, op, n) for f in floors for op in ("cold", "coldx", "put") for n in (1, 2)}
+    assert all(r["calls"] == 40 and r["p50_us"] > 0 for r in raw)
+    share = {(r["vs"], r["op"], r["segments"]): r for r in got if "ratio_of" in r}
+    assert set(share) == {(f, op, n) for f in floors for op in ("cold", "coldx", "put")
+                          for n in (1, 2)}
+    for (f, op, n), r in share.items():
+        floor = next(x for x in raw if (x["side"], x["op"], x["segments"]) == (f, op, n))
+        mine = next(x for x in cold if (x["op"], x["segments"]) == (op, n))
+        assert r["ratio"] == pytest.approx(floor["median"] / mine["median"])
     got = _scale("bytes", *common, "--size", "256KiB", "--working-set", "4MiB")
     assert {r["op"] for r in got} == {"getb", "getinto"}
     assert all(r["working_set"] == 4 << 20 and r["gb_s"] > 0 for r in got)

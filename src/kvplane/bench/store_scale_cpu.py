@@ -14,6 +14,9 @@ of its rounds. Each row carries the host's load average and CPU steal over its w
 * ``cold``: single 4 KiB ``get_into`` of keys this client never read (another process put
   them), the same preceded by an ``is_exist`` of the key (``coldx``, both timed), and single
   puts: per-call latency, with 1 or more segment processes (``--segments 1,64``).
+  Sides ``raw`` and ``raw-c`` (default in ``cold``) are the floor: the same cells as two bare
+  TCP round trips between Python processes, and between C processes
+  (:mod:`kvplane.bench.raw_rtt`).
 * ``bytes``: ``get(key)`` returning bytes of ``--size`` values cycling over ``--working-set``
   bytes of keys (larger than the CPU caches by default), each value checked.
 """
@@ -270,15 +273,23 @@ def median_rows(rows: list[dict], key: tuple[str, ...], field_: str) -> list[dic
 def ratios(kind: str, rows: list[dict]) -> list[dict]:
     """kvplane against Mooncake per cell, from the medians: ``cpu``, master CPU per op
     kvplane / Mooncake (target <= 2); ``cold``, p50 latency Mooncake / kvplane (target >= 1.5);
-    ``bytes``, GB/s kvplane / Mooncake (target >= 1.5 for ``getb``)."""
+    ``bytes``, GB/s kvplane / Mooncake (target >= 1.5 for ``getb``). With side ``raw`` or
+    ``raw-c`` in a ``cold`` run, each other side's share of that floor too (``vs="raw"``: raw
+    p50 / its p50, 1.0 at the floor)."""
     key, _ = FIGURES[kind]
     by = {tuple(r[k] for k in key): r for r in rows}
     out = []
     for cell, r in by.items():
+        for floor in ("raw", "raw-c"):
+            raw = by.get((floor, *cell[1:]))
+            if kind == "cold" and raw and not r["side"].startswith("raw") and r["median"]:
+                out.append(dict(zip(key[1:], cell[1:]), side=r["side"], vs=floor,
+                                raw=raw["median"], p50=r["median"],
+                                ratio=raw["median"] / r["median"], target=""))
         mc = by.get(("mooncake", *cell[1:]))
-        if r["side"] == "mooncake" or mc is None or not mc["median"] or not r["median"]:
+        if r["side"] in ("mooncake", "raw", "raw-c") or mc is None or not mc["median"] or not r["median"]:
             continue
-        row = dict(zip(key[1:], cell[1:]), side=r["side"], kvplane=r["median"],
+        row = dict(zip(key[1:], cell[1:]), side=r["side"], vs="mooncake", kvplane=r["median"],
                    mooncake=mc["median"])
         if kind == "cpu":
             row.update(kvplane_us_per_op=r["median"] * 10, mooncake_us_per_op=mc["median"] * 10,
@@ -326,6 +337,29 @@ def measure_cold(side: Side, opt: Options, segments: int) -> list[dict[str, Any]
     return [dict(r, segments=segments, size=opt.size) for r in rows]
 
 
+def measure_raw(opt: Options, segments: int, side: str) -> list[dict[str, Any]]:
+    """Side ``raw`` (Python) or ``raw-c`` of ``cold``: the same cells as bare round trips
+    (:mod:`kvplane.bench.raw_rtt`), ``cold`` and ``coldx`` as a lookup and a read, ``put`` as a
+    write and a commit."""
+    from kvplane.bench.raw_rtt import Servers
+
+    servers = Servers(segments, "c" if side == "raw-c" else "py")
+    rows = []
+    try:
+        for op in ("cold", "coldx", "put"):
+            host0 = host_sample()
+            lat = sorted(servers.run("put" if op == "put" else "get", opt.keys, opt.size))
+            host1 = host_sample()
+            rows.append({"side": side, "op": op, "calls": len(lat), "ops": len(lat),
+                         "p50_us": lat[len(lat) // 2] / 1e3,
+                         "mean_us": sum(lat) / len(lat) / 1e3, "load": host1[0],
+                         "steal_pct": steal_pct(host0, host1), "segments": segments,
+                         "size": opt.size})
+    finally:
+        servers.close()
+    return rows
+
+
 def measure_bytes(side: Side, opt: Options) -> list[dict[str, Any]]:
     """``get(key)`` returning bytes, and ``get_into``, cycling over ``opt.working_set``."""
     keys = max(1, opt.working_set // opt.size)
@@ -346,12 +380,24 @@ def run(kind: str, opt: Options, progress: Callable[[str], None] = lambda s: Non
     sides = [s for s in opt.sides if s != "mooncake" or mc is not None]
     if "mooncake" in opt.sides and mc is None:
         progress("mooncake not installed: skipped (set KVPLANE_MOONCAKE_PYTHON)")
+    if "raw-c" in sides:
+        from kvplane.bench.raw_rtt import build_c
+
+        try:
+            build_c()
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+            progress(f"raw-c skipped: {exc}")
+            sides.remove("raw-c")
     rows: list[dict] = []
     for rnd in range(opt.repeat):
         for name in sides if rnd % 2 == 0 else sides[::-1]:
             for segs in opt.segments if kind == "cold" else [1]:
                 progress(f"[{rnd + 1}/{opt.repeat}] {kind} {name}"
                          + (f" {segs} segments" if kind == "cold" else ""))
+                if name in ("raw", "raw-c"):  # the machine's floor: ``cold`` only
+                    if kind == "cold":
+                        rows += [dict(r, round=rnd) for r in measure_raw(opt, segs, name)]
+                    continue
                 svc = Services()
                 try:
                     side = start_side(svc, name, opt, mc, segs, held=kind != "cpu")
@@ -390,7 +436,10 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
 
     d = DEFAULTS[kind]
     ap = argparse.ArgumentParser(prog=f"store_scale.py {kind}", description=__doc__)
-    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--sides", default=",".join(SIDES + (("raw", "raw-c") if kind == "cold"
+                                                         else ())),
+                    help="kvplane, mooncake" + (", raw and raw-c (bare round trips in Python and "
+                                                "in C: the floor)" if kind == "cold" else ""))
     ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds (median)")
     ap.add_argument("--duration", type=float, default=d["duration"], help="seconds per phase")
     ap.add_argument("--size", default=str(d["size"]), help="value size (e.g. 4KiB, 1MiB)")
@@ -430,7 +479,7 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
         for r in rows:
             print(json.dumps({"kind": kind, **r}))
         for r in rat:
-            print(json.dumps({"kind": kind, "ratio_of": f"{r['side']}/mooncake", **r}))
+            print(json.dumps({"kind": kind, "ratio_of": f"{r['side']}/{r['vs']}", **r}))
         return 0
     key, figure = FIGURES[kind]
     for r in rows:
@@ -440,7 +489,7 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
               f"{r['steal_pct']:.1f} %")
     for r in rat:
         cell = " ".join(f"{k}={r[k]}" for k in key[1:])
-        print(f"ratio {r['side']}/mooncake {cell}: {r['ratio']:.2f} (target {r['target'] or '-'})")
+        print(f"ratio {r['side']}/{r['vs']} {cell}: {r['ratio']:.2f} (target {r['target'] or '-'})")
     return 0
 
 
