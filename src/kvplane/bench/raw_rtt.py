@@ -20,6 +20,7 @@ closes; ``python -m kvplane.bench.raw_rtt client ...`` prints one JSON line of l
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -32,34 +33,26 @@ import threading
 import time
 from typing import Any
 
+from kvplane.common.errors import Unavailable
+from kvplane.common.sockets import recv_exact
+
 C_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "raw_rtt.c")
-_built: dict[str, str] = {}
 
 HEAD = struct.Struct("!II")  # bytes the request carries after the head, bytes to answer
 
 
-def _recv_exact(conn: socket.socket, n: int, buf: bytearray | None = None) -> memoryview:
-    out = memoryview(buf if buf is not None and len(buf) >= n else bytearray(n))[:n]
-    got = 0
-    while got < n:
-        k = conn.recv_into(out[got:])
-        if not k:
-            raise EOFError("peer closed")
-        got += k
-    return out
-
-
 def _serve_conn(conn: socket.socket) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    scratch = bytearray(1 << 20)
+    scratch = memoryview(bytearray(1 << 20))
     reply = bytes(1 << 20)
     with conn:
         while True:
             try:
-                body, answer = HEAD.unpack(_recv_exact(conn, HEAD.size, scratch))
+                recv_exact(conn, scratch[:HEAD.size])
+                body, answer = HEAD.unpack(scratch[:HEAD.size])
                 if body:
-                    _recv_exact(conn, body, scratch)
-            except (EOFError, OSError):
+                    recv_exact(conn, scratch[:body])
+            except (Unavailable, OSError):
                 return
             conn.sendall(memoryview(reply)[:answer])
 
@@ -81,9 +74,9 @@ def serve() -> int:
     return 0
 
 
-def _round_trip(conn: socket.socket, send: bytes, answer: int, buf: bytearray) -> None:
+def _round_trip(conn: socket.socket, send: bytes, answer: int, buf: memoryview) -> None:
     conn.sendall(HEAD.pack(len(send), answer) + send)
-    _recv_exact(conn, answer, buf)
+    recv_exact(conn, buf[:answer])
 
 
 def client(master: int, segments: list[int], op: str, n: int, size: int) -> dict[str, Any]:
@@ -96,7 +89,7 @@ def client(master: int, segments: list[int], op: str, n: int, size: int) -> dict
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conns.append(c)
     m, segs = conns[0], conns[1:]
-    buf = bytearray(max(size, 64))
+    buf = memoryview(bytearray(max(size, 64)))
     small, value = bytes(32), bytes(size)
     lat = []
     try:
@@ -116,14 +109,13 @@ def client(master: int, segments: list[int], op: str, n: int, size: int) -> dict
     return {"lat": lat}
 
 
+@functools.cache
 def build_c() -> str:
     """The C twin built with ``cc -O2`` (once per process): its path.
 
     Raises:
         RuntimeError: no ``cc``, no source (an installed wheel), or the build failed.
     """
-    if "exe" in _built:
-        return _built["exe"]
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or not os.path.exists(C_SOURCE):
         raise RuntimeError("no C compiler (cc) or no raw_rtt.c source")
@@ -132,7 +124,6 @@ def build_c() -> str:
                          timeout=120)
     if out.returncode:
         raise RuntimeError(f"cc failed: {out.stderr[-500:]}")
-    _built["exe"] = exe
     return exe
 
 

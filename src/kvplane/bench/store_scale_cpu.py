@@ -38,6 +38,7 @@ from kvplane.bench.transfer import find_mooncake_python
 
 LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_scale_loop.py")
 SIDES = ("kvplane", "mooncake")
+FLOORS = ("raw", "raw-c")  # ``cold`` only: bare round trips in Python and in C (raw_rtt)
 
 
 @dataclass
@@ -280,14 +281,14 @@ def ratios(kind: str, rows: list[dict]) -> list[dict]:
     by = {tuple(r[k] for k in key): r for r in rows}
     out = []
     for cell, r in by.items():
-        for floor in ("raw", "raw-c"):
+        for floor in FLOORS:
             raw = by.get((floor, *cell[1:]))
-            if kind == "cold" and raw and not r["side"].startswith("raw") and r["median"]:
+            if kind == "cold" and raw and r["side"] not in FLOORS and r["median"]:
                 out.append(dict(zip(key[1:], cell[1:]), side=r["side"], vs=floor,
                                 raw=raw["median"], p50=r["median"],
                                 ratio=raw["median"] / r["median"], target=""))
         mc = by.get(("mooncake", *cell[1:]))
-        if r["side"] in ("mooncake", "raw", "raw-c") or mc is None or not mc["median"] or not r["median"]:
+        if r["side"] in ("mooncake", *FLOORS) or mc is None or not mc["median"] or not r["median"]:
             continue
         row = dict(zip(key[1:], cell[1:]), side=r["side"], vs="mooncake", kvplane=r["median"],
                    mooncake=mc["median"])
@@ -394,7 +395,7 @@ def run(kind: str, opt: Options, progress: Callable[[str], None] = lambda s: Non
             for segs in opt.segments if kind == "cold" else [1]:
                 progress(f"[{rnd + 1}/{opt.repeat}] {kind} {name}"
                          + (f" {segs} segments" if kind == "cold" else ""))
-                if name in ("raw", "raw-c"):  # the machine's floor: ``cold`` only
+                if name in FLOORS:  # the machine's floor: ``cold`` only
                     if kind == "cold":
                         rows += [dict(r, round=rnd) for r in measure_raw(opt, segs, name)]
                     continue
@@ -436,8 +437,7 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
 
     d = DEFAULTS[kind]
     ap = argparse.ArgumentParser(prog=f"store_scale.py {kind}", description=__doc__)
-    ap.add_argument("--sides", default=",".join(SIDES + (("raw", "raw-c") if kind == "cold"
-                                                         else ())),
+    ap.add_argument("--sides", default=",".join(SIDES + (FLOORS if kind == "cold" else ())),
                     help="kvplane, mooncake" + (", raw and raw-c (bare round trips in Python and "
                                                 "in C: the floor)" if kind == "cold" else ""))
     ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds (median)")
