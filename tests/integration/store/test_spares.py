@@ -158,12 +158,24 @@ def test_a_tenant_gets_no_spares_and_its_puts_work():
             assert wrong_bytes(t, [f"tenant-{i}" for i in range(4)]) == 0
 
 
-def test_threads_sharing_a_client_never_write_into_one_spare_twice(pool):
+def test_threads_sharing_a_client_never_write_into_one_spare_twice(pool, monkeypatch):
     import threading
+
+    from kvplane.store.client import replica_io
 
     addr, _ = pool
     keys = [[f"threads-{t}-{i}" for i in range(40)] for t in range(4)]
     errors: list[BaseException] = []
+    slots: collections.Counter[tuple[int, int]] = collections.Counter()  # (thread, slot) writes
+    real = replica_io.put_small
+
+    def put_small(ctx, *a, **kw):  # type: ignore[no-untyped-def]
+        done = real(ctx, *a, **kw)
+        if done:
+            slots[(threading.get_ident(), ctx.staging.slot().addr)] += 1
+        return done
+
+    monkeypatch.setattr(replica_io, "put_small", put_small)
     with StoreClient(master=addr, protocol="tcp") as w:
         def run(mine: list[str]) -> None:
             try:
@@ -177,5 +189,8 @@ def test_threads_sharing_a_client_never_write_into_one_spare_twice(pool):
         for t in threads:
             t.join(60)
         assert errors == [] and w.spares.used > 0
+        # every put was one WRITE from its thread's staging slot, one slot per thread
+        assert sum(slots.values()) == sum(map(len, keys))
+        assert len(slots) == len({t for t, _ in slots}) == len(keys)
         with StoreClient(master=addr, protocol="tcp", checksum=True) as r:
             assert wrong_bytes(r, [k for ks in keys for k in ks]) == 0

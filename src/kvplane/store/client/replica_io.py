@@ -157,9 +157,45 @@ def put_write(ctx: ClientContext, results: list[KeyResult], ok: list[int], addrs
               sizes: list[int], deadline: Deadline, blame_failed: bool = True) -> set[int]:
     """Write the keys ``ok`` of a put, each header in front of its value in every replica
     (``put_moves``, staged in the client's registered memory); returns the indexes that failed."""
+    if len(ok) == 1:  # one small object with one replica: one WRITE from this thread's slot
+        done = put_small(ctx, results[ok[0]], addrs[ok[0]], sizes[ok[0]], deadline,
+                         blame_failed)
+        if done is not None:
+            return set() if done else set(ok)
     with ctx.staging.block(put_staging(results, ok, sizes) or 1) as (hbase, hv):
         writes = put_moves(results, ok, addrs, sizes, hbase, hv, ctx.engine.memory.view)
         return write(ctx, writes, deadline, blame_failed)
+
+
+def put_small(ctx: ClientContext, res: KeyResult, addr: int, size: int, deadline: Deadline,
+              blame_failed: bool = True) -> bool | None:
+    """``put_write`` of one key of at most ``INLINE`` bytes with one replica, with less Python:
+    its header and value copied into this thread's staging slot and sent in one WRITE. True
+    or False (written or not, its segment blamed as ``run`` does), or None where this way does
+    not apply (the caller writes the usual way)."""
+    head = res.header
+    n = len(head)
+    if len(res.replicas) != 1 or not n or size > INLINE:
+        return None
+    slot = ctx.staging.slot()
+    if slot is None:
+        return None
+    slot.mem[:n] = head
+    if not _copy(ctx.engine.memory.view, addr, size, slot.mem[n:n + size]):
+        return None
+    rep = res.replicas[0]
+    if deadline.remaining() <= 0:
+        return False
+    try:
+        h = ctx.segment_handle(rep.segment, deadline)
+    except KVPlaneError:  # unreachable segment (or no time left to look it up)
+        ok = False
+    else:
+        ok = ctx.engine.write_one(h, slot.addr, rep.addr - n, n + size, rep.gen,
+                                  timeout=coarse(deadline.remaining())) == OK
+    if not ok and blame_failed:
+        blame(ctx, {rep.segment})
+    return ok
 
 
 def read(ctx: ClientContext, results: list[KeyResult], addrs: list[int], caps: list[int],
