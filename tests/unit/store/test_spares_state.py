@@ -36,6 +36,7 @@ def test_a_committed_spare_is_an_object_under_its_key_and_the_spare_is_gone():
     got = st.get_replicas("k1", 1.0)
     assert got.code == 0 and got.replicas == r.replicas and got.size == 1000
     assert got.version == r.version and got.checksum == 77
+    assert st.objects["k1"].owner == "w"  # the writer owns it (Mooncake's metadata.client_id)
     assert ("stored", "k1") in st.changes  # the pool's KV events see a plain put
     assert spares.commit(st, "w", name, "k2", r.version, 77, 1.0) == ObjectNotFound.code
 

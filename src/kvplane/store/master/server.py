@@ -440,13 +440,10 @@ class MasterServer:
         self.state.suspect(req.suspects, now)
         sums = req.checksums or [0] * len(req.keys)
         rows = zip(req.keys, req.versions, sums, strict=True)
-        if req.renames:  # written into spares: each spare becomes its key
+        if req.renames:  # written into spares: each spare becomes its key, the writer's
             require_service("a commit of spares")
             codes = [spares.commit(self.state, req.client_id, n, k, v, c, now)
                      for n, (k, v, c) in zip(req.renames, rows, strict=True)]
-            for k, code in zip(req.keys, codes):
-                if code == 0:
-                    self.state.objects[k].owner = req.client_id
         else:
             codes = [self.state.put_end(k, now, v, c) for k, v, c in rows]
             self._gate(now, ObjectNotFound.code in codes)

@@ -78,9 +78,10 @@ def _mine(state: ObjectTable, client_id: str, name: str, version: int) -> Row | 
 
 def commit(state: ObjectTable, client_id: str, name: str, key: str, version: int,
            checksum: int, now: float) -> int:
-    """Make spare ``name`` (written by ``client_id`` with ``version``) the object ``key``:
-    0, or ObjectNotFound (no such spare: pre-empted, dropped with its segment, or a master
-    that never made it), ObjectExists, InvalidKey or InvalidParams (the spare is dropped)."""
+    """Make spare ``name`` (written by ``client_id`` with ``version``) the object ``key``, owned
+    by ``client_id``: 0, or ObjectNotFound (no such spare: pre-empted, dropped with its
+    segment, or a master that never made it), ObjectExists, InvalidKey or InvalidParams (the
+    spare is dropped)."""
     obj = _mine(state, client_id, name, version)
     if obj is None:
         return ObjectNotFound.code
@@ -99,8 +100,11 @@ def commit(state: ObjectTable, client_id: str, name: str, key: str, version: int
         obj.window_until = now  # writer's copies over (only frames may be in flight: fenced)
         state.drop_object(name, obj, now)
         return exc.code
-    state.cols.rename(obj.row, key)
-    return state.put_end(key, now, version, checksum)
+    c, row = state.cols, obj.row
+    c.rename(row, key)
+    c.owner[row] = c.owner_id(client_id)
+    state.complete_row(row, key, now, checksum)  # (its version is the one _mine checked)
+    return 0
 
 
 def give_back(state: ObjectTable, client_id: str, name: str, version: int, written: bool,

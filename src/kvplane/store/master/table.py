@@ -362,6 +362,12 @@ class ObjectTable:
         row = c.index.find(key)
         if row < 0 or (version and c.version[row] != version):
             return ObjectNotFound.code
+        self.complete_row(row, key, now, checksum)
+        return 0
+
+    def complete_row(self, row: int, key: str, now: float, checksum: int = 0) -> None:
+        """``put_end`` of ``key``'s ``row``, found and its version checked by the caller."""
+        c = self.cols
         if not c.flags[row] & COMPLETE:
             c.flags[row] |= COMPLETE
             self.puts += 1
@@ -376,7 +382,6 @@ class ObjectTable:
             if c.want[row] > 1 and obj.replica_count() < c.want[row]:
                 self.repairs.short.add(key)
             self.tiers.stored(key, obj)
-        return 0
 
     def put_revoke(self, key: str, now: float, version: int = 0) -> int:
         """Abandon an unfinished put. Its space is fenced on its segments before reuse."""
