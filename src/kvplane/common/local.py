@@ -10,8 +10,10 @@ transfer engine's data listener offer one.
 How a client moves, and why it cannot be led astray:
 
 1. It connects over TCP, as always, and authenticates as always.
-2. It asks the server for its local endpoint (RPC ``rpc.local``, data op ``OP_LOCAL``). The
-   server answers :class:`LocalInfo`: a random name in the abstract Unix namespace (no file to
+2. It asks the server for its local endpoint (RPC ``rpc.local``, data op ``OP_LOCAL``; a data
+   connection sends ``OP_LOCAL`` right behind its HELLO, in one send, and the listener answers
+   it only after accepting the HELLO: one round trip for both). The server answers
+   :class:`LocalInfo`: a random name in the abstract Unix namespace (no file to
    clean up; it goes with the process), its pid, and the TCP peer address it sees.
 3. The client moves only if the connection is direct and on its own host: the peer address the
    server saw is this socket's own address (a relay or proxy in between sees another, so the

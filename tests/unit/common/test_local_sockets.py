@@ -194,3 +194,55 @@ def test_data_connection_stays_behind_a_relay(data_server):
     finally:
         conn.close()
         relay.close()
+
+
+def test_data_connection_sends_hello_and_local_in_one_round_trip():
+    """The client sends OP_LOCAL behind its HELLO without waiting for HELLO's answer: a peer
+    that answers nothing until it has both frames still gets both (a client that waited would
+    never send the second)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    token = b"tok"
+    want = 2 * protocol.REQ.size + len(token)
+    got = bytearray()
+    both = threading.Event()
+
+    def serve() -> None:
+        conn, _ = lsock.accept()
+        with conn:
+            conn.settimeout(10)
+            while len(got) < want:
+                chunk = conn.recv(want - len(got))
+                if not chunk:
+                    return
+                got.extend(chunk)
+            both.set()
+            _, _, op1, _, rid1, _, n1, _ = protocol.REQ.unpack_from(got, 0)
+            _, _, op2, _, rid2, _, _, _ = protocol.REQ.unpack_from(got, protocol.REQ.size + n1)
+            assert (op1, op2) == (protocol.OP_HELLO, protocol.OP_LOCAL)
+            info = msgspec.msgpack.encode(local.LocalInfo("", os.getpid(), ""))  # none offered
+            conn.sendall(protocol.pack_resp(0, rid1, 0) + protocol.pack_resp(0, rid2, len(info))
+                         + info)
+            conn.recv(1)  # until the client closes
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        conn = Conn.open("127.0.0.1", lsock.getsockname()[1], token.decode(), 5.0)
+        assert both.is_set() and conn.sock.family == socket.AF_INET  # no name: stays on TCP
+        conn.close()
+    finally:
+        lsock.close()
+        t.join(10)
+
+
+def test_a_refused_token_does_not_keep_a_peer_off_its_unix_socket(data_server):
+    srv, (addr, buf) = data_server
+    for _ in range(2):
+        with pytest.raises(Unauthorized):
+            Conn.open("127.0.0.1", srv.port, "wrong", 5.0)
+    conn = Conn.open("127.0.0.1", srv.port, "tok", 5.0)
+    try:
+        assert conn.sock.family == socket.AF_UNIX
+        assert _read(conn, addr, 512) == bytes(buf[:512])
+    finally:
+        conn.close()

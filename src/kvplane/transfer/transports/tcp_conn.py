@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -94,13 +94,17 @@ class Conn:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)  # blocking; deadlines are kernel timeouts (set_timeout)
         conn = cls(sock, (host, port))
-        if token:
-            conn.hello(token, timeout)
         if (host, port) in _TCP_ONLY or not local.same_host(sock):
+            if token:
+                conn.hello(token, timeout)
             return conn
+        # HELLO and OP_LOCAL in one send, one round trip: the listener answers OP_LOCAL only
+        # once HELLO was accepted (frames are served in order), and HELLO is answered first
+        rid = conn.send_after_hello(token, protocol.OP_LOCAL, timeout) if token else 0
         try:
-            info = msgspec.msgpack.decode(conn.call(protocol.OP_LOCAL, 0, b"", timeout, 4096),
-                                          type=local.LocalInfo)
+            body = (conn.answer(rid, 4096) if token
+                    else conn.call(protocol.OP_LOCAL, 0, b"", timeout, 4096))
+            info = msgspec.msgpack.decode(body, type=local.LocalInfo)
         except TimeoutError as exc:  # a stalled peer: as a stalled HELLO
             conn.close()
             raise Timeout(f"handshake with {host}:{port} timed out after {timeout}s") from exc
@@ -122,9 +126,30 @@ class Conn:
 
     def hello(self, token: str, timeout: float) -> None:
         """Present ``token`` (closes the connection if the handshake fails)."""
+        self._handshake(lambda: self.call(protocol.OP_HELLO, 0, token.encode(), timeout),
+                        timeout)
+
+    def send_after_hello(self, token: str, op: int, timeout: float) -> int:
+        """Send HELLO with ``token`` and a simple request ``op`` (no payload) in one send, read
+        HELLO's answer (failing as :meth:`hello` does) and return ``op``'s request id for
+        :meth:`answer`."""
+        payload = token.encode()
+        hid = self.next_id()
+        rid = self.next_id()
+        self.set_timeout(Deadline.after(timeout))
+        frames: list[bytes | memoryview] = [
+            protocol.pack_req(protocol.OP_HELLO, hid, 0, len(payload)), payload,
+            protocol.pack_req(op, rid, 0, 0)]
+        self._handshake(lambda: protocol.send_all(self.sock, frames), timeout)
+        self._handshake(lambda: self.answer(hid, protocol.MAX_ERROR), timeout)
+        return rid
+
+    def _handshake(self, step: Callable[[], object], timeout: float) -> None:
+        """Run a step of the handshake: a stalled peer is a Timeout, a broken one Unavailable,
+        and the connection is closed on any failure."""
         host, port = self.peer
         try:
-            self.call(protocol.OP_HELLO, 0, token.encode(), timeout)
+            step()
         except TimeoutError as exc:  # a stalled peer is a timeout, not a failure
             self.close()
             raise Timeout(f"handshake with {host}:{port} timed out after {timeout}s") from exc
@@ -172,6 +197,10 @@ class Conn:
         rid = self.next_id()
         self.set_timeout(Deadline.after(timeout))
         protocol.send_all(self.sock, [protocol.pack_req(op, rid, addr, len(payload)), payload])
+        return self.answer(rid, limit)
+
+    def answer(self, rid: int, limit: int = 1 << 20) -> bytes:
+        """The body of the answer to simple request ``rid`` (raises its error)."""
         status, length = self.read_resp(rid)
         if status:
             raise self.read_error(status, length)
