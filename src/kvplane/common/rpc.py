@@ -235,6 +235,26 @@ _STALE_AFTER = 1.0  # a connection idle this long is checked for a server-side c
 _current = threading.local()
 
 
+def after_reply(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on this thread once the answer of the RPC being served has been sent: work
+    its caller need not wait for, and may go without. It is dropped when the answer is not
+    sent (a broken connection), and outside an RPC server's thread (a handler called
+    directly, which may hold the locks ``fn`` takes). An exception it raises is logged."""
+    later = getattr(_current, "after", None)
+    if later is not None:
+        later.append(fn)
+
+
+def _run_after(fns: list[Callable[[], None]]) -> None:
+    """Run and remove each of ``fns`` (a list that one more may be added to meanwhile)."""
+    while fns:
+        fn = fns.pop(0)
+        try:
+            fn()
+        except Exception:  # a bug in deferred work must not drop the connection
+            log.exception("work after an RPC's answer failed")
+
+
 def current_principal() -> Principal:
     """The principal of the RPC being served on this thread (the admin outside any RPC)."""
     return getattr(_current, "principal", None) or ADMIN
@@ -408,11 +428,15 @@ class RpcServer:
 
     def _serve(self, conn: socket.socket) -> None:
         _current.conn = conn
+        later: list[Callable[[], None]] = []  # (``after_reply``; dropped with an unsent answer)
+        _current.after = later
         session = _Session(self._auth)
         out = bytearray()  # the reply being sent (reused: one buffer per connection)
         try:
             if not self._handshake(conn, session, out):
                 return
+            if later:
+                _run_after(later)
             set_io_timeout(conn, self._listener.limits.idle_timeout or 1e9)
             frames = _Frames(conn, self._max)
             quick, done_at, spin = False, 0.0, self._spin
@@ -434,6 +458,8 @@ class RpcServer:
                     return
                 if not self._answer(conn, session, data, out):
                     return
+                if later:  # work a handler left for after its answer (``after_reply``)
+                    _run_after(later)
                 if len(out) > _READ_AHEAD:  # a large answer: do not hold its buffer
                     out = bytearray()
                 if spin:
@@ -441,7 +467,7 @@ class RpcServer:
         except (OSError, KVPlaneError):
             pass
         finally:
-            _current.conn = None  # (the thread may be kept for another connection)
+            _current.conn = _current.after = None  # (the thread may be kept for another one)
 
     def _handshake(self, conn: socket.socket, session: _Session, out: bytearray) -> bool:
         """Read, check and answer the first frame; True once the peer is authenticated."""

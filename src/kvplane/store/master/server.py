@@ -36,7 +36,7 @@ from kvplane.common import log as klog
 from kvplane.common.auth import TokenTable
 from kvplane.common.errors import KVPlaneError
 from kvplane.common.http import ServerThread
-from kvplane.common.rpc import RpcServer
+from kvplane.common.rpc import RpcServer, after_reply
 from kvplane.store import inventory
 from kvplane.store.errors import (
     InvalidParams,
@@ -55,6 +55,7 @@ from kvplane.store.master.state import MasterState
 from kvplane.store.types import (
     AdoptReq,
     CodesRep,
+    KeyResult,
     KeysReq,
     ListKeysRep,
     ListKeysReq,
@@ -70,6 +71,7 @@ from kvplane.store.types import (
     ResultsRep,
     Retire,
     Spare,
+    SpareAsk,
 )
 
 if TYPE_CHECKING:  # imported when HA is on (it needs an etcd client)
@@ -96,6 +98,8 @@ ADOPTED = metrics.Gauge("master_adopted_replicas", "Replicas re-registered from 
 FORGETS = metrics.Gauge("master_pending_forgets", "Freed headers the segments have not cleared yet")
 
 TICK = 0.1  # seconds between liveness / eviction / reclaim passes
+MAX_AHEAD = 4096  # clients with a spare placed ahead (``MasterServer._place_ahead``)
+PRUNE_AHEAD_EVERY = 50  # timer passes between two looks at those spares (5 s)
 STEP = 0.002  # seconds a step of a long pass (eviction, an unmount's sweep, repair planning)
 # aims to hold the lock; between steps the lock is free for the RPCs
 STEP_GAP = 0.0005  # seconds the timer leaves the lock free between two steps, at least ...
@@ -170,6 +174,10 @@ class MasterServer:
             self.events = PoolEvents(host, kv_events_port, auth=self.auth)
         self.clock = clock
         self.lock = threading.Lock()
+        # per client: the spare placed for it after its last PutEnd's answer (name, version,
+        # the shape it was asked in), handed out by its next PutEnd (``_spare``)
+        self._ahead: dict[str, tuple[str, int, SpareAsk]] = {}
+        self._ticks = 0
         self._waiting = 0  # RPCs blocked on the lock (a step of a long pass lets them in first)
         self._waiting_lock = threading.Lock()
         self.rpc_calls: dict[str, int] = {}  # RPCs served, by method
@@ -450,13 +458,67 @@ class MasterServer:
         self._give_back(req.client_id, req.returns, now)
         out = CodesRep(codes)
         if req.spare is not None and is_service() and not self.state.recovering(now):
-            local = (self._local(req.client_id) if req.spare.config.prefer_alloc_in_same_node
-                     else frozenset())
-            window = self.state.write_window(0.0)
-            got = spares.grant(self.state, req.client_id, req.spare, now, local, window)
-            if got is not None:
-                out.spare = Spare(got[0], got[1], window, self._secret)
+            out.spare = self._spare(req.client_id, req.spare, now)
+        elif self._ahead:
+            self._drop_ahead(req.client_id, now)  # it stopped asking: its next spare goes
         return out
+
+    def _spare(self, client_id: str, ask: SpareAsk, now: float) -> Spare | None:
+        """The spare for ``client_id``'s next put: the one placed for it after its last
+        PutEnd was answered (``_ahead``), handed out as if placed now, else one placed now;
+        and, once this answer is sent, the one after it (``_place_ahead``)."""
+        local = (self._local(client_id) if ask.config.prefer_alloc_in_same_node
+                 else frozenset())
+        window = self.state.write_window(0.0)
+        got = self._take_ahead(client_id, ask, now, window)
+        if got is None:
+            got = spares.grant(self.state, client_id, ask, now, local, window)
+            if got is None:
+                return None
+        after_reply(functools.partial(self._place_ahead, client_id, ask, local, window))
+        return Spare(got[0], got[1], window, self._secret)
+
+    def _take_ahead(self, client_id: str, ask: SpareAsk, now: float, window: float
+                    ) -> tuple[str, KeyResult] | None:
+        """The spare placed ahead for ``client_id``, renewed, if it fits ``ask`` and is still
+        there; one that does not fit is freed."""
+        held = self._ahead.pop(client_id, None)
+        if held is None:
+            return None
+        name, version, shape = held
+        if shape != ask:
+            spares.give_back(self.state, client_id, name, version, False, now)
+            return None
+        got = spares.renew(self.state, client_id, name, version, now, window)
+        return None if got is None else (name, got)
+
+    def _place_ahead(self, client_id: str, ask: SpareAsk, local: frozenset[str],
+                     window: float) -> None:
+        """After a PutEnd's answer: place ``client_id``'s next spare but one, so that its next
+        PutEnd hands one out without placing it (the placement is off the put's path). At
+        most one per client, ``MAX_AHEAD`` in all."""
+        with self.lock:
+            now = self.clock()
+            if (client_id in self._ahead or len(self._ahead) >= MAX_AHEAD
+                    or self.state.recovering(now) or not self.leading()):
+                return
+            got = spares.grant(self.state, client_id, ask, now, local, window)
+            if got is not None:
+                self._ahead[client_id] = (got[0], got[1].version, ask)
+
+    def _drop_ahead(self, client_id: str, now: float) -> None:
+        """Free the spare placed ahead for ``client_id`` (never handed out: never written)."""
+        held = self._ahead.pop(client_id, None)
+        if held is not None:
+            spares.give_back(self.state, client_id, held[0], held[1], False, now)
+
+    def _prune_ahead(self) -> None:
+        """Forget the spares placed ahead that are gone: their client died (an unfinished put
+        of a dead writer goes by the usual rules), their segment went, a new state. Under the
+        lock; the timer's pass, every ``PRUNE_AHEAD_EVERY`` passes."""
+        for cid, (name, version, _) in list(self._ahead.items()):
+            if not spares.unwritten(self.state, cid, name, version):
+                del self._ahead[cid]
 
     def _give_back(self, client_id: str, returns: list[tuple[str, int, bool]],
                    now: float) -> None:
@@ -551,6 +613,9 @@ class MasterServer:
             for cid in st.expire_clients(now, sweep=False):
                 EXPIRED.inc()
                 klog.event("client_expired", client_id=cid)
+            self._ticks += 1
+            if self._ahead and self._ticks % PRUNE_AHEAD_EVERY == 0:
+                self._prune_ahead()
             st.reclaim(now)
             replica_rpc.tick(self.serving)
             st.repairs.expire(now)

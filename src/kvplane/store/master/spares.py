@@ -67,6 +67,26 @@ def grant(state: ObjectTable, client_id: str, ask: SpareAsk, now: float,
     return name, KeyResult(0, obj.replicas_of(state.segments), ask.size, version)
 
 
+def renew(state: ObjectTable, client_id: str, name: str, version: int, now: float,
+          window: float) -> KeyResult | None:
+    """Hand out spare ``name``, placed for ``client_id`` earlier and not yet handed out, as
+    if placed now: its write window and age start afresh (as a PutStart retry's do). None if it
+    is no longer that client's unwritten spare (pre-empted, dropped with its segment, a new
+    master)."""
+    obj = _mine(state, client_id, name, version)
+    if obj is None:
+        return None
+    put = state.cols.puts[obj.row]
+    put.started = now
+    put.window_until = now + state.write_window(window)
+    return KeyResult(0, obj.replicas_of(state.segments), obj.size, version)
+
+
+def unwritten(state: ObjectTable, client_id: str, name: str, version: int) -> bool:
+    """Whether ``name`` is still ``client_id``'s unwritten spare of ``version``."""
+    return _mine(state, client_id, name, version) is not None
+
+
 def _mine(state: ObjectTable, client_id: str, name: str, version: int) -> Row | None:
     """Spare ``name`` if it is still ``client_id``'s unwritten one of ``version``."""
     obj = state.objects.get(name)
