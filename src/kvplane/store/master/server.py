@@ -482,13 +482,13 @@ class MasterServer:
                     ) -> tuple[str, KeyResult] | None:
         """The spare placed ahead for ``client_id``, renewed, if it fits ``ask`` and is still
         there; one that does not fit is freed."""
-        held = self._ahead.pop(client_id, None)
+        held = self._ahead.get(client_id)
         if held is None:
             return None
-        name, version, shape = held
-        if shape != ask:
-            spares.give_back(self.state, client_id, name, version, False, now)
+        if held[2] != ask:
+            self._drop_ahead(client_id, now)
             return None
+        name, version, _ = self._ahead.pop(client_id)
         got = spares.renew(self.state, client_id, name, version, now, window)
         return None if got is None else (name, got)
 

@@ -140,8 +140,11 @@ class Conn:
         frames: list[bytes | memoryview] = [
             protocol.pack_req(protocol.OP_HELLO, hid, 0, len(payload)), payload,
             protocol.pack_req(op, rid, 0, 0)]
-        self._handshake(lambda: protocol.send_all(self.sock, frames), timeout)
-        self._handshake(lambda: self.answer(hid, protocol.MAX_ERROR), timeout)
+
+        def both() -> None:
+            protocol.send_all(self.sock, frames)
+            self.answer(hid, protocol.MAX_ERROR)
+        self._handshake(both, timeout)
         return rid
 
     def _handshake(self, step: Callable[[], object], timeout: float) -> None:
