@@ -227,14 +227,16 @@ def test_after_reply_runs_once_the_answer_is_out_and_only_in_a_server_thread():
     from kvplane.common.rpc import after_reply
     from tests.support.services import wait_until
 
-    received = threading.Event()
+    # one event per call, set by the client once it holds that call's answer (a shared event
+    # cleared between calls raced a server thread that reached its wait after the clear)
+    received = {x: threading.Event() for x in (1, 2, 3)}
     ran: list[int] = []
     srv = RpcServer()
 
     def later(x: int) -> None:
         # waits for the client to have the answer: were it run before the answer went out,
         # the answer would come only after this gave up (and ``ran`` would say so)
-        ran.append(x if received.wait(2) else -x)
+        ran.append(x if received[x].wait(5) else -x)
 
     def handler(r: Req) -> int:
         after_reply(lambda: later(r.x))
@@ -243,13 +245,10 @@ def test_after_reply_runs_once_the_answer_is_out_and_only_in_a_server_thread():
 
     srv.add("later", handler, Req)
     with srv.start(), RpcClient(f"127.0.0.1:{srv.port}") as c:
-        for x in (1, 2):
-            received.clear()
+        for x in (1, 2, 3):  # the second and third answer after the work before them ran
             assert c.call("later", Req(x), int) == x
-            received.set()
-        assert c.call("later", Req(3), int) == 3  # answers after the deferred work ran
-        received.set()
-        wait_until(lambda: len(ran) == 3, 10, "the work after the third answer")
+            received[x].set()
+        wait_until(lambda: len(ran) == 3, 20, "the work after the third answer")
         assert ran == [1, 2, 3]
     after_reply(lambda: ran.append(99))  # not in a server thread: dropped
     assert ran == [1, 2, 3]
