@@ -4,7 +4,8 @@ the batch and slice bookkeeping, where a transport offers the capability.
 Owns :class:`ItemPaths`: per segment, the items a vectored transport (``VectoredIO``) serves
 become one :class:`~kvplane.transfer.jobs.PeerJob` (built a list at a time when every item
 lies in one local and one remote region), run per transport in one call; one item goes
-through a transport's one-item fast path (``OneItemIO``); anything else goes through the
+through a transport's one-item fast path (``OneItemIO``, or ``MappedOneIO`` for a region the
+transport maps: a same-host copy); anything else goes through the
 engine's ``transfer``. Also owns the request and byte counters (one update per kind). Knows
 transports only through the seam and the ``TransportSet``; never imports a transport module.
 """
@@ -59,6 +60,7 @@ class ItemPaths:
         self.transfer = transfer
         self.vectored = router.transports.vectored
         self.one_item = router.transports.one_item
+        self.mapped_one = router.transports.mapped_one
 
     def one(self, op: OpCode, item: ItemLike, deadline: Deadline) -> TransferStatus:
         """One item: the transport's one-item path when it has one, else as :meth:`many`."""
@@ -67,13 +69,19 @@ class ItemPaths:
         if seg is not None and length > 0:
             try:
                 route = Route(seg.desc, seg.region(remote, length), seg.same_host)
-                fast = self.one_item.get(self.router.pick(None, route).name)
-                view = self.memory.view(local, length) if fast is not None else None
+                name = self.router.pick(None, route).name
+                fast = self.one_item.get(name)
+                near = self.mapped_one.get(name) if fast is None else None
+                view = self.memory.view(local, length) if fast or near else None
             except KVPlaneError:
-                fast = view = None
+                fast = near = view = None
+            st: TransferStatus | None = None
             if fast is not None and view is not None:
                 go = fast.read_one if op == OpCode.READ else fast.write_one
                 st = go(seg.peer, view, remote, gen, deadline)
+            elif near is not None and view is not None:  # None: moved nothing, run as a batch
+                st = near.copy_one(op, route, view, remote, gen, deadline)
+            if st is not None:
                 count({(op, st): 1}, {op: length if st == TransferStatus.COMPLETED else 0})
                 return st
         return self.many(op, [item], deadline)[0]

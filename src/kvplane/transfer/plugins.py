@@ -18,6 +18,7 @@ from kvplane.common.registry import Registry
 from kvplane.transfer.seam import (
     Capabilities,
     ControlChannel,
+    MappedOneIO,
     OneItemIO,
     Prunable,
     RegistersMemory,
@@ -78,6 +79,8 @@ class TransportSet:
             n: t for n, t in transports.items() if isinstance(t, VectoredIO)}
         self.one_item: dict[str, OneItemIO] = {
             n: t for n, t in transports.items() if isinstance(t, OneItemIO)}
+        self.mapped_one: dict[str, MappedOneIO] = {
+            n: t for n, t in transports.items() if isinstance(t, MappedOneIO)}
         self.route_one: dict[str, RouteOneIO] = {
             n: t for n, t in transports.items() if isinstance(t, RouteOneIO)}
         self.prunable = [t for t in transports.values() if isinstance(t, Prunable)]

@@ -3,7 +3,8 @@
 Owns the required plugin base (:class:`Transport`: ``can_reach``, ``run``, ``close``), the
 declared properties every transport carries (:class:`Capabilities`), the optional
 capabilities a transport may implement (runtime-checkable protocols: :class:`VectoredIO`,
-:class:`OneItemIO`, :class:`RouteOneIO`, :class:`ControlChannel`, :class:`Prunable`) and the records passed
+:class:`OneItemIO`, :class:`RouteOneIO`, :class:`MappedOneIO`, :class:`ControlChannel`,
+:class:`Prunable`) and the records passed
 across (:class:`Route`, :class:`TransportContext`). The engine discovers the optional ones
 once per transport (``kvplane.transfer.plugins.TransportSet``) and never names a transport.
 
@@ -129,6 +130,21 @@ class OneItemIO(Protocol):
     def write_one(self, peer: Peer, view: memoryview, remote: int, gen: int,
                   deadline: Deadline) -> TransferStatus:
         """Write ``view`` to ``remote``: COMPLETED, FAILED or TIMEOUT."""
+
+
+@runtime_checkable
+class MappedOneIO(Protocol):
+    """One READ or WRITE between local host memory and the route's region, which this
+    transport maps into the process (``copy_one``): a same-host copy with no batch, slice or
+    socket."""
+
+    def copy_one(self, op: OpCode, route: Route, view: memoryview, remote: int, gen: int,
+                 deadline: Deadline) -> TransferStatus | None:
+        """Copy ``len(view)`` bytes between ``view`` and ``remote`` (inside ``route.region``):
+        COMPLETED, or FAILED or TIMEOUT once bytes may have moved. None, having moved nothing,
+        where this transport does not take it this way (a region it copies otherwise, an
+        owner gone, a fence that refuses ``gen``): the engine then runs it as a batch of one,
+        whose failover and errors are the usual ones."""
 
 
 Outcome = tuple[TransferStatus, str]

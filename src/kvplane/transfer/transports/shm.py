@@ -199,6 +199,36 @@ class ShmTransport(Transport):
                 continue
             s.done(TransferStatus.COMPLETED)
 
+    def copy_one(self, op: OpCode, route: Route, view: memoryview, remote: int, gen: int,
+                 deadline: Deadline) -> TransferStatus | None:
+        """One READ or WRITE of a mapped ``shm`` region (``MappedOneIO``), checked as ``run``
+        checks a slice: the owner alive, the fence before and after the copy, the deadline
+        after it when ``gen`` is set. None, with nothing moved, for a CMA region, an owner
+        gone or a fence that refuses ``gen`` (the engine's batch path reports those)."""
+        region = route.region
+        if region.kind != "shm":
+            return None
+        if deadline.expired():
+            return TransferStatus.TIMEOUT
+        try:
+            arr = self._mapped(region, route.segment.pid)
+        except (OSError, ValueError):
+            return None
+        if region.fenced and not _admitted(arr, gen):
+            return None
+        off = remote - region.addr
+        far = arr[off:off + len(view)]
+        near = np.frombuffer(view, dtype=np.uint8)
+        if op == OpCode.WRITE:
+            np.copyto(far, near)
+        else:
+            np.copyto(near, far)
+        if region.fenced and not _admitted(arr, gen):
+            return TransferStatus.FAILED
+        if gen and deadline.expired():  # finished past the allocation's window
+            return TransferStatus.TIMEOUT
+        return TransferStatus.COMPLETED
+
     def forget(self, shm_name: str) -> None:
         """Drop a cached mapping (the owner freed or re-created it)."""
         with self._lock:
