@@ -80,6 +80,15 @@ def test_store_scale_cpu_cold_and_bytes_smoke():
         floor = next(x for x in raw if (x["side"], x["op"], x["segments"]) == (f, op, n))
         mine = next(x for x in cold if (x["op"], x["segments"]) == (op, n))
         assert r["ratio"] == pytest.approx(floor["median"] / mine["median"])
+    # kvplane with its default same-host protocol copies the segment's shared memory; the
+    # kvplane side beside it stays on TCP (as Mooncake's)
+    got = _scale("cold", *common, "--keys", "20", "--segments", "1", "--sides",
+                 "kvplane,kvplane-shm")
+    mapped = {(r["side"], r["op"]): r["shm_mapped"] for r in got if "ratio_of" not in r}
+    assert set(mapped) == {(s, op) for s in ("kvplane", "kvplane-shm")
+                           for op in ("cold", "coldx", "put")}
+    assert all(mapped["kvplane-shm", op] >= 1 and mapped["kvplane", op] == 0
+               for op in ("cold", "coldx", "put"))
     got = _scale("bytes", *common, "--size", "256KiB", "--working-set", "4MiB")
     assert {r["op"] for r in got} == {"getb", "getinto"}
     assert all(r["working_set"] == 4 << 20 and r["gb_s"] > 0 for r in got)

@@ -13,7 +13,10 @@ of its rounds. Each row carries the host's load average and CPU steal over its w
   rate on both sides (``--rate`` per client), so both masters see the same load.
 * ``cold``: single 4 KiB ``get_into`` of keys this client never read (another process put
   them), the same preceded by an ``is_exist`` of the key (``coldx``, both timed), and single
-  puts: per-call latency, with 1 or more segment processes (``--segments 1,64``).
+  puts: per-call latency, with 1 or more segment processes (``--segments 1,64``). Both
+  stores' sides run over TCP; side ``kvplane-shm`` (default in ``cold``) is kvplane with its
+  default protocol (``auto``), which copies a same-host segment's shared memory directly
+  (Mooncake 0.3.13's store offers tcp, rdma and device protocols, none of them that).
   Sides ``raw`` and ``raw-c`` (default in ``cold``) are the floor: the same cells as two bare
   TCP round trips between Python processes, and between C processes
   (:mod:`kvplane.bench.raw_rtt`).
@@ -100,13 +103,16 @@ def process_cpu(pid: int) -> float:
 class Clients:
     """``n`` load workers of one side, started and preloaded; :meth:`go` runs their phase."""
 
-    def __init__(self, py: str, impl: str, master: str, metadata: str, op: str, n: int,
-                 opt: Options, env: dict[str, str], prefix: str | None = None) -> None:
+    def __init__(self, side: Side, op: str, n: int, opt: Options,
+                 prefix: str | None = None) -> None:
         self.procs: list[subprocess.Popen[str]] = []
-        full = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2", **env)
+        full = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="2",
+                    **side.env)
+        impl = side.impl
         try:
             for i in range(n):
-                cmd = [py, LOOP, "--impl", impl, "--master", master, "--metadata", metadata,
+                cmd = [side.py, LOOP, "--impl", impl, "--master", side.master, "--metadata",
+                       side.metadata, "--protocol", side.protocol,
                        "--op", op, "--size", str(opt.size), "--keys", str(opt.keys),
                        "--duration", str(opt.duration), "--rate", str(opt.rate),
                        "--prefix", prefix or f"{impl}-{op}-{i}-{os.getpid()}",
@@ -168,6 +174,7 @@ class Side:
     metadata: str
     master_pid: int
     env: dict[str, str]
+    protocol: str = "tcp"  # the transfer protocol its segments and clients set up with
 
 
 def start_side(svc: Services, name: str, opt: Options, mc_python: str | None,
@@ -188,28 +195,32 @@ def start_side(svc: Services, name: str, opt: Options, mc_python: str | None,
            **opt.env}
     if name == "before":  # another kvplane tree (``--before``): its master, segments, clients
         env["PYTHONPATH"] = os.pathsep.join([opt.before, os.getcwd()])
+    # kvplane-shm: the same-host protocol kvplane picks by default (auto: a segment's shared
+    # memory copied directly, no segment process woken); the others TCP, as Mooncake's
+    protocol = "auto" if name == "kvplane-shm" else "tcp"
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the master and segment processes inherit it
     try:
-        master = start_kvplane(svc, True, opt.segment_mb, protocol="tcp")
+        master = start_kvplane(svc, True, opt.segment_mb, protocol=protocol)
         for _ in range(segments - 1):
-            _kvplane_segment(svc, master, opt.extra_segment_mb)
+            _kvplane_segment(svc, master, opt.extra_segment_mb, protocol)
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return Side(name, sys.executable, "kvplane", master, "P2PHANDSHAKE", svc.procs[0].pid, env)
+    return Side(name, sys.executable, "kvplane", master, "P2PHANDSHAKE", svc.procs[0].pid, env,
+                protocol)
 
 
-def _kvplane_segment(svc: Services, master: str, mb: int) -> None:
+def _kvplane_segment(svc: Services, master: str, mb: int, protocol: str = "tcp") -> None:
     """One more ``kvplane segment`` process of ``mb`` MiB, ready when it returns."""
     from kvplane.common.procs import wait_until
 
     ready = os.path.join(svc.tmp, f"seg{len(svc.procs)}.json")
     p = subprocess.Popen([sys.executable, "-m", "kvplane.cli.main", "segment", "--master", master,
-                          "--size", f"{mb}MiB", "--ready-file", ready, "--protocol", "tcp"],
+                          "--size", f"{mb}MiB", "--ready-file", ready, "--protocol", protocol],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          stdin=subprocess.DEVNULL)
     svc.procs.append(p)
@@ -232,8 +243,7 @@ def _mooncake_segment(svc: Services, pkg: str, master: str, url: str, mb: int) -
 
 def measure_cpu(side: Side, op: str, opt: Options) -> dict[str, Any]:
     """One ``cpu`` cell: the master's CPU time over the clients' measured phase."""
-    clients = Clients(side.py, side.impl, side.master, side.metadata, op, opt.clients, opt,
-                      side.env)
+    clients = Clients(side, op, opt.clients, opt)
     try:
         host0 = host_sample()
         cpu0 = cpu_seconds(side.master_pid)
@@ -306,8 +316,7 @@ def ratios(kind: str, rows: list[dict]) -> list[dict]:
 
 def _phase(side: Side, op: str, opt: Options, prefix: str | None = None) -> dict[str, Any]:
     """One client process running ``op`` once: its per-call latencies and rate."""
-    clients = Clients(side.py, side.impl, side.master, side.metadata, op, 1, opt, side.env,
-                      prefix)
+    clients = Clients(side, op, 1, opt, prefix)
     try:
         host0 = host_sample()
         got = clients.go(opt.duration * 4 + 120)[0]
@@ -316,6 +325,7 @@ def _phase(side: Side, op: str, opt: Options, prefix: str | None = None) -> dict
         clients.close()
     lat = sorted(got["lat"])
     return {"side": side.name, "op": op, "calls": got["calls"], "ops": got["ops"],
+            "shm_mapped": got.get("shm_mapped", 0),
             "ops_s": got["ops"] / got["elapsed"] if got["elapsed"] else float("nan"),
             "p50_us": lat[len(lat) // 2] / 1e3 if lat else float("nan"),
             "mean_us": sum(lat) / len(lat) / 1e3 if lat else float("nan"),
@@ -327,8 +337,7 @@ def measure_cold(side: Side, opt: Options, segments: int) -> list[dict[str, Any]
     read them: ``cold``; the same after an ``is_exist`` of the key, timed together:
     ``coldx``) and single puts."""
     prefix = f"cold-{side.name}-{os.getpid()}-{time.monotonic_ns()}"
-    fill = Clients(side.py, side.impl, side.master, side.metadata, "fill", 1, opt, side.env,
-                   prefix)
+    fill = Clients(side, "fill", 1, opt, prefix)
     try:
         fill.go(600)
         rows = [_phase(side, op, opt, prefix) for op in ("cold", "coldx")]  # fresh readers
@@ -437,9 +446,11 @@ def cli(kind: str, argv: list[str] | None = None) -> int:
 
     d = DEFAULTS[kind]
     ap = argparse.ArgumentParser(prog=f"store_scale.py {kind}", description=__doc__)
-    ap.add_argument("--sides", default=",".join(SIDES + (FLOORS if kind == "cold" else ())),
-                    help="kvplane, mooncake" + (", raw and raw-c (bare round trips in Python and "
-                                                "in C: the floor)" if kind == "cold" else ""))
+    ap.add_argument("--sides", default=",".join(SIDES + (("kvplane-shm", *FLOORS) if kind == "cold"
+                                                     else ())),
+                    help="kvplane, mooncake (both over TCP), kvplane-shm (kvplane's default "
+                         "same-host protocol: shared memory)" + (", raw and raw-c (bare round "
+                         "trips in Python and in C: the floor)" if kind == "cold" else ""))
     ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds (median)")
     ap.add_argument("--duration", type=float, default=d["duration"], help="seconds per phase")
     ap.add_argument("--size", default=str(d["size"]), help="value size (e.g. 4KiB, 1MiB)")

@@ -39,7 +39,7 @@ def _store(impl: str, a: argparse.Namespace) -> Any:
     else:
         from kvplane.compat.mooncake import MooncakeDistributedStore
     st = MooncakeDistributedStore()
-    rc = st.setup("127.0.0.1", a.metadata, 0, a.local_buffer_mb << 20, "tcp", "", a.master)
+    rc = st.setup("127.0.0.1", a.metadata, 0, a.local_buffer_mb << 20, a.protocol, "", a.master)
     if rc != 0:
         raise RuntimeError(f"setup rc={rc}")
     return st
@@ -168,7 +168,14 @@ class Load:
         if ok and calls and a.op in ("get", "getinto", "bget32", "cold", "coldx"):  # as put
             ok = bool(np.array_equal(self.rx[:a.size], self.tx[:a.size]))
             err = "" if ok else "wrong bytes"
-        return {"ops": ops, "calls": calls, "elapsed": el, "lat": lat, "ok": ok, "error": err}
+        return {"ops": ops, "calls": calls, "elapsed": el, "lat": lat, "ok": ok, "error": err,
+                "shm_mapped": self._mapped()}
+
+    def _mapped(self) -> int:
+        """kvplane: segments whose shared memory this client maps (0 over TCP)."""
+        engine = getattr(getattr(getattr(self.st, "_c", None), "context", None), "engine", None)
+        shm = engine.transports.get("shm") if engine is not None else None
+        return len(shm.mapped()) if shm is not None else 0
 
     def close(self) -> None:
         for group in ([] if self.a.op in ("cold", "coldx") else self.keys, self.put_keys):
@@ -182,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impl", choices=["kvplane", "mooncake"], required=True)
     ap.add_argument("--master", required=True)
     ap.add_argument("--metadata", default="P2PHANDSHAKE")
+    ap.add_argument("--protocol", default="tcp", help="transfer protocol of setup()")
     ap.add_argument("--op", required=True)
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--keys", type=int, default=1024)
