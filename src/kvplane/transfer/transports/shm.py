@@ -173,18 +173,13 @@ class ShmTransport(Transport):
                 if region.kind == "shm":
                     if arr is None:  # one liveness check per run, not per slice
                         arr = self._mapped(region, route.segment.pid)
-                    off = s.remote - region.addr
-                    remote = arr[off:off + s.length]
-                    local = np.frombuffer(s.local, dtype=np.uint8)
-                    if region.fenced and not _admitted(arr, s.task.req.gen):
+                    done = _copy_fenced(arr, region, s.op, s.remote, s.length, s.local,
+                                        s.task.req.gen)
+                    if done == _REFUSED:
                         s.done(TransferStatus.FAILED, "fenced: the segment serves another "
                                "master epoch or a newer mount")
                         continue
-                    if s.op == OpCode.WRITE:
-                        np.copyto(remote, local)
-                    else:
-                        np.copyto(local, remote)
-                    if region.fenced and not _admitted(arr, s.task.req.gen):
+                    if done == _FENCED:
                         s.done(TransferStatus.FAILED, "fenced during the copy")
                         continue
                 else:
@@ -213,16 +208,10 @@ class ShmTransport(Transport):
             arr = self._mapped(region, route.segment.pid)
         except (OSError, ValueError):
             return None
-        if region.fenced and not _admitted(arr, gen):
+        done = _copy_fenced(arr, region, op, remote, len(view), view, gen)
+        if done == _REFUSED:
             return None
-        off = remote - region.addr
-        far = arr[off:off + len(view)]
-        near = np.frombuffer(view, dtype=np.uint8)
-        if op == OpCode.WRITE:
-            np.copyto(far, near)
-        else:
-            np.copyto(near, far)
-        if region.fenced and not _admitted(arr, gen):
+        if done == _FENCED:
             return TransferStatus.FAILED
         if gen and deadline.expired():  # finished past the allocation's window
             return TransferStatus.TIMEOUT
@@ -253,6 +242,28 @@ class ShmTransport(Transport):
             names = list(self._maps)
         for n in names:
             self.forget(n)
+
+
+_REFUSED, _FENCED, _COPIED = 0, 1, 2  # how _copy_fenced ended
+
+
+def _copy_fenced(arr: np.ndarray, region: RegionDesc, op: OpCode, remote: int, length: int,
+                 local: memoryview, gen: int) -> int:
+    """Copy ``length`` bytes between ``local`` and ``remote`` in the mapped ``region``
+    (``arr``) under its fence: ``_REFUSED`` (the fence refuses ``gen``: nothing moved),
+    ``_FENCED`` (it refused ``gen`` once the copy was done) or ``_COPIED``."""
+    if region.fenced and not _admitted(arr, gen):
+        return _REFUSED
+    off = remote - region.addr
+    far = arr[off:off + length]
+    near = np.frombuffer(local, dtype=np.uint8)
+    if op == OpCode.WRITE:
+        np.copyto(far, near)
+    else:
+        np.copyto(near, far)
+    if region.fenced and not _admitted(arr, gen):
+        return _FENCED
+    return _COPIED
 
 
 def _admitted(arr: np.ndarray, gen: int) -> bool:
